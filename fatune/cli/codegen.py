@@ -1,0 +1,54 @@
+"""`fatune codegen`: show exactly the Triton source that will run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fatune import codegen as generator
+from fatune.cli.options import kernel_spec_options, launch_config_options
+from fatune.heuristics import default_config
+from fatune.spec import KernelSpec, LaunchConfig
+
+
+def _arch(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(part) for part in value.split("."))
+    except ValueError:
+        raise click.BadParameter(f"expected MAJOR.MINOR such as 9.0, got {value!r}") from None
+    return major, minor
+
+
+@click.command()
+@kernel_spec_options
+@launch_config_options
+@click.option("--kernel", type=click.Choice(["fwd", "bwd", "all"]), default="all", show_default=True,
+              help="Which generated module to show.")
+@click.option("--arch", default="9.0", show_default=True, callback=_arch,
+              help="Compute capability whose heuristic config fills unset --fwd/--dkdv/--dq.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
+              help="Write attn_fwd.py / attn_bwd.py into this folder instead of printing.")
+def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
+            fwd_config: LaunchConfig | None, dkdv_config: LaunchConfig | None, dq_config: LaunchConfig | None,
+            kernel: str, arch: tuple[int, int], output: Path | None) -> None:
+    """Print (or write) the generated Triton source for one kernel spec and launch config.
+
+    Example:
+
+        fatune codegen --head-dim 64 --dtype bf16 --causal --fwd 128x64/w4/s3
+    """
+    spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
+    config = default_config(spec, arch)
+    overrides = {"fwd": fwd_config, "dkdv": dkdv_config, "dq": dq_config}
+    config = config.replace(**{name: value for name, value in overrides.items() if value is not None})
+    kinds = ["fwd", "bwd"] if kernel == "all" else [kernel]
+    for kind in kinds:
+        source = generator.render(kind, spec, config)
+        if output is None:
+            click.echo(source, nl=False)
+        else:
+            output.mkdir(parents=True, exist_ok=True)
+            path = output / f"attn_{kind}.py"
+            path.write_text(source)
+            click.echo(f"wrote {path}")

@@ -1,0 +1,17 @@
+"""The `fatune` command group; each subcommand lives in its own module."""
+
+from __future__ import annotations
+
+import click
+
+from fatune import __version__
+from fatune.cli.codegen import codegen
+
+
+@click.group()
+@click.version_option(__version__, prog_name="fatune")
+def cli() -> None:
+    """fatune: generated, autotuned FlashAttention kernels for PyTorch on NVIDIA GPUs."""
+
+
+cli.add_command(codegen)

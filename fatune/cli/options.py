@@ -1,0 +1,44 @@
+"""Option groups shared by several commands."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+from fatune.spec import LaunchConfig, dtype_name
+
+
+def _dtype(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return dtype_name(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+def _launch_config(ctx: click.Context, param: click.Parameter, value: str | None) -> LaunchConfig | None:
+    if value is None:
+        return None
+    try:
+        return LaunchConfig.parse(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+def kernel_spec_options(fn: Callable) -> Callable:
+    """--head-dim, --head-dim-v, --dtype, --causal: what the kernel computes."""
+    fn = click.option("--causal/--no-causal", default=False, show_default=True, help="Causal mask (top-left aligned).")(fn)
+    fn = click.option("--dtype", default="bf16", show_default=True, callback=_dtype,
+                      help="fp16, bf16 or fp32.")(fn)
+    fn = click.option("--head-dim-v", type=click.IntRange(0, 256), default=0,
+                      help="Head dim of value/output (default: same as --head-dim).")(fn)
+    fn = click.option("--head-dim", type=click.IntRange(1, 256), required=True, help="Head dim of query/key.")(fn)
+    return fn
+
+
+def launch_config_options(fn: Callable) -> Callable:
+    """--fwd, --dkdv, --dq: per-kernel launch configs as BLOCK_MxBLOCK_N/wWARPS/sSTAGES."""
+    for kernel in ("dq", "dkdv", "fwd"):
+        fn = click.option(f"--{kernel}", f"{kernel}_config", callback=_launch_config, metavar="MxN/wW/sS",
+                          help=f"Launch config of the {kernel} kernel, e.g. 128x64/w4/s3 (default: heuristic).")(fn)
+    return fn

@@ -1,0 +1,173 @@
+"""Render the Jinja2 templates into Triton source, cache it on disk and import it.
+
+Flow: (KernelSpec, AttentionConfig) -> options dict -> template -> source file in the
+cache directory -> imported module exposing `launch*` functions. The file name is a
+hash of the template text, the parameters and the Triton version, so a changed
+template or a Triton upgrade never reuses stale code; within one process each module
+is imported once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import jinja2
+import triton
+
+from fatune.spec import AttentionConfig, KernelSpec
+
+Kind = Literal["fwd", "bwd"]
+TEMPLATE_FILES: dict[str, str] = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja"}
+CACHE_ENV = "FATUNE_CACHE_DIR"
+
+_TITLES = {
+    "fwd": "FlashAttention forward: O = softmax(Q K^T * sm_scale) V and the per-row LSE.",
+    "bwd": "FlashAttention backward: Delta = rowsum(dO * O), then dK/dV and dQ, P recomputed tile by tile.",
+}
+
+
+def template_dir() -> Path:
+    """The templates folder: packaged as fatune/templates in a wheel, ./templates in a checkout."""
+    packaged = Path(__file__).resolve().parent / "templates"
+    if packaged.is_dir():
+        return packaged
+    checkout = Path(__file__).resolve().parent.parent / "templates"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError(f"fatune templates not found in {packaged} or {checkout}")
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["pyrepr"] = repr
+    return env
+
+
+@functools.lru_cache(maxsize=1)
+def template_hash() -> str:
+    """Hash of every template's text: changes whenever any generated code could change."""
+    digest = hashlib.sha256()
+    for path in sorted(template_dir().glob("*.jinja")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
+    """The one options dict a template renders from: constexpr constants, launch params, switches."""
+    constants = spec.options()
+    if kind == "fwd":
+        constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
+        launch_params = {"NUM_WARPS": config.fwd.num_warps, "NUM_STAGES": config.fwd.num_stages}
+        used = {"fwd": config.fwd.to_dict()}
+    else:
+        constants.update(
+            DKDV_BLOCK_M=config.dkdv.block_m,
+            DKDV_BLOCK_N=config.dkdv.block_n,
+            DQ_BLOCK_M=config.dq.block_m,
+            DQ_BLOCK_N=config.dq.block_n,
+        )
+        launch_params = {
+            "DKDV_NUM_WARPS": config.dkdv.num_warps,
+            "DKDV_NUM_STAGES": config.dkdv.num_stages,
+            "DQ_NUM_WARPS": config.dq.num_warps,
+            "DQ_NUM_STAGES": config.dq.num_stages,
+        }
+        used = {"dkdv": config.dkdv.to_dict(), "dq": config.dq.to_dict()}
+    return {
+        "template_name": TEMPLATE_FILES[kind],
+        "title": _TITLES[kind],
+        "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
+        "config_json": json.dumps(used, sort_keys=True),
+        "constants": constants,
+        "launch_params": launch_params,
+        **spec.switches(),
+    }
+
+
+def render(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> str:
+    """Triton source of the forward ('fwd') or backward ('bwd') kernels for one spec and config."""
+    if kind not in TEMPLATE_FILES:
+        raise ValueError(f"kind: expected one of {sorted(TEMPLATE_FILES)}, got {kind!r}")
+    return _environment().get_template(TEMPLATE_FILES[kind]).render(template_options(kind, spec, config))
+
+
+def cache_dir() -> Path:
+    """Where rendered sources go: $FATUNE_CACHE_DIR, else the user's cache dir."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fatune" / "kernels"
+
+
+def source_key(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> str:
+    """Cache key: template text + parameters + Triton version."""
+    options = template_options(kind, spec, config)
+    payload = json.dumps(
+        {"templates": template_hash(), "kind": kind, "options": options, "triton": triton.__version__},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def source_path(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> Path:
+    """The cache file that holds (or will hold) this kernel's source."""
+    return cache_dir() / f"attn_{kind}_{source_key(kind, spec, config)}.py"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+_modules: dict[tuple[str, bool], ModuleType] = {}
+_lock = threading.Lock()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def load(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> ModuleType:
+    """Import the generated module for (kind, spec, config), rendering it into the cache if needed."""
+    path = source_path(kind, spec, config)
+    memo_key = (str(path), _interpreting())  # interpreted and compiled kernels are different objects
+    module = _modules.get(memo_key)
+    if module is not None:
+        return module
+    with _lock:
+        module = _modules.get(memo_key)
+        if module is None:
+            source = render(kind, spec, config)
+            if not path.exists() or path.read_text() != source:
+                _write_atomically(path, source)
+            name = f"fatune_generated.{path.stem}{'_interp' if memo_key[1] else ''}"
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            module_spec.loader.exec_module(module)
+            _modules[memo_key] = module
+    return module

@@ -1,0 +1,66 @@
+"""Built-in launch configs: the last layer of config choice, used when no tuned entry exists.
+
+Chosen per GPU architecture, head dim and dtype. The Hopper tiles are ones that compile for
+sm_90 without register spills (checked offline with `fatune.offline`) and measured well on
+an H200 (BENCHMARKS.md); other architectures get conservative tiles that fit their shared memory.
+"""
+
+from __future__ import annotations
+
+from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig, lanes
+
+Arch = tuple[int, int]
+
+
+def _hopper(block_d: int, dtype: str) -> AttentionConfig:
+    wide = dtype == "float32"  # fp32 tiles take twice the shared memory and registers
+    if block_d <= 64 and not wide:
+        return AttentionConfig(
+            fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3),
+            dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3),
+            dq=LaunchConfig(128, 32, num_warps=4, num_stages=3),
+        )
+    if block_d <= 128 and not wide:
+        return AttentionConfig(
+            fwd=LaunchConfig(128, 64, num_warps=8, num_stages=2),
+            dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=2),
+            dq=LaunchConfig(128, 32, num_warps=8, num_stages=2),
+        )
+    return AttentionConfig(
+        fwd=LaunchConfig(64, 32, num_warps=4, num_stages=1),
+        dkdv=LaunchConfig(16, 64, num_warps=4, num_stages=1),
+        dq=LaunchConfig(64, 16, num_warps=4, num_stages=1),
+    )
+
+
+def _generic(block_d: int) -> AttentionConfig:
+    if block_d <= 64:
+        return AttentionConfig(
+            fwd=LaunchConfig(64, 64, num_warps=4, num_stages=2),
+            dkdv=LaunchConfig(32, 64, num_warps=4, num_stages=2),
+            dq=LaunchConfig(64, 32, num_warps=4, num_stages=2),
+        )
+    return AttentionConfig(
+        fwd=LaunchConfig(64, 32, num_warps=4, num_stages=1),
+        dkdv=LaunchConfig(16, 64, num_warps=4, num_stages=1),
+        dq=LaunchConfig(64, 16, num_warps=4, num_stages=1),
+    )
+
+
+# The Triton interpreter runs tiles as numpy arrays: mid-sized, unequal tiles keep it quick
+# and still exercise several loop iterations and ragged ends on small test shapes.
+INTERPRETER_CONFIG = AttentionConfig(
+    fwd=LaunchConfig(32, 16, num_warps=4, num_stages=1),
+    dkdv=LaunchConfig(16, 32, num_warps=4, num_stages=1),
+    dq=LaunchConfig(32, 16, num_warps=4, num_stages=1),
+)
+
+
+def default_config(spec: KernelSpec, arch: Arch | None) -> AttentionConfig:
+    """Heuristic config for `spec` on a GPU of compute capability `arch` (None: interpreter)."""
+    if arch is None:
+        return INTERPRETER_CONFIG
+    block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
+    if arch[0] >= 9:
+        return _hopper(block_d, spec.dtype)
+    return _generic(block_d if spec.dtype != "float32" else 2 * block_d)

@@ -1,0 +1,96 @@
+"""Compile generated kernels for a GPU target without a GPU, and read their resource use.
+
+Triton ships ptxas and cuobjdump, so a kernel can be lowered all the way to a cubin on
+any machine. That checks that the generated source really compiles (CI has no GPU) and
+tells, before any launch, how much shared memory a config takes and whether it spills
+registers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fatune import codegen
+from fatune.spec import AttentionConfig, KernelSpec
+
+_POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+_FLOAT_POINTERS = {"LSE", "DELTA"}
+_TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq")}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """Resource use of one kernel compiled for one target."""
+
+    shared_bytes: int
+    registers: int
+    spill_bytes: int  # local-memory stack frame; > 0 means registers spilled
+    uses_wgmma: bool
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_bytes > 0
+
+
+def _signature(fn, dtype: str) -> tuple[dict, dict, dict]:
+    """Argument types as a contiguous-layout launch specialises them (16-aligned, unit head-dim stride)."""
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int], list] = {}
+    constexprs: dict[str, int] = {}
+    for index, name in enumerate(fn.arg_names):
+        if name in _POINTERS or name in _FLOAT_POINTERS:
+            signature[name] = "*" + (_TRITON_TYPES[dtype] if name in _POINTERS else "fp32")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name == "sm_scale":
+            signature[name] = "fp32"
+        elif name.startswith("stride") and name.endswith("d"):
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        elif name.startswith("stride") or name in ("L_Q", "L_K"):
+            signature[name] = "i32"
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+    return signature, attrs, constexprs
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0)) -> CompiledKernel:
+    """Compile `kernel` ('fwd', 'dkdv' or 'dq') for CUDA compute capability `arch`; raises on failure."""
+    if kernel not in _KERNEL_FUNCTIONS:
+        raise ValueError(f"kernel: expected one of {sorted(_KERNEL_FUNCTIONS)}, got {kernel!r}")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_kernel needs compiled (not interpreted) kernels: unset TRITON_INTERPRET")
+    module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
+    fn = getattr(codegen.load(module_kind, spec, config), function_name)
+    launch = getattr(config, kernel)
+    signature, attrs, constexprs = _signature(fn, spec.dtype)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
+    compiled = triton.compile(source, target=target,
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    registers = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return CompiledKernel(
+        shared_bytes=int(compiled.metadata.shared),
+        registers=int(registers.group(1)) if registers else 0,
+        spill_bytes=int(stack.group(1)) if stack else 0,
+        uses_wgmma="wgmma.mma_async" in compiled.asm["ptx"],
+    )

@@ -1,0 +1,41 @@
+"""Test setup: the Triton interpreter on machines without a GPU, a private kernel cache, poisoning."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    # Must be set before any generated module is imported: @triton.jit reads it at decoration.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("FATUNE_CACHE_DIR", tempfile.mkdtemp(prefix="fatune-test-cache-"))
+
+DEVICE = "cuda" if HAS_GPU else "cpu"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every buffer fatune allocates for a kernel starts as NaN, so an unwritten element fails."""
+    import fatune.flash_attention as flash
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(flash, "_new_tensor", poisoned)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests import gpu_report
+
+    gpu_report.write()

@@ -1,0 +1,129 @@
+"""Templates render to valid Triton source for every variant, compile for sm_90, and are cached."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fatune import codegen
+from fatune.heuristics import default_config
+from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig
+
+SPECS = [
+    KernelSpec(dtype, head_dim, head_dim_v, causal)
+    for dtype, (head_dim, head_dim_v), causal in itertools.product(
+        ["float16", "bfloat16", "float32"], [(16, 16), (64, 64), (128, 128), (40, 24), (256, 256)], [False, True]
+    )
+]
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.dtype}-d{s.head_dim}-dv{s.head_dim_v}-{s.mask_variant}")
+def test_every_variant_renders_valid_python(kind, spec):
+    source = codegen.render(kind, spec, default_config(spec, (9, 0)))
+    tree = ast.parse(source)
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    expected = {"fwd": {"attn_fwd", "launch"}, "bwd": {"attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "launch"}}
+    assert expected[kind] <= functions
+    # a kernel without a mask carries no mask code
+    assert ("causal_offset <" in source or "rows + causal_offset" in source) == spec.causal
+    assert ("HEAD_DIM)" in source) == (spec.head_dim not in (16, 32, 64, 128, 256))
+
+
+def test_source_reads_like_the_algorithm():
+    spec = KernelSpec("bfloat16", 64, causal=True)
+    source = codegen.render("fwd", spec, default_config(spec, (9, 0)))
+    for step in ("m_new = tl.maximum(m_i, tl.max(s, 1))", "alpha = tl.math.exp2(m_i - m_new)",
+                 "l_i = l_i * alpha + tl.sum(p, 1)", "acc = acc * alpha[:, None]", "BLOCK_M = tl.constexpr(128)"):
+        assert step in source
+
+
+# Compiling to a cubin needs Triton's compiler (not the interpreter) but no GPU: run it in a
+# child process without TRITON_INTERPRET, a few variants per run to keep CI quick.
+COMPILE_CASES = [
+    ("fwd", KernelSpec("bfloat16", 64, causal=True)),
+    ("dkdv", KernelSpec("bfloat16", 128, causal=True)),
+    ("dq", KernelSpec("float16", 64, causal=False)),
+    ("fwd", KernelSpec("float16", 40, 24, causal=False)),
+    ("dkdv", KernelSpec("float32", 32, causal=False)),
+]
+
+
+def test_variants_compile_for_sm90(tmp_path):
+    script = (
+        "import sys\n"
+        "from fatune import offline\n"
+        "from fatune.heuristics import default_config\n"
+        "from fatune.spec import KernelSpec\n"
+        f"for kernel, args in {[(kernel, (s.dtype, s.head_dim, s.head_dim_v, s.causal)) for kernel, s in COMPILE_CASES]!r}:\n"
+        "    spec = KernelSpec(*args)\n"
+        "    info = offline.compile_kernel(kernel, spec, default_config(spec, (9, 0)))\n"
+        "    assert info.shared_bytes > 0, info\n"
+        "    assert info.uses_wgmma == (spec.dtype != 'float32'), (kernel, spec, info)\n"
+        "    print(kernel, spec.dtype, spec.head_dim, info)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FATUNE_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(result.stdout.strip().splitlines()) == len(COMPILE_CASES)
+
+
+def test_cache_key_and_reuse(tmp_path, monkeypatch):
+    monkeypatch.setenv(codegen.CACHE_ENV, str(tmp_path))
+    spec = KernelSpec("float16", 32)
+    config = default_config(spec, None)
+    first = codegen.load("fwd", spec, config)
+    assert codegen.load("fwd", spec, config) is first, "same spec in one process must be imported once"
+    path = codegen.source_path("fwd", spec, config)
+    assert path.parent == tmp_path and path.read_text() == codegen.render("fwd", spec, config)
+    other = config.replace(fwd=LaunchConfig(64, 32))
+    assert codegen.source_path("fwd", spec, other) != path
+    assert codegen.source_path("fwd", KernelSpec("float16", 32, causal=True), config) != path
+    # a different backward config leaves the forward source (and its cache file) alone
+    assert codegen.source_path("fwd", spec, config.replace(dq=LaunchConfig(16, 16))) == path
+
+
+def test_cache_key_follows_template_text(tmp_path, monkeypatch):
+    spec = KernelSpec("float16", 32)
+    config = default_config(spec, None)
+    before = codegen.source_key("fwd", spec, config)
+    templates = tmp_path / "templates"
+    shutil.copytree(codegen.template_dir(), templates)
+    (templates / "attn_fwd.py.jinja").write_text((templates / "attn_fwd.py.jinja").read_text() + "\n# changed\n")
+    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
+    codegen.template_hash.cache_clear()
+    codegen._environment.cache_clear()
+    try:
+        assert codegen.source_key("fwd", spec, config) != before
+    finally:
+        codegen.template_hash.cache_clear()
+        codegen._environment.cache_clear()
+
+
+def test_config_round_trip():
+    config = AttentionConfig(LaunchConfig(128, 64, 8, 3), LaunchConfig(32, 128, 4, 2), LaunchConfig(64, 32, 4, 1))
+    assert AttentionConfig.from_dict(config.to_dict()) == config
+    assert LaunchConfig.parse(str(config.fwd)) == config.fwd
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (lambda: LaunchConfig(100, 64), "block_m"),
+        (lambda: LaunchConfig(64, 64, num_warps=3), "num_warps"),
+        (lambda: LaunchConfig.parse("64by64"), "config"),
+        (lambda: KernelSpec("int8", 64), "dtype"),
+        (lambda: KernelSpec("float16", 300), "head_dim"),
+    ],
+)
+def test_bad_parameters_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        bad()

@@ -1,0 +1,190 @@
+"""fatune.attention forward and gradients against a float64 golden (accuracy rule in reference.py).
+
+CPU cases run the real generated kernels in Triton's interpreter; `gpu` cases run them
+compiled on a CUDA GPU, in bf16 and fp16, at larger sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fatune
+from fatune import AttentionConfig, LaunchConfig
+from tests.conftest import DEVICE
+from tests.reference import random_qkv, run_and_compare
+
+
+def fatune_fn(config=None, enable_gqa=False):
+    def call(q, k, v, causal, scale):
+        return fatune.attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=enable_gqa, config=config)
+
+    return call
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v)
+CPU_SHAPES = [
+    (1, 2, 2, 1, 1, 16, 16),
+    (2, 3, 3, 17, 17, 32, 32),
+    (1, 2, 2, 100, 257, 64, 64),
+    (1, 1, 1, 257, 100, 16, 16),
+    (1, 2, 2, 33, 129, 128, 128),
+    (2, 1, 1, 64, 64, 64, 64),
+]
+CPU_DTYPES = [torch.float16, torch.float32]  # the interpreter's tl.dot on bf16 is unreliable: bf16 runs on GPU
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(shape, dtype, causal, poison_outputs):
+    torch.manual_seed(hash((shape, str(dtype), causal)) % 2**31)
+    q, k, v = random_qkv(*shape, dtype=dtype, device=DEVICE)
+    run_and_compare(fatune_fn(), q, k, v, causal=causal)
+
+
+# Tile shapes the interpreter default does not use: BLOCK_M < BLOCK_N in the forward,
+# BLOCK_M > BLOCK_N in dK/dV, square dQ tiles, so every loop-bound formula is exercised.
+OTHER_CONFIGS = [
+    AttentionConfig(fwd=LaunchConfig(16, 64), dkdv=LaunchConfig(64, 16), dq=LaunchConfig(32, 32)),
+    AttentionConfig(fwd=LaunchConfig(64, 64), dkdv=LaunchConfig(32, 32), dq=LaunchConfig(16, 64)),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("config", OTHER_CONFIGS, ids=lambda c: f"{c.fwd}-{c.dkdv}-{c.dq}")
+@pytest.mark.parametrize("seqlens", [(77, 77), (45, 130), (130, 45)], ids=str)
+def test_tile_shapes(seqlens, config, causal, poison_outputs):
+    torch.manual_seed(7)
+    q, k, v = random_qkv(2, 2, 2, *seqlens, 32, 32, dtype=torch.float16, device=DEVICE)
+    run_and_compare(fatune_fn(config), q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("layout", ["blhd", "strided"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_any_strides(layout, causal, poison_outputs):
+    torch.manual_seed(11)
+    q, k, v = random_qkv(2, 3, 3, 50, 70, 32, 32, dtype=torch.float16, device=DEVICE, layout=layout)
+    run_and_compare(fatune_fn(), q, k, v, causal=causal, grad_layout="transposed")
+
+
+def test_output_and_grads_keep_input_layout():
+    q, k, v = random_qkv(2, 3, 3, 20, 20, 16, 16, dtype=torch.float32, device=DEVICE, layout="blhd")
+    out = fatune.attention(q, k, v)
+    assert out.stride() == q.stride()
+    out.sum().backward()
+    assert q.grad.stride() == q.stride() and k.grad.stride() == k.stride()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_scale_and_value_head_dim(causal, poison_outputs):
+    torch.manual_seed(3)
+    q, k, v = random_qkv(1, 2, 2, 40, 61, 32, 64, dtype=torch.float16, device=DEVICE)
+    run_and_compare(fatune_fn(), q, k, v, causal=causal, scale=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grouped_query_attention(causal, poison_outputs):
+    torch.manual_seed(5)
+    q, k, v = random_qkv(2, 4, 2, 37, 53, 32, 32, dtype=torch.float16, device=DEVICE)
+    run_and_compare(fatune_fn(enable_gqa=True), q, k, v, causal=causal)
+
+
+def test_padded_head_dim(poison_outputs):
+    torch.manual_seed(9)
+    q, k, v = random_qkv(1, 2, 2, 45, 45, 40, 24, dtype=torch.float16, device=DEVICE)
+    run_and_compare(fatune_fn(), q, k, v, causal=True)
+
+
+def test_same_kernel_is_deterministic():
+    q, k, v = random_qkv(1, 2, 2, 64, 64, 32, 32, dtype=torch.float16, device=DEVICE)
+    first = fatune.attention(q, k, v, is_causal=True)
+    second = fatune.attention(q, k, v, is_causal=True)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"attn_mask": "mask"}, "attn_mask"),
+        ({"dropout_p": 0.1}, "dropout_p"),
+    ],
+)
+def test_unimplemented_arguments_name_themselves(kwargs, argument):
+    q, k, v = random_qkv(1, 1, 1, 8, 8, 16, 16, dtype=torch.float16, device=DEVICE)
+    if kwargs.get("attn_mask") == "mask":
+        kwargs = {"attn_mask": torch.ones(8, 8, dtype=torch.bool, device=DEVICE)}
+    with pytest.raises(NotImplementedError, match=argument):
+        fatune.attention(q, k, v, **kwargs)
+
+
+# ---------------------------------------------------------------- GPU (pytest -m gpu)
+
+GPU_SHAPES = [
+    (2, 8, 8, 1, 1, 64, 64),
+    (2, 8, 8, 17, 17, 64, 64),
+    (2, 8, 8, 257, 257, 128, 128),
+    (2, 8, 8, 1000, 1000, 64, 64),
+    (2, 8, 8, 1000, 1000, 128, 128),
+    (2, 8, 8, 4096, 4096, 64, 64),
+    (2, 8, 8, 4096, 4096, 128, 128),
+    (2, 8, 8, 113, 2048, 64, 64),
+    (2, 8, 8, 2048, 113, 128, 128),
+    (1, 4, 4, 1023, 1025, 16, 16),
+    (1, 4, 4, 1023, 1025, 32, 32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_matches_reference(shape, dtype, causal, poison_outputs, record_gpu_errors):
+    torch.manual_seed(hash((shape, str(dtype), causal)) % 2**31)
+    q, k, v = random_qkv(*shape, dtype=dtype, device="cuda")
+    record_gpu_errors(run_and_compare(fatune_fn(), q, k, v, causal=causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["blhd", "strided"])
+def test_gpu_any_strides(layout, poison_outputs, record_gpu_errors):
+    torch.manual_seed(13)
+    q, k, v = random_qkv(2, 8, 8, 1000, 1000, 64, 64, dtype=torch.bfloat16, device="cuda", layout=layout)
+    record_gpu_errors(run_and_compare(fatune_fn(), q, k, v, causal=True, grad_layout="transposed"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_memory_is_linear_in_length(head_dim, causal):
+    """Peak extra memory of forward+backward grows like L (no L x L buffer): doubling L at most ~doubles it."""
+
+    def peak_extra(seqlen: int) -> int:
+        q, k, v = random_qkv(1, 8, 8, seqlen, seqlen, head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
+        grad_out = torch.randn_like(q)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fatune.attention(q, k, v, is_causal=causal)
+        out.backward(grad_out)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    sizes = [4096, 8192, 16384]
+    peaks = [peak_extra(n) for n in sizes]
+    io_bytes = [8 * n * head_dim * 2 * 8 for n in sizes]  # out + dq/dk/dv + lse/delta, generously
+    for n, peak, io in zip(sizes, peaks, io_bytes):
+        assert peak <= io, f"L={n}: peak extra memory {peak} B exceeds linear budget {io} B (an L x L buffer?)"
+    assert peaks[2] <= 2.2 * peaks[1] and peaks[1] <= 2.2 * peaks[0], f"peaks {peaks} grow faster than L"
+
+
+@pytest.fixture
+def record_gpu_errors(request):
+    """Keep each GPU case's worst error ratio for TESTING.md (written by tests/gpu_report.py)."""
+    from tests import gpu_report
+
+    def record(results):
+        gpu_report.record(request.node.nodeid, results)
+
+    return record
+
