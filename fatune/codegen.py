@@ -24,7 +24,7 @@ from typing import Any, Literal
 import jinja2
 import triton
 
-from fatune.spec import AttentionConfig, KernelSpec
+from fatune.spec import AttentionConfig, KernelSpec, TritonExpr
 
 Kind = Literal["fwd", "bwd"]
 TEMPLATE_FILES: dict[str, str] = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja"}
@@ -56,7 +56,7 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters["pyrepr"] = repr
+    env.filters["pyrepr"] = lambda value: str(value) if isinstance(value, TritonExpr) else repr(value)
     return env
 
 

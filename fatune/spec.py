@@ -36,6 +36,10 @@ _CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?")
 _POW2_TILES = (16, 32, 64, 128, 256)
 
 
+class TritonExpr(str):
+    """A template option rendered verbatim into the generated source (e.g. tl.float32), not quoted."""
+
+
 def dtype_name(dtype: str | torch.dtype) -> str:
     """Canonical dtype name ('float16', 'bfloat16', 'float32') for a torch dtype or alias."""
     if isinstance(dtype, torch.dtype):
@@ -85,6 +89,9 @@ class KernelSpec:
             "BLOCK_D": lanes(self.head_dim),
             "BLOCK_DV": lanes(self.head_dim_v),
             "DOT_PRECISION": "ieee" if self.dtype == "float32" else "tf32",
+            # Delta = rowsum(dO * O) is later subtracted from dP (cancellation): for float32
+            # inputs it is summed in float64 so its rounding stays below dP's.
+            "DELTA_ACC": TritonExpr("tl.float64" if self.dtype == "float32" else "tl.float32"),
         }
 
     def switches(self) -> dict[str, bool]:

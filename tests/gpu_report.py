@@ -12,7 +12,7 @@ _cases: dict[str, dict[str, float]] = {}
 
 
 def record(nodeid: str, results) -> None:
-    _cases[nodeid] = {r.name: round(r.ratio, 4) for r in results}
+    _cases[nodeid] = {f"{r.name} vs {r.baseline}": round(r.ratio, 4) for r in results}
 
 
 def write() -> None:

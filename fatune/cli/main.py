@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from fatune import __version__
+from fatune.cli.bench import bench
 from fatune.cli.codegen import codegen
 
 
@@ -15,3 +16,8 @@ def cli() -> None:
 
 
 cli.add_command(codegen)
+cli.add_command(bench)
+
+
+if __name__ == "__main__":
+    cli()

@@ -42,3 +42,16 @@ def launch_config_options(fn: Callable) -> Callable:
         fn = click.option(f"--{kernel}", f"{kernel}_config", callback=_launch_config, metavar="MxN/wW/sS",
                           help=f"Launch config of the {kernel} kernel, e.g. 128x64/w4/s3 (default: heuristic).")(fn)
     return fn
+
+
+def int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """Parse '64,128' into [64, 128]."""
+    try:
+        return [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers such as 64,128, got {value!r}") from None
+
+
+def name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    """Parse 'a,b' into ['a', 'b']."""
+    return [part.strip() for part in value.split(",") if part.strip()]

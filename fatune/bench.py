@@ -1,0 +1,238 @@
+"""`fatune bench`: fatune against torch SDPA's backends and FlexAttention, side by side, one run.
+
+Every implementation runs on the same random inputs per shape. Reported per shape and
+implementation: forward, backward and forward+backward median times, TFLOP/s, tokens/s,
+peak extra memory of a training step, first-call (compile) seconds, and the ratio of
+fatune's forward+backward TFLOP/s to the best competitor's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from fatune.competitors import Attention, competitors
+from fatune.measure import Shape, make_inputs, tflops, time_training_step
+
+FATUNE_IMPLS = ("fatune", "fatune-heuristic")
+
+
+@dataclass
+class BenchRow:
+    shape: Shape
+    impl: str
+    fwd_ms: float = math.nan
+    bwd_ms: float = math.nan
+    fwd_bwd_ms: float = math.nan
+    compile_s: float = math.nan
+    peak_bytes: int = 0
+    max_abs_diff: float = math.nan  # output vs torch SDPA's default backend on the same inputs
+    error: str = ""
+
+    @property
+    def fwd_tflops(self) -> float:
+        return tflops(self.shape, "fwd", self.fwd_ms)
+
+    @property
+    def fwd_bwd_tflops(self) -> float:
+        return tflops(self.shape, "fwd+bwd", self.fwd_bwd_ms)
+
+    @property
+    def tokens_per_s(self) -> float:
+        tokens = self.shape.batch * self.shape.seqlen_q
+        return tokens / (self.fwd_bwd_ms * 1e-3) if self.fwd_bwd_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["shape"] = asdict(self.shape)
+        data.update(fwd_tflops=self.fwd_tflops, fwd_bwd_tflops=self.fwd_bwd_tflops, tokens_per_s=self.tokens_per_s)
+        return data
+
+
+def fatune_impl(name: str, shape: Shape) -> Attention:
+    import fatune
+    from fatune.dispatch import device_arch
+    from fatune.heuristics import default_config
+
+    config = None
+    if name == "fatune-heuristic":
+        config = default_config(shape.spec, device_arch(torch.device("cuda")))
+    gqa = shape.kv_heads != shape.heads
+    return lambda q, k, v: fatune.attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa, config=config)
+
+
+def _peak_bytes(attention: Attention, inputs: dict[str, torch.Tensor]) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    attention(inputs["q"], inputs["k"], inputs["v"]).backward(inputs["do"])
+    torch.cuda.synchronize()
+    for name in ("q", "k", "v"):
+        inputs[name].grad = None
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bench_shape(shape: Shape, impls: Iterable[str], warmup_ms: float = 25, rep_ms: float = 100,
+                seed: int = 0) -> list[BenchRow]:
+    """Time every implementation on one shape, on the same inputs."""
+    inputs = make_inputs(shape, "cuda", seed)
+    impls = list(impls)
+    runners: dict[str, Attention] = {name: fatune_impl(name, shape) for name in impls if name in FATUNE_IMPLS}
+    others = tuple(name.removeprefix("sdpa-") for name in impls if name not in FATUNE_IMPLS)
+    runners.update(competitors(shape, others))
+    with torch.no_grad():
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            inputs["q"], inputs["k"], inputs["v"], is_causal=shape.causal,
+            enable_gqa=shape.kv_heads != shape.heads).float()
+    rows = []
+    for name in impls:
+        row = BenchRow(shape, name)
+        runner = runners.get(name)
+        if runner is None:
+            row.error = "not available for this shape"
+            rows.append(row)
+            continue
+        try:
+            timing = time_training_step(runner, inputs, warmup_ms, rep_ms)
+            row.fwd_ms, row.bwd_ms, row.fwd_bwd_ms = timing["fwd_ms"], timing["bwd_ms"], timing["fwd_bwd_ms"]
+            row.compile_s = timing["compile_s"]
+            row.peak_bytes = _peak_bytes(runner, inputs)
+            with torch.no_grad():
+                row.max_abs_diff = (runner(inputs["q"], inputs["k"], inputs["v"]).float() - reference).abs().max().item()
+        except Exception as error:  # a competitor that cannot run a shape is reported, not fatal
+            row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        rows.append(row)
+        for name_ in ("q", "k", "v"):
+            inputs[name_].grad = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def default_shapes(head_dims=(64, 128), lengths=(1024, 2048, 4096, 8192, 16384), causal=(False, True),
+                   dtypes=("bfloat16",), tokens: int = 16384, model_dim: int = 2048) -> list[Shape]:
+    """The issue-6 grid: B*L = tokens, H*D = model_dim."""
+    return [
+        Shape(batch=max(1, tokens // length), heads=model_dim // d, seqlen_q=length, seqlen_k=length, head_dim=d,
+              dtype=dtype, causal=c)
+        for dtype in dtypes for d in head_dims for c in causal for length in lengths
+    ]
+
+
+@dataclass
+class Summary:
+    ratios: dict[str, list[float]] = field(default_factory=dict)  # competitor -> fatune/competitor TFLOP/s per shape
+
+    def geomean(self, name: str) -> float:
+        values = [v for v in self.ratios.get(name, []) if v > 0]
+        return math.exp(sum(math.log(v) for v in values) / len(values)) if values else math.nan
+
+
+def ratio_table(rows: list[BenchRow], fatune_name: str = "fatune") -> tuple[str, Summary]:
+    """Markdown: one line per shape with TFLOP/s per implementation and fatune's ratio to each."""
+    shapes: dict[Shape, dict[str, BenchRow]] = {}
+    for row in rows:
+        shapes.setdefault(row.shape, {})[row.impl] = row
+    impls = list(dict.fromkeys(row.impl for row in rows))
+    others = [name for name in impls if name not in FATUNE_IMPLS]
+    header = ["dtype", "D", "causal", "L", "B", "H"] + [f"{name} fwd+bwd TFLOP/s" for name in impls]
+    header += [f"fatune / {name}" for name in others] + ["fatune / best"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    summary = Summary()
+    for shape, by_impl in shapes.items():
+        cells = [shape.dtype, str(shape.head_dim), "yes" if shape.causal else "no", str(shape.seqlen_q),
+                 str(shape.batch), str(shape.heads)]
+        cells += [f"{by_impl[name].fwd_bwd_tflops:.1f}" if name in by_impl and not by_impl[name].error else "n/a"
+                  for name in impls]
+        mine = by_impl.get(fatune_name)
+        best = 0.0
+        for name in others:
+            theirs = by_impl.get(name)
+            if mine and theirs and not mine.error and not theirs.error and theirs.fwd_bwd_tflops > 0:
+                ratio = mine.fwd_bwd_tflops / theirs.fwd_bwd_tflops
+                summary.ratios.setdefault(name, []).append(ratio)
+                best = max(best, theirs.fwd_bwd_tflops)
+                cells.append(f"{ratio:.2f}")
+            else:
+                cells.append("n/a")
+        if mine and best > 0 and not mine.error:
+            summary.ratios.setdefault("best", []).append(mine.fwd_bwd_tflops / best)
+            cells.append(f"{mine.fwd_bwd_tflops / best:.2f}")
+        else:
+            cells.append("n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines), summary
+
+
+def detail_table(rows: list[BenchRow]) -> str:
+    """Markdown: every measured number, one line per (shape, implementation)."""
+    header = ["shape", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "tokens/s",
+              "peak MiB", "compile s", "max |out - sdpa|", "note"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        if row.error:
+            lines.append(f"| {row.shape.label()} | {row.impl} |" + " |" * 9 + f" {row.error} |")
+            continue
+        lines.append(
+            f"| {row.shape.label()} | {row.impl} | {row.fwd_ms:.3f} | {row.bwd_ms:.3f} | {row.fwd_bwd_ms:.3f} | "
+            f"{row.fwd_tflops:.1f} | {row.fwd_bwd_tflops:.1f} | {row.tokens_per_s:.3g} | "
+            f"{row.peak_bytes / 2**20:.0f} | {row.compile_s:.1f} | {row.max_abs_diff:.2e} | |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(rows: list[BenchRow], path: str, meta: dict) -> None:
+    with open(path, "w") as handle:
+        json.dump({"meta": meta, "rows": [row.to_dict() for row in rows]}, handle, indent=1)
+
+
+def plot(rows: list[BenchRow], path: str) -> None:
+    """PNG: forward+backward TFLOP/s against L, one line per implementation, a panel per (dtype, D, causal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple, dict[str, list[tuple[int, float]]]] = {}
+    for row in rows:
+        if row.error:
+            continue
+        key = (row.shape.dtype, row.shape.head_dim, row.shape.causal)
+        panels.setdefault(key, {}).setdefault(row.impl, []).append((row.shape.seqlen_q, row.fwd_bwd_tflops))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
+    for axis, (key, lines) in zip(axes[0], sorted(panels.items())):
+        for impl, points in sorted(lines.items()):
+            points.sort()
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+        axis.set_xscale("log", base=2)
+        axis.set_title(f"{key[0]} D={key[1]} {'causal' if key[2] else 'full'}")
+        axis.set_xlabel("sequence length L")
+        axis.set_ylabel("fwd+bwd TFLOP/s")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def environment() -> dict:
+    """GPU, versions and date for the record."""
+    import datetime
+
+    import triton
+
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    return {
+        "gpu": props.name if props else "none",
+        "capability": f"{props.major}.{props.minor}" if props else "",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+ProgressFn = Callable[[str], None]

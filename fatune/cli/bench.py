@@ -1,0 +1,64 @@
+"""`fatune bench`: fatune against torch SDPA backends and FlexAttention in one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fatune.cli.options import int_list, name_list
+
+
+@click.command()
+@click.option("--head-dims", default="64,128", show_default=True, callback=int_list, help="Comma-separated head dims.")
+@click.option("--lengths", default="1024,2048,4096,8192,16384", show_default=True, callback=int_list,
+              help="Comma-separated sequence lengths (L_q = L_k).")
+@click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
+@click.option("--dtypes", default="bf16", show_default=True, callback=name_list, help="Comma-separated: bf16, fp16.")
+@click.option("--impls", default="fatune,fatune-heuristic,sdpa-cudnn,sdpa-flash,sdpa-efficient,sdpa-math,flex",
+              show_default=True, callback=name_list, help="Implementations to compare.")
+@click.option("--tokens", default=16384, show_default=True, help="B * L per shape.")
+@click.option("--model-dim", default=2048, show_default=True, help="H * D per shape.")
+@click.option("--warmup-ms", default=25.0, show_default=True)
+@click.option("--rep-ms", default=100.0, show_default=True)
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
+              show_default=True, help="Folder for bench.md, bench.json and bench.png.")
+def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_ms, rep_ms, output) -> None:
+    """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
+
+    Example:
+
+        fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
+    """
+    import torch
+
+    from fatune import bench as runner
+    from fatune.spec import dtype_name
+
+    if not torch.cuda.is_available():
+        raise click.ClickException("fatune bench times CUDA kernels and needs a CUDA GPU; none is visible")
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
+    shapes = runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,
+                                   tuple(dtype_name(d) for d in dtypes), tokens, model_dim)
+    rows = []
+    with click.progressbar(shapes, label="bench", item_show_func=lambda s: s.label() if s else "") as bar:
+        for shape in bar:
+            rows += runner.bench_shape(shape, impls, warmup_ms, rep_ms)
+    output.mkdir(parents=True, exist_ok=True)
+    meta = runner.environment()
+    table, summary = runner.ratio_table(rows)
+    lines = [f"GPU {meta['gpu']} (sm {meta['capability']}), torch {meta['torch']}, Triton {meta['triton']}, "
+             f"CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, {meta['date']}", "", table, ""]
+    for name in summary.ratios:
+        values = summary.ratios[name]
+        lines.append(f"- fatune / {name}: geometric mean {summary.geomean(name):.3f}, worst {min(values):.3f}, "
+                     f"best {max(values):.3f} over {len(values)} shapes")
+    lines += ["", runner.detail_table(rows)]
+    (output / "bench.md").write_text("\n".join(lines) + "\n")
+    runner.write_json(rows, str(output / "bench.json"), meta)
+    try:
+        runner.plot(rows, str(output / "bench.png"))
+    except ImportError:
+        click.echo("matplotlib is not installed: no plot (pip install 'fatune[plot]')", err=True)
+    click.echo("\n".join(lines[:len(lines) - 2]))
+    click.echo(f"wrote {output / 'bench.md'}, bench.json, bench.png")

@@ -1,0 +1,150 @@
+"""Timing of attention implementations, as search and bench both need it.
+
+Rules (METHOD): random inputs (never zeros), warm-up and compile kept out of the timed
+region, CUDA events through `triton.testing.do_bench` (which also flushes L2 before each
+repeat), median of the repeats. Forward+backward is timed as a training step runs it:
+forward, then backward from a random dO, gradients reset between repeats.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from fatune import codegen
+from fatune.spec import DTYPES, AttentionConfig, KernelSpec
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem size."""
+
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: str
+    causal: bool = False
+    kv_heads: int = 0  # 0: same as heads
+    head_dim_v: int = 0  # 0: same as head_dim
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
+        object.__setattr__(self, "head_dim_v", self.head_dim_v or self.head_dim)
+
+    @property
+    def spec(self) -> KernelSpec:
+        return KernelSpec(self.dtype, self.head_dim, self.head_dim_v, self.causal)
+
+    def with_(self, **changes) -> Shape:
+        return replace(self, **changes)
+
+    def flops(self, passes: str = "fwd+bwd") -> float:
+        """4 B H Lq Lk D forward (halved when causal); backward 2.5x forward; fwd+bwd 3.5x."""
+        forward = 2.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
+        if self.causal:
+            forward *= 0.5
+        return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[passes]
+
+    def label(self) -> str:
+        gqa = f" hkv{self.kv_heads}" if self.kv_heads != self.heads else ""
+        mask = " causal" if self.causal else ""
+        return f"{self.dtype} b{self.batch} h{self.heads}{gqa} lq{self.seqlen_q} lk{self.seqlen_k} d{self.head_dim}{mask}"
+
+
+def make_inputs(shape: Shape, device: str | torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random q, k, v (requiring grad) and dO for `shape`, drawn from a seeded generator."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    dtype = DTYPES[shape.dtype]
+
+    def randn(*size):
+        return torch.randn(*size, generator=generator, device=device, dtype=torch.float32).to(dtype)
+
+    q = randn(shape.batch, shape.heads, shape.seqlen_q, shape.head_dim).requires_grad_()
+    k = randn(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim).requires_grad_()
+    v = randn(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim_v).requires_grad_()
+    grad_out = randn(shape.batch, shape.heads, shape.seqlen_q, shape.head_dim_v)
+    return {"q": q, "k": k, "v": v, "do": grad_out}
+
+
+def bench(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100,
+          grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of fn() on the current CUDA device (do_bench: events, L2 flushed)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
+                                         return_mode="median"))
+
+
+def tflops(shape: Shape, passes: str, ms: float) -> float:
+    return shape.flops(passes) / (ms * 1e-3) / 1e12 if ms > 0 and math.isfinite(ms) else 0.0
+
+
+class KernelRunner:
+    """Launches fatune's three kernels one at a time on fixed inputs, for per-kernel timing."""
+
+    def __init__(self, shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor]):
+        self.shape, self.config, self.inputs = shape, config, inputs
+        spec = shape.spec
+        q, k, v = (inputs[name].detach() for name in ("q", "k", "v"))
+        self.q, self.k, self.v, self.do = q, k, v, inputs["do"]
+        self.scale = 1.0 / math.sqrt(shape.head_dim)
+        self.out = torch.empty(*q.shape[:3], shape.head_dim_v, dtype=q.dtype, device=q.device)
+        self.lse = torch.empty(*q.shape[:3], dtype=torch.float32, device=q.device)
+        self.delta = torch.empty_like(self.lse)
+        self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self.fwd_module = codegen.load("fwd", spec, config)
+        self.bwd_module = codegen.load("bwd", spec, config)
+
+    def forward(self) -> None:
+        self.fwd_module.launch(self.q, self.k, self.v, self.out, self.lse, self.scale, 0)
+
+    def preprocess(self) -> None:
+        self.bwd_module.launch_preprocess(self.out, self.do, self.delta)
+
+    def dkdv(self) -> None:
+        self.bwd_module.launch_dkdv(self.q, self.k, self.v, self.do, self.lse, self.delta, self.dk, self.dv,
+                                    self.scale, 0)
+
+    def dq_kernel(self) -> None:
+        self.bwd_module.launch_dq(self.q, self.k, self.v, self.do, self.lse, self.delta, self.dq, self.scale, 0)
+
+    def run(self, kernel: str) -> Callable[[], None]:
+        return {"fwd": self.forward, "dkdv": self.dkdv, "dq": self.dq_kernel, "preprocess": self.preprocess}[kernel]
+
+    def prepare(self) -> None:
+        """Run forward and the pre-pass once so the backward kernels read real LSE and Delta."""
+        self.forward()
+        self.preprocess()
+
+
+def compile_seconds(fn: Callable[[], object]) -> float:
+    """Wall time of the first call (compile + one launch), synchronised."""
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def time_training_step(attention: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
+                       warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:
+    """Forward ms, forward+backward ms (and backward as their difference) of attention(q, k, v)."""
+    q, k, v, grad_out = inputs["q"], inputs["k"], inputs["v"], inputs["do"]
+
+    def forward():
+        with torch.no_grad():
+            return attention(q, k, v)
+
+    def step():
+        attention(q, k, v).backward(grad_out)
+
+    compile_s = compile_seconds(step)
+    fwd = bench(forward, warmup_ms, rep_ms)
+    total = bench(step, warmup_ms, rep_ms, grad_to_none=[q, k, v])
+    return {"fwd_ms": fwd, "bwd_ms": max(total - fwd, 0.0), "fwd_bwd_ms": total, "compile_s": compile_s}
