@@ -26,13 +26,18 @@ import triton
 
 from fatune.spec import AttentionConfig, KernelSpec, TritonExpr
 
-Kind = Literal["fwd", "bwd"]
-TEMPLATE_FILES: dict[str, str] = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja"}
+Kind = Literal["fwd", "bwd", "dropout_mask"]
+TEMPLATE_FILES: dict[str, str] = {
+    "fwd": "attn_fwd.py.jinja",
+    "bwd": "attn_bwd.py.jinja",
+    "dropout_mask": "attn_dropout_mask.py.jinja",
+}
 CACHE_ENV = "FATUNE_CACHE_DIR"
 
 _TITLES = {
     "fwd": "FlashAttention forward: O = softmax(Q K^T * sm_scale) V and the per-row LSE.",
     "bwd": "FlashAttention backward: Delta = rowsum(dO * O), then dK/dV and dQ, P recomputed tile by tile.",
+    "dropout_mask": "The dropout keep-mask of the attention kernels, materialised for tests and debugging.",
 }
 
 
@@ -77,6 +82,8 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         launch_params = {"NUM_WARPS": config.fwd.num_warps, "NUM_STAGES": config.fwd.num_stages}
         used = {"fwd": config.fwd.to_dict()}
+    elif kind == "dropout_mask":
+        launch_params, used = {}, {}
     else:
         constants.update(
             DKDV_BLOCK_M=config.dkdv.block_m,

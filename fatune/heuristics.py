@@ -1,8 +1,8 @@
 """Built-in launch configs: the last layer of config choice, used when no tuned entry exists.
 
-Chosen per GPU architecture, head dim and dtype. The Hopper tiles are ones that compile for
-sm_90 without register spills (checked offline with `fatune.offline`) and measured well on
-an H200 (BENCHMARKS.md); other architectures get conservative tiles that fit their shared memory.
+Chosen per GPU architecture, head dim and dtype. The Hopper tiles are the fastest of a
+sweep on an H200 at L=4096, bf16 (benchmarks/results/2026-11-29-h200-config-sweep.log);
+other architectures get conservative tiles that fit their shared memory.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ def _hopper(block_d: int, dtype: str) -> AttentionConfig:
     wide = dtype == "float32"  # fp32 tiles take twice the shared memory and registers
     if block_d <= 64 and not wide:
         return AttentionConfig(
-            fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3),
-            dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3),
-            dq=LaunchConfig(128, 32, num_warps=4, num_stages=3),
+            fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3),
+            dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3),
+            dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
         )
     if block_d <= 128 and not wide:
         return AttentionConfig(
-            fwd=LaunchConfig(128, 64, num_warps=8, num_stages=2),
-            dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=2),
-            dq=LaunchConfig(128, 32, num_warps=8, num_stages=2),
+            fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3),
+            dkdv=LaunchConfig(64, 64, num_warps=4, num_stages=2),
+            dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
         )
     return AttentionConfig(
         fwd=LaunchConfig(64, 32, num_warps=4, num_stages=1),

@@ -1,107 +1,256 @@
 """Check and normalise the arguments of `fatune.attention` once, before any kernel runs.
 
 Every error names the argument and the expected form; nothing is silently reshaped,
-cast or copied.
+cast or copied. The result, an AttentionProblem, is what every later stage reads: the
+kernel spec (compile-time), the run-time scalars, and the optional mask/length tensors.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fatune.spec import DTYPES, MAX_HEAD_DIM, KernelSpec
 
+ALIGNMENTS = ("top_left", "bottom_right")
 
-@dataclass(frozen=True)
+
+@dataclass(eq=False)
 class AttentionProblem:
-    """One validated call: the kernel spec plus the run-time sizes and scalars."""
+    """One validated call: kernel spec, run-time sizes and scalars, optional tensors."""
 
     spec: KernelSpec
-    batch: int
+    batch: int  # sequences: B, or len(cu_seqlens_q) - 1 when packed
     heads: int
     kv_heads: int
-    seqlen_q: int
+    seqlen_q: int  # rows of the query tensor (total tokens when packed)
     seqlen_k: int
+    max_seqlen_q: int
+    max_seqlen_k: int
     scale: float
-    causal_offset: int  # query row i sees key j when j <= i + causal_offset
+    window_left: int = 0
+    window_right: int = 0
+    dropout_p: float = 0.0
+    attn_mask: torch.Tensor | None = field(default=None, repr=False)  # 4-d broadcast view
+    alibi_slopes: torch.Tensor | None = field(default=None, repr=False)  # (B, H) view
+    seqlens_k: torch.Tensor | None = field(default=None, repr=False)
+    cu_seqlens_q: torch.Tensor | None = field(default=None, repr=False)
+    cu_seqlens_k: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def group_size(self) -> int:
         return self.heads // self.kv_heads
 
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q is not None
 
-def _check_tensor(name: str, tensor: object) -> torch.Tensor:
+
+def _check_tensor(name: str, tensor: object, dims: int) -> torch.Tensor:
+    layout = "(B, H, L, D)" if dims == 4 else "(total_tokens, H, D)"
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape (B, H, L, D), got {type(tensor).__name__}")
-    if tensor.dim() != 4:
-        raise ValueError(f"{name}: expected 4 dims (B, H, L, D), got shape {tuple(tensor.shape)}")
+        raise TypeError(f"{name}: expected a torch.Tensor of shape {layout}, got {type(tensor).__name__}")
+    if tensor.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dims {layout}, got shape {tuple(tensor.shape)}")
     if tensor.dtype not in DTYPES.values():
         raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {tensor.dtype}")
     return tensor
+
+
+def _check_index_tensor(name: str, tensor: object, length: int | None, device: torch.device) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
+        raise TypeError(f"{name}: expected a 1-d torch.int32 tensor, got {tensor!r:.80}")
+    if tensor.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} like query, got {tensor.device}")
+    if length is not None and tensor.shape[0] != length:
+        raise ValueError(f"{name}: expected {length} entries, got {tensor.shape[0]}")
+    return tensor
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, list[int]]:
+    _check_index_tensor(name, cu, None, device)
+    if cu.shape[0] < 2:
+        raise ValueError(f"{name}: expected at least 2 entries (0, ..., total tokens), got {cu.shape[0]}")
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name}: expected to start at 0 and end at the {total} packed tokens, got {values[0]}..{values[-1]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {values}")
+    return max(lengths), lengths
+
+
+def _broadcast_view(name: str, tensor: torch.Tensor, shape: tuple[int, ...], form: str) -> torch.Tensor:
+    """A view of `tensor` expanded to `shape` by strides (no copy); errors name the argument."""
+    if tensor.dim() > len(shape):
+        raise ValueError(f"{name}: expected a tensor broadcastable to {form} {shape}, got shape {tuple(tensor.shape)}")
+    try:
+        return tensor.reshape((1,) * (len(shape) - tensor.dim()) + tuple(tensor.shape)).expand(shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: expected a tensor broadcastable to {form} {shape}, got shape {tuple(tensor.shape)}"
+        ) from None
 
 
 def check_inputs(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    causal_alignment: str | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> AttentionProblem:
-    """Validate an SDPA-shaped call and describe it as an AttentionProblem."""
+    """Validate an SDPA-shaped (or packed varlen) call and describe it as an AttentionProblem."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    dims = 3 if packed else 4
     for name, tensor in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, tensor)
-    if attn_mask is not None:
-        raise NotImplementedError("attn_mask: not implemented yet in fatune; pass attn_mask=None")
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p: only 0.0 is implemented in fatune yet, got {dropout_p!r}")
+        _check_tensor(name, tensor, dims)
+    device = query.device
     for name, tensor in (("key", key), ("value", value)):
-        if tensor.device != query.device:
-            raise ValueError(f"{name}: expected a tensor on {query.device} like query, got {tensor.device}")
+        if tensor.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} like query, got {tensor.device}")
         if tensor.dtype != query.dtype:
             raise TypeError(f"{name}: expected dtype {query.dtype} like query, got {tensor.dtype}")
 
-    batch, heads, seqlen_q, head_dim = query.shape
-    _, kv_heads, seqlen_k, _ = key.shape
-    if key.shape[0] != batch or value.shape[0] != batch:
-        raise ValueError(
-            f"key/value: expected batch size {batch} like query, got key {key.shape[0]} and value {value.shape[0]}"
-        )
-    if key.shape[3] != head_dim:
+    if packed:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
+            raise ValueError(f"{missing}: packed (varlen) inputs need both cu_seqlens_q and cu_seqlens_k")
+        total_q, heads, head_dim = query.shape
+        total_k, kv_heads, _ = key.shape
+        if value.shape[0] != total_k or value.shape[1] != kv_heads:
+            raise ValueError(f"value: expected ({total_k}, {kv_heads}, Dv) to match key, got {tuple(value.shape)}")
+        actual_q, lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, device)
+        actual_k, lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, device)
+        if len(lengths_q) != len(lengths_k):
+            raise ValueError(f"cu_seqlens_k: expected {len(lengths_q) + 1} entries like cu_seqlens_q, "
+                             f"got {len(lengths_k) + 1}")
+        for name, given, actual in (("max_seqlen_q", max_seqlen_q, actual_q), ("max_seqlen_k", max_seqlen_k, actual_k)):
+            if given is not None and (not isinstance(given, int) or given < actual):
+                raise ValueError(f"{name}: expected an int >= the longest sequence ({actual}), got {given!r}")
+        batch, seqlen_q, seqlen_k = len(lengths_q), total_q, total_k
+        max_q, max_k = actual_q, actual_k
+        if attn_mask is not None:
+            raise ValueError("attn_mask: not supported with packed (cu_seqlens) inputs; use window_size or seqlens")
+        if seqlens_k is not None:
+            raise ValueError("seqlens_k: not used with packed inputs (cu_seqlens_k already gives key lengths)")
+    else:
+        batch, heads, seqlen_q, head_dim = query.shape
+        _, kv_heads, seqlen_k, _ = key.shape
+        if key.shape[0] != batch or value.shape[0] != batch:
+            raise ValueError(f"key/value: expected batch size {batch} like query, "
+                             f"got key {key.shape[0]} and value {value.shape[0]}")
+        if value.shape[1] != kv_heads or value.shape[2] != seqlen_k:
+            raise ValueError(f"value: expected (B, {kv_heads}, {seqlen_k}, Dv) to match key's heads and length, "
+                             f"got {tuple(value.shape)}")
+        max_q, max_k = seqlen_q, seqlen_k
+        if max_seqlen_q is not None or max_seqlen_k is not None:
+            raise ValueError("max_seqlen_q: only used with packed inputs (cu_seqlens_q / cu_seqlens_k)")
+
+    if key.shape[-1] != head_dim:
         raise ValueError(f"key: expected head dim {head_dim} like query, got shape {tuple(key.shape)}")
-    if value.shape[1] != kv_heads or value.shape[2] != seqlen_k:
-        raise ValueError(
-            f"value: expected (B, {kv_heads}, {seqlen_k}, Dv) to match key's heads and length, got {tuple(value.shape)}"
-        )
     if kv_heads != heads:
         if not enable_gqa:
-            raise ValueError(
-                f"key: expected {heads} heads like query (or pass enable_gqa=True for grouped-query attention), "
-                f"got {kv_heads}"
-            )
+            raise ValueError(f"key: expected {heads} heads like query (or pass enable_gqa=True for "
+                             f"grouped-query attention), got {kv_heads}")
         if kv_heads == 0 or heads % kv_heads:
-            raise ValueError(f"key: with enable_gqa=True, query heads ({heads}) must be a multiple of key heads ({kv_heads})")
-    head_dim_v = value.shape[3]
+            raise ValueError(f"key: with enable_gqa=True, query heads ({heads}) must be a multiple of "
+                             f"key/value heads ({kv_heads})")
+    head_dim_v = value.shape[-1]
     for name, dim in (("query", head_dim), ("value", head_dim_v)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: expected head dim in 1..{MAX_HEAD_DIM}, got {dim}")
+
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale: expected a finite float or None, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
 
-    spec = KernelSpec(dtype=query.dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=bool(is_causal))
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: expected sizes >= -1 (-1 = unbounded), got {tuple(window_size)}")
+    windowed = (left, right) != (-1, -1)
+    if causal_alignment is None:
+        causal_alignment = "bottom_right" if windowed or packed else "top_left"
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS} or None, got {causal_alignment!r}")
+    if is_causal:
+        right = 0 if right == -1 else min(right, 0)
+
+    mask_kind = "none"
+    mask_view = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
+        if attn_mask.device != device:
+            raise ValueError(f"attn_mask: expected a tensor on {device} like query, got {attn_mask.device}")
+        if attn_mask.dtype == torch.bool:
+            mask_kind = "bool"
+        elif attn_mask.dtype in (query.dtype, torch.float32):
+            mask_kind = "additive"
+            if attn_mask.requires_grad:
+                raise ValueError("attn_mask: gradients w.r.t. an additive mask are not computed; "
+                                 "pass attn_mask.detach()")
+        else:
+            raise TypeError(f"attn_mask: expected dtype torch.bool, {query.dtype} or torch.float32, got {attn_mask.dtype}")
+        mask_view = _broadcast_view("attn_mask", attn_mask, (batch, heads, seqlen_q, seqlen_k), "(B, H, L_q, L_k)")
+        if mask_kind == "bool":
+            mask_view = mask_view.view(torch.uint8)
+
+    alibi_view = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes: expected a float32 tensor of shape (H,) or (B, H), got {alibi_slopes!r:.80}")
+        if alibi_slopes.device != device:
+            raise ValueError(f"alibi_slopes: expected a tensor on {device} like query, got {alibi_slopes.device}")
+        if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes: expected shape ({heads},) or ({batch}, {heads}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        alibi_view = alibi_slopes.expand(batch, heads)
+
+    if seqlens_k is not None:
+        _check_index_tensor("seqlens_k", seqlens_k, batch, device)
+        lengths = seqlens_k.tolist()
+        if lengths and (min(lengths) < 0 or max(lengths) > seqlen_k):
+            raise ValueError(f"seqlens_k: expected key lengths in 0..{seqlen_k}, got {min(lengths)}..{max(lengths)}")
+
+    spec = KernelSpec(
+        dtype=query.dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        causal=bool(is_causal),
+        window_left=left >= 0,
+        window_right=right >= 0 and not is_causal,
+        bottom_right=causal_alignment == "bottom_right",
+        attn_mask=mask_kind,
+        seqlens="varlen" if packed else ("seqlens_k" if seqlens_k is not None else "fixed"),
+        alibi=alibi_slopes is not None,
+        dropout=dropout_p > 0.0,
+    )
     return AttentionProblem(
-        spec=spec,
-        batch=batch,
-        heads=heads,
-        kv_heads=kv_heads,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        scale=float(scale),
-        causal_offset=0,
+        spec=spec, batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        max_seqlen_q=max_q, max_seqlen_k=max_k, scale=float(scale),
+        window_left=max(left, 0), window_right=max(right, 0), dropout_p=float(dropout_p),
+        attn_mask=mask_view, alibi_slopes=alibi_view, seqlens_k=seqlens_k,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
     )

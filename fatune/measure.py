@@ -86,41 +86,34 @@ def tflops(shape: Shape, passes: str, ms: float) -> float:
 
 
 class KernelRunner:
-    """Launches fatune's three kernels one at a time on fixed inputs, for per-kernel timing."""
+    """Launches fatune's kernels one at a time on fixed inputs, for per-kernel timing."""
 
     def __init__(self, shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor]):
-        self.shape, self.config, self.inputs = shape, config, inputs
-        spec = shape.spec
+        from fatune.flash_attention import _kernel_args
+        from fatune.inputs import check_inputs
+
+        self.shape, self.config = shape, config
         q, k, v = (inputs[name].detach() for name in ("q", "k", "v"))
-        self.q, self.k, self.v, self.do = q, k, v, inputs["do"]
-        self.scale = 1.0 / math.sqrt(shape.head_dim)
-        self.out = torch.empty(*q.shape[:3], shape.head_dim_v, dtype=q.dtype, device=q.device)
-        self.lse = torch.empty(*q.shape[:3], dtype=torch.float32, device=q.device)
-        self.delta = torch.empty_like(self.lse)
-        self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self.fwd_module = codegen.load("fwd", spec, config)
-        self.bwd_module = codegen.load("bwd", spec, config)
-
-    def forward(self) -> None:
-        self.fwd_module.launch(self.q, self.k, self.v, self.out, self.lse, self.scale, 0)
-
-    def preprocess(self) -> None:
-        self.bwd_module.launch_preprocess(self.out, self.do, self.delta)
-
-    def dkdv(self) -> None:
-        self.bwd_module.launch_dkdv(self.q, self.k, self.v, self.do, self.lse, self.delta, self.dk, self.dv,
-                                    self.scale, 0)
-
-    def dq_kernel(self) -> None:
-        self.bwd_module.launch_dq(self.q, self.k, self.v, self.do, self.lse, self.delta, self.dq, self.scale, 0)
+        problem = check_inputs(q, k, v, is_causal=shape.causal, enable_gqa=shape.kv_heads != shape.heads)
+        out = torch.empty(*q.shape[:3], shape.head_dim_v, dtype=q.dtype, device=q.device)
+        lse = torch.empty(*q.shape[:3], dtype=torch.float32, device=q.device)
+        self.args = _kernel_args(problem, q, k, v, out, lse, seed=0)
+        self.args.grad_out = inputs["do"]
+        self.args.delta = torch.empty_like(lse)
+        self.args.grad_q, self.args.grad_k, self.args.grad_v = (torch.empty_like(t) for t in (q, k, v))
+        self.fwd_module = codegen.load("fwd", problem.spec, config)
+        self.bwd_module = codegen.load("bwd", problem.spec, config)
 
     def run(self, kernel: str) -> Callable[[], None]:
-        return {"fwd": self.forward, "dkdv": self.dkdv, "dq": self.dq_kernel, "preprocess": self.preprocess}[kernel]
+        """A no-argument callable launching 'fwd', 'preprocess', 'dkdv' or 'dq'."""
+        launch = {"fwd": self.fwd_module.launch, "preprocess": self.bwd_module.launch_preprocess,
+                  "dkdv": self.bwd_module.launch_dkdv, "dq": self.bwd_module.launch_dq}[kernel]
+        return lambda: launch(self.args)
 
     def prepare(self) -> None:
         """Run forward and the pre-pass once so the backward kernels read real LSE and Delta."""
-        self.forward()
-        self.preprocess()
+        self.run("fwd")()
+        self.run("preprocess")()
 
 
 def compile_seconds(fn: Callable[[], object]) -> float:

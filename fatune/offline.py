@@ -22,7 +22,8 @@ from fatune import codegen
 from fatune.spec import AttentionConfig, KernelSpec
 
 _POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-_FLOAT_POINTERS = {"LSE", "DELTA"}
+_OTHER_POINTERS = {"LSE": "fp32", "DELTA": "fp32", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32"}
+_FLOAT_SCALARS = {"sm_scale", "dropout_p"}
 _TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq")}
 
@@ -41,17 +42,23 @@ class CompiledKernel:
         return self.spill_bytes > 0
 
 
-def _signature(fn, dtype: str) -> tuple[dict, dict, dict]:
+def _signature(fn, spec: KernelSpec) -> tuple[dict, dict, dict]:
     """Argument types as a contiguous-layout launch specialises them (16-aligned, unit head-dim stride)."""
     signature: dict[str, str] = {}
     attrs: dict[tuple[int], list] = {}
     constexprs: dict[str, int] = {}
+    element = _TRITON_TYPES[spec.dtype]
     for index, name in enumerate(fn.arg_names):
-        if name in _POINTERS or name in _FLOAT_POINTERS:
-            signature[name] = "*" + (_TRITON_TYPES[dtype] if name in _POINTERS else "fp32")
+        if name in _POINTERS or name in _OTHER_POINTERS or name == "MASK":
+            if name == "MASK":
+                signature[name] = "*u8" if spec.attn_mask == "bool" else "*" + element
+            else:
+                signature[name] = "*" + (element if name in _POINTERS else _OTHER_POINTERS[name])
             attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name == "sm_scale":
+        elif name in _FLOAT_SCALARS:
             signature[name] = "fp32"
+        elif name == "seed":
+            signature[name] = "i64"
         elif name.startswith("stride") and name.endswith("d"):
             signature[name] = "constexpr"
             constexprs[name] = 1
@@ -76,7 +83,7 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
     launch = getattr(config, kernel)
-    signature, attrs, constexprs = _signature(fn, spec.dtype)
+    signature, attrs, constexprs = _signature(fn, spec)
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
     compiled = triton.compile(source, target=target,

@@ -58,14 +58,39 @@ def lanes(dim: int) -> int:
     return max(16, 1 << (dim - 1).bit_length())
 
 
+MASK_KINDS = ("none", "bool", "additive")
+SEQLEN_MODES = ("fixed", "seqlens_k", "varlen")
+
+
 @dataclass(frozen=True)
 class KernelSpec:
-    """The compile-time shape of the computation: dtype, head dims and mask variant."""
+    """The compile-time shape of the computation: dtype, head dims and mask variant.
+
+    Each field switches code in or out of the generated kernels; a kernel without a mask
+    carries no mask code. Run-time values (window sizes, lengths, dropout rate) are
+    kernel arguments.
+
+    causal        keys j <= i + offset only (offset: 0 top-left, L_k - L_q bottom-right)
+    window_left   keys j >= i + offset - left (a sliding window's left edge is bounded)
+    window_right  keys j <= i + offset + right (the right edge is bounded)
+    bottom_right  diagonal offset L_k - L_q (flash-attn) instead of 0 (torch SDPA)
+    attn_mask     "none", "bool" (True = keep) or "additive" (added to the scores)
+    seqlens       "fixed", "seqlens_k" (per-batch key lengths) or "varlen" (packed)
+    alibi         per-head linear bias -slope * |i + offset - j| computed in-kernel
+    dropout       dropout on the probabilities, regenerated in backward from a seed
+    """
 
     dtype: str
     head_dim: int
     head_dim_v: int = 0  # 0: same as head_dim
     causal: bool = False
+    window_left: bool = False
+    window_right: bool = False
+    bottom_right: bool = False
+    attn_mask: str = "none"
+    seqlens: str = "fixed"
+    alibi: bool = False
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -75,11 +100,30 @@ class KernelSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or not 1 <= value <= MAX_HEAD_DIM:
                 raise ValueError(f"{field}: expected an int in 1..{MAX_HEAD_DIM}, got {value!r}")
+        if self.attn_mask not in MASK_KINDS:
+            raise ValueError(f"attn_mask: expected one of {MASK_KINDS}, got {self.attn_mask!r}")
+        if self.seqlens not in SEQLEN_MODES:
+            raise ValueError(f"seqlens: expected one of {SEQLEN_MODES}, got {self.seqlens!r}")
 
     @property
     def mask_variant(self) -> str:
-        """The mask variant's name, as stored in the tuned DB."""
-        return "causal" if self.causal else "none"
+        """The mask variant's name, as stored in the tuned DB (e.g. 'causal', 'window+alibi')."""
+        parts = []
+        if self.causal:
+            parts.append("causal")
+        if self.window_left or self.window_right:
+            parts.append("window")
+        if self.bottom_right and parts:
+            parts.append("bottom-right")
+        if self.attn_mask != "none":
+            parts.append(f"mask-{self.attn_mask}")
+        if self.seqlens != "fixed":
+            parts.append(self.seqlens.replace("_", "-"))
+        if self.alibi:
+            parts.append("alibi")
+        if self.dropout:
+            parts.append("dropout")
+        return "+".join(parts) or "none"
 
     def options(self) -> dict[str, Any]:
         """Upper-case constants the templates turn into `tl.constexpr` values."""
@@ -94,16 +138,33 @@ class KernelSpec:
             "DELTA_ACC": TritonExpr("tl.float64" if self.dtype == "float32" else "tl.float32"),
         }
 
-    def switches(self) -> dict[str, bool]:
+    def switches(self) -> dict[str, Any]:
         """Compile-time code-path switches: Jinja uses these to include or leave out code."""
+        has_right = self.causal or self.window_right
         return {
+            "HAS_RIGHT": has_right,
+            "HAS_LEFT": self.window_left,
+            "HAS_BAND": has_right or self.window_left,
             "IS_CAUSAL": self.causal,
+            "BOTTOM_RIGHT": self.bottom_right,
+            "MASK_KIND": self.attn_mask,
+            "SEQLENS": self.seqlens,
+            "ALIBI": self.alibi,
+            "DROPOUT": self.dropout,
+            # Rows can end with every key masked (and -inf scores) in any tile, not just band tiles.
+            "ANY_TILE_MASKS": self.attn_mask != "none",
+            "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,
             "PAD_D": lanes(self.head_dim) != self.head_dim,
             "PAD_DV": lanes(self.head_dim_v) != self.head_dim_v,
         }
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KernelSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in names})
 
 
 @dataclass(frozen=True)

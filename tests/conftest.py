@@ -35,6 +35,17 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flash, "_new_tensor", poisoned)
 
 
+@pytest.fixture
+def record_gpu_errors(request):
+    """Keep each GPU case's worst error ratio for TESTING.md (written by tests/gpu_report.py)."""
+    from tests import gpu_report
+
+    def record(results):
+        gpu_report.record(request.node.nodeid, results)
+
+    return record
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests import gpu_report
 

@@ -1,4 +1,4 @@
-"""Reference attention and the accuracy rule the kernel tests share.
+"""The accuracy rule the kernel tests share, on top of fatune.reference's dense attention.
 
 Three computations per check (flash-attn's test-suite convention): a float64 golden,
 PyTorch computing in the kernel's dtype, and fatune. fatune's max abs error against the
@@ -8,18 +8,21 @@ golden must be at most FACTOR x PyTorch's error, plus a tiny floor for exact-zer
 - float16 / bfloat16: plain torch ops in that dtype (flash-attn's `attention_ref(upcast=False)`:
   half-precision matmuls, softmax in float32, P rounded to the dtype). torch SDPA on CPU
   computes half inputs in float32 internally, so it is not a same-dtype baseline there.
-- float32: torch SDPA, PyTorch's own fused kernel (plain float32 ops are also checked on GPU).
-On a GPU every case is checked against both baselines.
+- float32: torch SDPA, PyTorch's own fused kernel, where SDPA can express the variant.
+On a GPU every case is checked against both baselines where SDPA can express it.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from fatune import reference
+from fatune.inputs import AttentionProblem, check_inputs
 
 FACTOR = 2.0
 FLOOR = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-6}
@@ -28,53 +31,6 @@ FLOOR = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-6}
 def stable_seed(*parts) -> int:
     """A seed that is the same in every process for the same test case (unlike hash())."""
     return zlib.crc32(repr(parts).encode())
-
-
-def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """softmax(q k^T * scale) v in float64 with plain torch ops, differentiable: the golden.
-
-    Rows with no visible key give 0 (fatune's convention for fully masked rows).
-    """
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))
-    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if causal:
-        keep = torch.tril(keep)  # top-left aligned, like torch SDPA
-    scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # rows with every key masked
-    return torch.matmul(probs, v)
-
-
-def torch_sdpa(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """PyTorch's fused implementation in the inputs' dtype: torch SDPA, default backend."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def torch_plain(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """Plain torch ops in the inputs' dtype: matmuls in the dtype, softmax in float32, P cast back."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))
-    if causal:
-        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores.float(), dim=-1), nan=0.0).to(q.dtype)
-    return torch.matmul(probs, v)
-
-
-def same_dtype_baselines(q: torch.Tensor) -> dict:
-    """The PyTorch implementations fatune's error is held against (see the module docstring)."""
-    if q.is_cuda:
-        return {"torch-plain": torch_plain, "torch-sdpa": torch_sdpa}
-    return {"torch-sdpa": torch_sdpa} if q.dtype == torch.float32 else {"torch-plain": torch_plain}
 
 
 @dataclass
@@ -87,7 +43,7 @@ class Comparison:
 
     @property
     def ratio(self) -> float:
-        return self.error / max(self.torch_error, 1e-30)
+        return self.error / max(self.torch_error, FLOOR[torch.float32])
 
 
 def _first_bad(actual: torch.Tensor, golden: torch.Tensor) -> str:
@@ -104,14 +60,49 @@ def check_close(name: str, actual: torch.Tensor, golden: torch.Tensor, same_dtyp
     if bad.any():
         index = tuple(int(i) for i in bad.nonzero()[0])
         raise AssertionError(f"{name}: {int(bad.sum())} non-finite elements (unwritten or NaN), first at {index}")
-    error = (actual.double() - golden).abs().max().item()
-    torch_error = (same_dtype.double() - golden).abs().max().item()
+    error = (actual.double() - golden).abs().max().item() if actual.numel() else 0.0
+    torch_error = (same_dtype.double() - golden).abs().max().item() if actual.numel() else 0.0
     bound = FACTOR * torch_error + FLOOR[actual.dtype]
     assert error <= bound, (
         f"{name}: max abs error {error:.3e} > {FACTOR} x {baseline}'s {torch_error:.3e} + floor; "
         f"{_first_bad(actual, golden)}"
     )
     return Comparison(name, baseline, error, torch_error, bound)
+
+
+def _sdpa_expressible(problem: AttentionProblem, q: torch.Tensor) -> torch.Tensor | bool | None:
+    """SDPA's attn_mask for problem (True: plain is_causal), or None if SDPA cannot compute it exactly."""
+    spec = problem.spec
+    if problem.packed or spec.dropout or spec.alibi or spec.attn_mask == "additive":
+        return None
+    if spec.mask_variant == "causal" and not spec.bottom_right:
+        return True
+    if spec.mask_variant == "none":
+        return False
+    limit = problem.seqlens_k if problem.seqlens_k is not None else problem.seqlen_k
+    keep = reference.visible(problem, problem.seqlen_q, problem.seqlen_k, limit, q.device)
+    if problem.attn_mask is not None:
+        keep = keep & (problem.attn_mask != 0)
+    if not keep.any(-1).all():
+        return None  # SDPA gives NaN on rows that see no key
+    return keep.expand(problem.batch, problem.heads, problem.seqlen_q, problem.seqlen_k)
+
+
+def same_dtype_baselines(problem: AttentionProblem, q: torch.Tensor) -> dict[str, Callable]:
+    """The PyTorch implementations in q's dtype that fatune's error is held against."""
+    plain = lambda q_, k_, v_: reference.attention(q_, k_, v_, problem, precision="plain")  # noqa: E731
+    sdpa_mask = _sdpa_expressible(problem, q)
+    sdpa = None
+    if sdpa_mask is not None:
+        def sdpa(q_, k_, v_):
+            mask = None if isinstance(sdpa_mask, bool) else sdpa_mask
+            return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=sdpa_mask is True,
+                                                  scale=problem.scale, enable_gqa=problem.group_size > 1)
+    if q.is_cuda:
+        return {"torch-plain": plain, **({"torch-sdpa": sdpa} if sdpa else {})}
+    if q.dtype == torch.float32 and sdpa is not None:
+        return {"torch-sdpa": sdpa}
+    return {"torch-plain": plain}
 
 
 def random_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v, dtype, device, layout="bhld"):
@@ -135,24 +126,35 @@ def random_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v,
     return make(heads, seqlen_q, head_dim), make(kv_heads, seqlen_k, head_dim), make(kv_heads, seqlen_k, head_dim_v)
 
 
-def run_and_compare(attention_fn, q, k, v, *, causal: bool, scale: float | None = None, grad_layout: str = "dense"):
-    """Run fatune forward+backward and both references on fresh random dO; check all four tensors."""
-    out = attention_fn(q, k, v, causal, scale)
+def run_and_compare(q, k, v, *, grad_layout: str = "dense", dropout_keep: torch.Tensor | None = None,
+                    **kwargs) -> list[Comparison]:
+    """fatune.attention(q, k, v, **kwargs) forward and backward against the golden and baselines.
+
+    dropout_keep: the kernels' keep-mask (fatune.dropout.keep_mask) when kwargs has dropout_p.
+    """
+    import fatune
+
+    out = fatune.attention(q, k, v, **kwargs)
     grad_out = torch.randn_like(out)
     if grad_layout == "transposed":
-        grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+        grad_out = grad_out.transpose(-2, -3).contiguous().transpose(-2, -3)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    problem = check_inputs(q, k, v, **{key: value for key, value in kwargs.items() if key not in ("config", "strict")})
 
     def through(implementation, dtype):
         # leaves in `dtype`: the golden's gradients must stay float64, not round to q's dtype
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        ref = implementation(*leaves, causal=causal, scale=scale)
+        ref = implementation(*leaves)
         ref_grads = torch.autograd.grad(ref, leaves, grad_out.to(ref.dtype))
         return ref, ref_grads
 
-    golden, golden_grads = through(attention_reference, torch.float64)
+    golden, golden_grads = through(
+        lambda q_, k_, v_: reference.attention(q_, k_, v_, problem, "float64", dropout_keep), torch.float64)
+    baselines = same_dtype_baselines(problem, q)
+    if dropout_keep is not None:
+        baselines = {"torch-plain": lambda q_, k_, v_: reference.attention(q_, k_, v_, problem, "plain", dropout_keep)}
     results = []
-    for baseline, implementation in same_dtype_baselines(q).items():
+    for baseline, implementation in baselines.items():
         same, same_grads = through(implementation, q.dtype)
         results.append(check_close("out", out, golden, same, baseline))
         for name, actual, gold, ref in zip(("dq", "dk", "dv"), grads, golden_grads, same_grads):

@@ -15,32 +15,62 @@ from fatune import codegen
 from fatune.heuristics import default_config
 from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig
 
-SPECS = [
+BASE_SPECS = [
     KernelSpec(dtype, head_dim, head_dim_v, causal)
     for dtype, (head_dim, head_dim_v), causal in itertools.product(
         ["float16", "bfloat16", "float32"], [(16, 16), (64, 64), (128, 128), (40, 24), (256, 256)], [False, True]
     )
 ]
+VARIANT_SPECS = [
+    KernelSpec("bfloat16", 64, window_left=True, window_right=True, bottom_right=True),
+    KernelSpec("bfloat16", 64, causal=True, window_left=True, bottom_right=True),
+    KernelSpec("bfloat16", 64, window_left=True),
+    KernelSpec("float16", 128, attn_mask="bool"),
+    KernelSpec("float16", 128, causal=True, attn_mask="additive"),
+    KernelSpec("bfloat16", 64, seqlens="seqlens_k", causal=True, bottom_right=True),
+    KernelSpec("bfloat16", 96, seqlens="varlen", causal=True, bottom_right=True),
+    KernelSpec("bfloat16", 64, alibi=True, causal=True),
+    KernelSpec("float16", 80, dropout=True),
+    KernelSpec("bfloat16", 64, causal=True, window_left=True, attn_mask="bool", seqlens="seqlens_k", alibi=True,
+               dropout=True, bottom_right=True),
+]
+SPECS = BASE_SPECS + VARIANT_SPECS
+
+# Code that appears exactly when a switch is on: a kernel without a mask carries no mask code.
+SWITCH_MARKERS = [
+    (lambda s: s.causal or s.window_right, "keep = keep & (cols <= rows + offset + window_right)"),
+    (lambda s: s.window_left, "keep = keep & (cols >= rows + offset - window_left)"),
+    (lambda s: s.attn_mask != "none", "tl.load(MASK_base + rows * stride_mq"),
+    (lambda s: s.alibi, "(alibi_slope * LOG2E)"),
+    (lambda s: s.dropout, "tl.philox("),
+    (lambda s: s.seqlens == "varlen", "tl.load(CU_Q + off_b)"),
+    (lambda s: s.seqlens == "seqlens_k", "tl.load(SEQLENS_K + off_b)"),
+    (lambda s: s.bottom_right, "offset = seqlen_k - seqlen_q"),
+    (lambda s: s.head_dim not in (16, 32, 64, 128, 256), "(offs_d[None, :] < HEAD_DIM)"),
+]
+
+
+def _spec_id(spec: KernelSpec) -> str:
+    return f"{spec.dtype}-d{spec.head_dim}-dv{spec.head_dim_v}-{spec.mask_variant}"
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.dtype}-d{s.head_dim}-dv{s.head_dim_v}-{s.mask_variant}")
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
 def test_every_variant_renders_valid_python(kind, spec):
     source = codegen.render(kind, spec, default_config(spec, (9, 0)))
     tree = ast.parse(source)
     functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     expected = {"fwd": {"attn_fwd", "launch"}, "bwd": {"attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "launch"}}
     assert expected[kind] <= functions
-    # a kernel without a mask carries no mask code
-    assert ("causal_offset <" in source or "rows + causal_offset" in source) == spec.causal
-    assert ("HEAD_DIM)" in source) == (spec.head_dim not in (16, 32, 64, 128, 256))
+    for switch_on, marker in SWITCH_MARKERS:
+        assert (marker in source) == bool(switch_on(spec)), f"{marker!r} present={marker in source} for {spec}"
 
 
 def test_source_reads_like_the_algorithm():
     spec = KernelSpec("bfloat16", 64, causal=True)
     source = codegen.render("fwd", spec, default_config(spec, (9, 0)))
-    for step in ("m_new = tl.maximum(m_i, tl.max(s, 1))", "alpha = tl.math.exp2(m_i - m_new)",
-                 "l_i = l_i * alpha + tl.sum(p, 1)", "acc = acc * alpha[:, None]", "BLOCK_M = tl.constexpr(128)"):
+    for step in ("m_new = tl.maximum(m_i, tl.max(s, 1))", "alpha = tl.math.exp2(m_i - m_ref)",
+                 "l_i = l_i * alpha + tl.sum(p, 1)", "acc = acc * alpha[:, None]", "BLOCK_M = tl.constexpr(64)"):
         assert step in source
 
 
@@ -52,6 +82,11 @@ COMPILE_CASES = [
     ("dq", KernelSpec("float16", 64, causal=False)),
     ("fwd", KernelSpec("float16", 40, 24, causal=False)),
     ("dkdv", KernelSpec("float32", 32, causal=False)),
+    ("fwd", VARIANT_SPECS[-1]),
+    ("dkdv", VARIANT_SPECS[-1]),
+    ("dq", VARIANT_SPECS[-1]),
+    ("dkdv", VARIANT_SPECS[6]),
+    ("dq", VARIANT_SPECS[4]),
 ]
 
 
@@ -61,8 +96,8 @@ def test_variants_compile_for_sm90(tmp_path):
         "from fatune import offline\n"
         "from fatune.heuristics import default_config\n"
         "from fatune.spec import KernelSpec\n"
-        f"for kernel, args in {[(kernel, (s.dtype, s.head_dim, s.head_dim_v, s.causal)) for kernel, s in COMPILE_CASES]!r}:\n"
-        "    spec = KernelSpec(*args)\n"
+        f"for kernel, args in {[(kernel, s.to_dict()) for kernel, s in COMPILE_CASES]!r}:\n"
+        "    spec = KernelSpec(**args)\n"
         "    info = offline.compile_kernel(kernel, spec, default_config(spec, (9, 0)))\n"
         "    assert info.shared_bytes > 0, info\n"
         "    assert info.uses_wgmma == (spec.dtype != 'float32'), (kernel, spec, info)\n"

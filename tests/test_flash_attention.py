@@ -15,13 +15,6 @@ from tests.conftest import DEVICE
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
 
-def fatune_fn(config=None, enable_gqa=False):
-    def call(q, k, v, causal, scale):
-        return fatune.attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=enable_gqa, config=config)
-
-    return call
-
-
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v)
 CPU_SHAPES = [
     (1, 2, 2, 1, 1, 16, 16),
@@ -40,7 +33,7 @@ CPU_DTYPES = [torch.float16, torch.float32]  # the interpreter's tl.dot on bf16 
 def test_matches_reference(shape, dtype, causal, poison_outputs):
     torch.manual_seed(stable_seed(shape, dtype, causal))
     q, k, v = random_qkv(*shape, dtype=dtype, device=DEVICE)
-    run_and_compare(fatune_fn(), q, k, v, causal=causal)
+    run_and_compare(q, k, v, is_causal=causal)
 
 
 # Tile shapes the interpreter default does not use: BLOCK_M < BLOCK_N in the forward,
@@ -57,7 +50,7 @@ OTHER_CONFIGS = [
 def test_tile_shapes(seqlens, config, causal, poison_outputs):
     torch.manual_seed(7)
     q, k, v = random_qkv(2, 2, 2, *seqlens, 32, 32, dtype=torch.float16, device=DEVICE)
-    run_and_compare(fatune_fn(config), q, k, v, causal=causal)
+    run_and_compare(q, k, v, is_causal=causal, config=config)
 
 
 @pytest.mark.parametrize("layout", ["blhd", "strided"])
@@ -65,7 +58,7 @@ def test_tile_shapes(seqlens, config, causal, poison_outputs):
 def test_any_strides(layout, causal, poison_outputs):
     torch.manual_seed(11)
     q, k, v = random_qkv(2, 3, 3, 50, 70, 32, 32, dtype=torch.float16, device=DEVICE, layout=layout)
-    run_and_compare(fatune_fn(), q, k, v, causal=causal, grad_layout="transposed")
+    run_and_compare(q, k, v, is_causal=causal, grad_layout="transposed")
 
 
 def test_output_and_grads_keep_input_layout():
@@ -80,20 +73,20 @@ def test_output_and_grads_keep_input_layout():
 def test_scale_and_value_head_dim(causal, poison_outputs):
     torch.manual_seed(3)
     q, k, v = random_qkv(1, 2, 2, 40, 61, 32, 64, dtype=torch.float16, device=DEVICE)
-    run_and_compare(fatune_fn(), q, k, v, causal=causal, scale=0.3)
+    run_and_compare(q, k, v, is_causal=causal, scale=0.3)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_grouped_query_attention(causal, poison_outputs):
     torch.manual_seed(5)
     q, k, v = random_qkv(2, 4, 2, 37, 53, 32, 32, dtype=torch.float16, device=DEVICE)
-    run_and_compare(fatune_fn(enable_gqa=True), q, k, v, causal=causal)
+    run_and_compare(q, k, v, is_causal=causal, enable_gqa=True)
 
 
 def test_padded_head_dim(poison_outputs):
     torch.manual_seed(9)
     q, k, v = random_qkv(1, 2, 2, 45, 45, 40, 24, dtype=torch.float16, device=DEVICE)
-    run_and_compare(fatune_fn(), q, k, v, causal=True)
+    run_and_compare(q, k, v, is_causal=True)
 
 
 def test_same_kernel_is_deterministic():
@@ -101,21 +94,6 @@ def test_same_kernel_is_deterministic():
     first = fatune.attention(q, k, v, is_causal=True)
     second = fatune.attention(q, k, v, is_causal=True)
     assert torch.equal(first, second)
-
-
-@pytest.mark.parametrize(
-    "kwargs, argument",
-    [
-        ({"attn_mask": "mask"}, "attn_mask"),
-        ({"dropout_p": 0.1}, "dropout_p"),
-    ],
-)
-def test_unimplemented_arguments_name_themselves(kwargs, argument):
-    q, k, v = random_qkv(1, 1, 1, 8, 8, 16, 16, dtype=torch.float16, device=DEVICE)
-    if kwargs.get("attn_mask") == "mask":
-        kwargs = {"attn_mask": torch.ones(8, 8, dtype=torch.bool, device=DEVICE)}
-    with pytest.raises(NotImplementedError, match=argument):
-        fatune.attention(q, k, v, **kwargs)
 
 
 # ---------------------------------------------------------------- GPU (pytest -m gpu)
@@ -142,7 +120,7 @@ GPU_SHAPES = [
 def test_gpu_matches_reference(shape, dtype, causal, poison_outputs, record_gpu_errors):
     torch.manual_seed(stable_seed(shape, dtype, causal))
     q, k, v = random_qkv(*shape, dtype=dtype, device="cuda")
-    record_gpu_errors(run_and_compare(fatune_fn(), q, k, v, causal=causal))
+    record_gpu_errors(run_and_compare(q, k, v, is_causal=causal))
 
 
 @pytest.mark.gpu
@@ -152,7 +130,7 @@ def test_gpu_matches_reference(shape, dtype, causal, poison_outputs, record_gpu_
 def test_gpu_float32(shape, causal, poison_outputs, record_gpu_errors):
     torch.manual_seed(stable_seed(shape, causal))
     q, k, v = random_qkv(*shape, dtype=torch.float32, device="cuda")
-    record_gpu_errors(run_and_compare(fatune_fn(enable_gqa=True), q, k, v, causal=causal))
+    record_gpu_errors(run_and_compare(q, k, v, is_causal=causal, enable_gqa=True))
 
 
 @pytest.mark.gpu
@@ -160,7 +138,7 @@ def test_gpu_float32(shape, causal, poison_outputs, record_gpu_errors):
 def test_gpu_any_strides(layout, poison_outputs, record_gpu_errors):
     torch.manual_seed(13)
     q, k, v = random_qkv(2, 8, 8, 1000, 1000, 64, 64, dtype=torch.bfloat16, device="cuda", layout=layout)
-    record_gpu_errors(run_and_compare(fatune_fn(), q, k, v, causal=True, grad_layout="transposed"))
+    record_gpu_errors(run_and_compare(q, k, v, is_causal=True, grad_layout="transposed"))
 
 
 @pytest.mark.gpu
@@ -186,15 +164,3 @@ def test_gpu_memory_is_linear_in_length(head_dim, causal):
     for n, peak, io in zip(sizes, peaks, io_bytes):
         assert peak <= io, f"L={n}: peak extra memory {peak} B exceeds linear budget {io} B (an L x L buffer?)"
     assert peaks[2] <= 2.2 * peaks[1] and peaks[1] <= 2.2 * peaks[0], f"peaks {peaks} grow faster than L"
-
-
-@pytest.fixture
-def record_gpu_errors(request):
-    """Keep each GPU case's worst error ratio for TESTING.md (written by tests/gpu_report.py)."""
-    from tests import gpu_report
-
-    def record(results):
-        gpu_report.record(request.node.nodeid, results)
-
-    return record
-

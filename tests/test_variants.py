@@ -1,0 +1,361 @@
+"""Mask variants and the wider input space: attn_mask, seqlens_k, packed varlen, windows,
+bottom-right causal, GQA, any head dim, ALiBi, dropout and fully masked rows.
+
+Forward and gradients against the float64 golden with the accuracy rule (reference.py),
+on the real generated kernels (Triton interpreter on CPU).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fatune
+from fatune import dropout
+from tests.conftest import DEVICE
+from tests.reference import random_qkv, run_and_compare, stable_seed
+
+F16 = torch.float16
+
+
+def _qkv(b=2, h=2, hkv=2, lq=37, lk=53, d=32, dv=32, dtype=F16, seed=0):
+    torch.manual_seed(seed)
+    return random_qkv(b, h, hkv, lq, lk, d, dv, dtype=dtype, device=DEVICE)
+
+
+# ------------------------------------------------------------------ attn_mask
+
+MASK_SHAPES = {
+    "full": (2, 2, 37, 53),
+    "key-padding": (2, 1, 1, 53),
+    "2d": (37, 53),
+    "per-head": (1, 2, 37, 53),
+    "per-row": (2, 1, 37, 1),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", ["bool", "additive-f32", "additive-f16"])
+@pytest.mark.parametrize("shape_name", list(MASK_SHAPES))
+def test_attn_mask(shape_name, kind, causal, poison_outputs):
+    q, k, v = _qkv(seed=stable_seed(shape_name, kind, causal))
+    shape = MASK_SHAPES[shape_name]
+    if kind == "bool":
+        mask = torch.rand(shape, device=DEVICE) < 0.7
+    else:
+        mask = torch.randn(shape, device=DEVICE, dtype=torch.float32 if kind == "additive-f32" else F16)
+        mask = mask.masked_fill(torch.rand(shape, device=DEVICE) < 0.2, float("-inf"))
+    run_and_compare(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def test_key_padding_mask_is_not_expanded(poison_outputs):
+    """A (B, 1, 1, L_k) mask is read through zero strides: no (B, H, L_q, L_k) copy is made."""
+    q, k, v = _qkv(lq=40, lk=70)
+    mask = torch.arange(70, device=DEVICE)[None, None, None, :] < torch.tensor([50, 70], device=DEVICE)[:, None, None, None]
+    problem = fatune.inputs.check_inputs(q, k, v, attn_mask=mask)
+    assert problem.attn_mask.stride()[1:3] == (0, 0)
+    assert problem.attn_mask.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()
+    run_and_compare(q, k, v, attn_mask=mask)
+
+
+def test_fully_masked_rows_give_zero_output_and_gradients(poison_outputs):
+    q, k, v = _qkv(lq=33, lk=40)
+    mask = torch.rand(2, 2, 33, 40, device=DEVICE) < 0.6
+    mask[:, :, 5] = False
+    mask[1, 0, 20:] = False
+    out = fatune.attention(q, k, v, attn_mask=mask)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert (out[:, :, 5] == 0).all() and (out[1, 0, 20:] == 0).all()
+    assert (q.grad[:, :, 5] == 0).all() and (q.grad[1, 0, 20:] == 0).all()
+    q.grad = k.grad = v.grad = None
+    run_and_compare(q, k, v, attn_mask=mask)
+
+
+# ------------------------------------------------------------------ lengths
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_seqlens_k(causal, poison_outputs):
+    q, k, v = _qkv(b=4, lq=45, lk=77, seed=stable_seed("seqlens", causal))
+    seqlens = torch.tensor([77, 0, 13, 50], dtype=torch.int32, device=DEVICE)
+    run_and_compare(q, k, v, seqlens_k=seqlens, is_causal=causal, causal_alignment="bottom_right")
+
+
+def test_keys_past_seqlens_k_are_never_read():
+    """Keys past each sequence's length hold NaN: any read of them would poison the result."""
+    q, k, v = _qkv(b=3, lq=40, lk=96)
+    seqlens = torch.tensor([96, 17, 64], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        for b, n in enumerate(seqlens.tolist()):
+            k[b, :, n:] = float("nan")
+            v[b, :, n:] = float("nan")
+    out = fatune.attention(q, k, v, seqlens_k=seqlens)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    for b, n in enumerate(seqlens.tolist()):
+        assert torch.isfinite(k.grad[b, :, :n]).all() and (k.grad[b, :, n:] == 0).all()
+        assert (v.grad[b, :, n:] == 0).all()
+
+
+def _packed(lengths_q, lengths_k, heads, kv_heads, d, dv, dtype=F16, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(sum(lengths_q), heads, d, dtype=dtype, device=DEVICE).requires_grad_()
+    k = torch.randn(sum(lengths_k), kv_heads, d, dtype=dtype, device=DEVICE).requires_grad_()
+    v = torch.randn(sum(lengths_k), kv_heads, dv, dtype=dtype, device=DEVICE).requires_grad_()
+
+    def cu(lengths):
+        return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+
+    return q, k, v, cu(lengths_q), cu(lengths_k)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("group", [1, 2])
+def test_packed_varlen(causal, group, poison_outputs):
+    rng = random.Random(stable_seed("varlen", causal, group))
+    lengths_q = [rng.randint(1, 70) for _ in range(4)] + [1]
+    lengths_k = [rng.randint(1, 90) for _ in range(4)] + [33]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 2 * group, 2, 32, 32, seed=rng.randint(0, 99))
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q),
+                    max_seqlen_k=max(lengths_k), is_causal=causal, enable_gqa=group > 1)
+
+
+# ------------------------------------------------------------------ windows and alignment
+
+WINDOWS = [(8, 8), (0, 0), (20, -1), (-1, 5), (3, 30), (40, 0)]
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("seqlens", [(61, 61), (40, 97), (97, 40)], ids=str)
+def test_sliding_window(window, seqlens, alignment, poison_outputs):
+    q, k, v = _qkv(lq=seqlens[0], lk=seqlens[1], seed=stable_seed(window, seqlens, alignment))
+    run_and_compare(q, k, v, window_size=window, causal_alignment=alignment)
+
+
+@pytest.mark.parametrize("seqlens", [(30, 70), (70, 30)], ids=str)
+def test_causal_bottom_right(seqlens, poison_outputs):
+    q, k, v = _qkv(lq=seqlens[0], lk=seqlens[1], seed=stable_seed("br", seqlens))
+    run_and_compare(q, k, v, is_causal=True, causal_alignment="bottom_right")
+
+
+def test_causal_with_window(poison_outputs):
+    q, k, v = _qkv(lq=64, lk=64)
+    run_and_compare(q, k, v, is_causal=True, window_size=(10, 10))
+
+
+def test_alignment_defaults_document_sdpa_and_flash_attn():
+    """is_causal alone is SDPA's top-left; with a window the default is flash-attn's bottom-right."""
+    q, k, v = _qkv(lq=3, lk=6)
+    top_left = fatune.inputs.check_inputs(q, k, v, is_causal=True)
+    windowed = fatune.inputs.check_inputs(q, k, v, window_size=(2, 0))
+    assert not top_left.spec.bottom_right and windowed.spec.bottom_right
+
+
+# ------------------------------------------------------------------ tile ranges
+
+def test_tile_ranges_are_safe_and_tight():
+    """key_range/query_range against brute force: skipped tiles are fully invisible, unmasked ones fully visible."""
+    import triton
+    import triton.language as tl
+
+    from fatune import codegen
+    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.spec import KernelSpec
+
+    spec = KernelSpec("float16", 16, causal=False, window_left=True, window_right=True, bottom_right=True)
+    module = codegen.load("bwd", spec, INTERPRETER_CONFIG)
+    # a @triton.jit function resolves the functions it calls among its module's globals
+    globals().update(key_range=module.key_range, query_range=module.query_range)
+
+    @triton.jit
+    def ranges(OUT, start_m, start_n, seqlen_q, seqlen_k, offset, left, right, TM: tl.constexpr, TN: tl.constexpr):
+        lo, a, b, hi = key_range(start_m, seqlen_k, offset, left, right, TM, TN)
+        tl.store(OUT + 0, lo)
+        tl.store(OUT + 1, a)
+        tl.store(OUT + 2, b)
+        tl.store(OUT + 3, hi)
+        lo, a, b, hi = query_range(start_n, seqlen_q, seqlen_k, offset, left, right, TM, TN)
+        tl.store(OUT + 4, lo)
+        tl.store(OUT + 5, a)
+        tl.store(OUT + 6, b)
+        tl.store(OUT + 7, hi)
+
+    rng = random.Random(1)
+    out = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    for _ in range(150):
+        tm, tn = rng.choice([16, 32]), rng.choice([16, 32])
+        seqlen_q, seqlen_k = rng.randint(1, 120), rng.randint(1, 120)
+        left, right = rng.randint(0, 60), rng.randint(0, 60)
+        offset = seqlen_k - seqlen_q
+        rows = torch.arange(seqlen_q)[:, None]
+        cols = torch.arange(seqlen_k)[None, :]
+        sees = (cols >= rows + offset - left) & (cols <= rows + offset + right)
+        start_m = rng.randrange(0, seqlen_q, tm)
+        start_n = rng.randrange(0, seqlen_k, tn)
+        ranges[(1,)](out, start_m, start_n, seqlen_q, seqlen_k, offset, left, right, tm, tn)
+        # key tiles for query rows start_m .. start_m + tm - 1 (rows inside the sequence)
+        lo, a, b, hi = out[:4].tolist()
+        block = sees[start_m:start_m + tm]
+        visible_cols = block.any(0).nonzero().flatten().tolist()
+        assert lo <= a <= b <= hi <= seqlen_k and lo % tn == 0 and (a % tn == 0 or a == hi)
+        if visible_cols:
+            assert lo <= visible_cols[0] and visible_cols[-1] < hi, (lo, hi, visible_cols)
+            assert lo // tn == visible_cols[0] // tn and (hi - 1) // tn == visible_cols[-1] // tn  # tight
+        for tile in range(a, b, tn):
+            assert block[:, tile:tile + tn].all() or start_m + tm > seqlen_q, "an unmasked tile hides masked keys"
+        # query tiles for key columns start_n .. start_n + tn - 1
+        lo, a, b, hi = out[4:].tolist()
+        block = sees[:, start_n:start_n + tn]
+        visible_rows = block.any(1).nonzero().flatten().tolist()
+        assert lo <= a <= b <= hi <= seqlen_q and lo % tm == 0 and (a % tm == 0 or a == hi)
+        if visible_rows:
+            assert lo <= visible_rows[0] and visible_rows[-1] < hi
+            assert lo // tm == visible_rows[0] // tm and (hi - 1) // tm == visible_rows[-1] // tm
+        for tile in range(a, b, tm):
+            assert block[tile:tile + tm].all() or start_n + tn > seqlen_k
+
+
+# ------------------------------------------------------------------ GQA, head dims
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_gqa_ratios(group, poison_outputs):
+    q, k, v = _qkv(h=2 * group, hkv=2, seed=group)
+    run_and_compare(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dims", [(40, 40), (80, 80), (96, 96), (111, 111), (160, 160), (192, 192), (256, 256),
+                                  (96, 40), (1, 7)], ids=str)
+def test_any_head_dim(dims, poison_outputs):
+    q, k, v = _qkv(b=1, lq=33, lk=45, d=dims[0], dv=dims[1], seed=dims[0] * 1000 + dims[1])
+    run_and_compare(q, k, v, is_causal=True)
+
+
+# ------------------------------------------------------------------ ALiBi
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("slopes_shape", ["H", "BH"])
+def test_alibi(slopes_shape, causal, poison_outputs):
+    q, k, v = _qkv(lq=41, lk=57, seed=stable_seed("alibi", slopes_shape, causal))
+    shape = (2,) if slopes_shape == "H" else (2, 2)
+    slopes = torch.rand(shape, device=DEVICE, dtype=torch.float32) * 0.5
+    run_and_compare(q, k, v, alibi_slopes=slopes, is_causal=causal, causal_alignment="bottom_right")
+
+
+# ------------------------------------------------------------------ dropout
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout_matches_reference_with_the_kernels_mask(causal, monkeypatch, poison_outputs):
+    seed, p = 1234, 0.25
+    monkeypatch.setattr(dropout, "draw_seed", lambda: seed)
+    q, k, v = _qkv(lq=45, lk=70, seed=stable_seed("dropout", causal))
+    keep = dropout.keep_mask(seed, p, 2, 2, 45, 70, DEVICE)
+    run_and_compare(q, k, v, dropout_p=p, is_causal=causal, dropout_keep=keep)
+
+
+def test_dropout_keep_rate_and_determinism():
+    p = 0.3
+    keep = dropout.keep_mask(99, p, 1, 2, 256, 256, DEVICE)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+    assert torch.equal(keep, dropout.keep_mask(99, p, 1, 2, 256, 256, DEVICE))
+    assert not torch.equal(keep, dropout.keep_mask(100, p, 1, 2, 256, 256, DEVICE))
+    q, k, v = _qkv(lq=30, lk=30)
+    torch.manual_seed(5)
+    first = fatune.attention(q, k, v, dropout_p=p)
+    torch.manual_seed(5)
+    second = fatune.attention(q, k, v, dropout_p=p)
+    assert torch.equal(first, second)
+
+
+# ------------------------------------------------------------------ GPU (pytest -m gpu)
+
+def _gpu_case(name: str, rng: random.Random, dtype: torch.dtype):
+    """(q, k, v, kwargs) for one GPU variant case, sizes and masks drawn from rng."""
+    b, h, lq, lk, d = 2, 8, rng.randint(300, 1200), rng.randint(300, 1200), rng.choice([64, 128])
+    kwargs = {}
+    hkv, dv = h, d
+    if name == "mask-bool":
+        kwargs["attn_mask"] = torch.rand(b, 1, lq, lk, device="cuda") < 0.8
+    elif name == "mask-additive":
+        kwargs["attn_mask"] = torch.randn(b, h, lq, lk, device="cuda", dtype=dtype)
+    elif name == "key-padding":
+        kwargs["seqlens_k"] = torch.tensor([rng.randint(0, lk) for _ in range(b)], dtype=torch.int32, device="cuda")
+        kwargs["is_causal"] = rng.random() < 0.5
+    elif name == "window":
+        kwargs["window_size"] = (rng.randint(-1, 300), rng.randint(-1, 300))
+    elif name == "causal-bottom-right":
+        kwargs.update(is_causal=True, causal_alignment="bottom_right")
+    elif name.startswith("gqa-"):
+        hkv = h // int(name.split("-")[1])
+        kwargs.update(enable_gqa=True, is_causal=True)
+    elif name.startswith("head-dim-"):
+        d = dv = int(name.split("-")[2])
+        kwargs["is_causal"] = True
+    elif name == "alibi":
+        kwargs.update(alibi_slopes=torch.rand(b, h, device="cuda") * 0.3, is_causal=True)
+    torch.manual_seed(rng.randint(0, 2**31))
+    q, k, v = random_qkv(b, h, hkv, lq, lk, d, dv, dtype=dtype, device="cuda")
+    return q, k, v, kwargs
+
+
+GPU_CASES = ["mask-bool", "mask-additive", "key-padding", "window", "causal-bottom-right", "gqa-1", "gqa-2", "gqa-8",
+             "head-dim-40", "head-dim-80", "head-dim-96", "head-dim-256", "alibi"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_gpu_variant(name, dtype, poison_outputs, record_gpu_errors):
+    q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed(name, dtype)), dtype)
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_packed_varlen(dtype, poison_outputs, record_gpu_errors):
+    rng = random.Random(stable_seed("gpu-varlen", dtype))
+    lengths_q = [rng.randint(1, 900) for _ in range(6)]
+    lengths_k = [rng.randint(1, 900) for _ in range(6)]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 4, 128, 128, dtype=dtype, seed=rng.randint(0, 99))
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    record_gpu_errors(run_and_compare(q, k, v, cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda(), is_causal=True,
+                                      enable_gqa=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_dropout(dtype, monkeypatch, poison_outputs, record_gpu_errors):
+    seed, p = 4321, 0.2
+    monkeypatch.setattr(dropout, "draw_seed", lambda: seed)
+    torch.manual_seed(1)
+    q, k, v = random_qkv(2, 4, 4, 513, 700, 64, 64, dtype=dtype, device="cuda")
+    keep = dropout.keep_mask(seed, p, 2, 4, 513, 700, "cuda")
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+    record_gpu_errors(run_and_compare(q, k, v, dropout_p=p, is_causal=True, dropout_keep=keep))
+    first = fatune.attention(q, k, v, dropout_p=p)
+    assert torch.equal(first, fatune.attention(q, k, v, dropout_p=p))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["window-256", "padding-25%"])
+def test_gpu_skipped_work_is_not_paid_for(case):
+    """At L=8192 a 256-wide window or 25%-valid keys cost well under the dense time (tiles are skipped)."""
+    from fatune.measure import bench
+
+    q, k, v = random_qkv(2, 16, 16, 8192, 8192, 128, 128, dtype=torch.bfloat16, device="cuda")
+    grad_out = torch.randn_like(q)
+    if case == "window-256":
+        kwargs = {"window_size": (128, 127)}
+    else:
+        kwargs = {"seqlens_k": torch.full((2,), 8192 // 4, dtype=torch.int32, device="cuda")}
+
+    def step(**extra):
+        return lambda: fatune.attention(q, k, v, **extra).backward(grad_out)
+
+    dense = bench(step(), grad_to_none=[q, k, v])
+    sparse = bench(step(**kwargs), grad_to_none=[q, k, v])
+    print(f"{case}: dense {dense:.3f} ms, {case} {sparse:.3f} ms")
+    limit = 0.15 if case == "window-256" else 0.4  # 256/8192 = 3% of the keys; 25% of the keys
+    assert sparse < limit * dense, f"{case}: {sparse:.3f} ms is not well under dense {dense:.3f} ms"
