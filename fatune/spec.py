@@ -154,6 +154,8 @@ class KernelSpec:
             # Rows can end with every key masked (and -inf scores) in any tile, not just band tiles.
             "ANY_TILE_MASKS": self.attn_mask != "none",
             "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,
+            # 16-bit dS is split into hi + lo parts in masked tiles (see attn_bwd.py.jinja)
+            "SPLIT_DS": self.dtype != "float32",
             "PAD_D": lanes(self.head_dim) != self.head_dim,
             "PAD_DV": lanes(self.head_dim_v) != self.head_dim_v,
         }

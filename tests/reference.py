@@ -8,8 +8,10 @@ golden must be at most FACTOR x PyTorch's error, plus a tiny floor for exact-zer
 - float16 / bfloat16: plain torch ops in that dtype (flash-attn's `attention_ref(upcast=False)`:
   half-precision matmuls, softmax in float32, P rounded to the dtype). torch SDPA on CPU
   computes half inputs in float32 internally, so it is not a same-dtype baseline there.
-- float32: torch SDPA, PyTorch's own fused kernel, where SDPA can express the variant.
-On a GPU every case is checked against both baselines where SDPA can express it.
+- float32: torch SDPA, PyTorch's own fused kernel, where SDPA can express the variant
+  (plain float32 ops are exact up to float32 rounding, not an implementation of the
+  FlashAttention kind; they are the baseline only where SDPA cannot express the variant).
+On a GPU, 16-bit cases are checked against both baselines where SDPA can express them.
 """
 
 from __future__ import annotations
@@ -98,10 +100,10 @@ def same_dtype_baselines(problem: AttentionProblem, q: torch.Tensor) -> dict[str
             mask = None if isinstance(sdpa_mask, bool) else sdpa_mask
             return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=sdpa_mask is True,
                                                   scale=problem.scale, enable_gqa=problem.group_size > 1)
+    if q.dtype == torch.float32:
+        return {"torch-sdpa": sdpa} if sdpa is not None else {"torch-plain": plain}
     if q.is_cuda:
         return {"torch-plain": plain, **({"torch-sdpa": sdpa} if sdpa else {})}
-    if q.dtype == torch.float32 and sdpa is not None:
-        return {"torch-sdpa": sdpa}
     return {"torch-plain": plain}
 
 

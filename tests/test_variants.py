@@ -357,5 +357,6 @@ def test_gpu_skipped_work_is_not_paid_for(case):
     dense = bench(step(), grad_to_none=[q, k, v])
     sparse = bench(step(**kwargs), grad_to_none=[q, k, v])
     print(f"{case}: dense {dense:.3f} ms, {case} {sparse:.3f} ms")
-    limit = 0.15 if case == "window-256" else 0.4  # 256/8192 = 3% of the keys; 25% of the keys
+    # 256/8192 = 3% of the keys, but each query tile also walks ~4 masked edge tiles; 25% of the keys
+    limit = 0.25 if case == "window-256" else 0.4
     assert sparse < limit * dense, f"{case}: {sparse:.3f} ms is not well under dense {dense:.3f} ms"
