@@ -1,7 +1,9 @@
 """fatune: autotuned FlashAttention kernels generated from Jinja2 templates for Triton."""
 
-from fatune.flash_attention import attention
+from fatune import custom_op as _custom_op  # registers the fatune:: torch ops
+from fatune.custom_op import FlashAttention
+from fatune.flash_attention import attention, explain
 from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig
 
 __version__ = "0.1.0"
-__all__ = ["AttentionConfig", "KernelSpec", "LaunchConfig", "attention", "__version__"]
+__all__ = ["AttentionConfig", "FlashAttention", "KernelSpec", "LaunchConfig", "attention", "explain", "__version__"]

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from fatune.competitors import Attention, competitors
+from fatune.competitors import Attention, competitors, sdpa_default
 from fatune.measure import Shape, make_inputs, tflops, time_training_step
 
 FATUNE_IMPLS = ("fatune", "fatune-heuristic")
@@ -61,8 +61,8 @@ def fatune_impl(name: str, shape: Shape) -> Attention:
     config = None
     if name == "fatune-heuristic":
         config = default_config(shape.spec, device_arch(torch.device("cuda")))
-    gqa = shape.kv_heads != shape.heads
-    return lambda q, k, v: fatune.attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa, config=config)
+    kwargs = shape.attention_kwargs("cuda")
+    return lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs)
 
 
 def _peak_bytes(attention: Attention, inputs: dict[str, torch.Tensor]) -> int:
@@ -85,9 +85,7 @@ def bench_shape(shape: Shape, impls: Iterable[str], warmup_ms: float = 25, rep_m
     others = tuple(name.removeprefix("sdpa-") for name in impls if name not in FATUNE_IMPLS)
     runners.update(competitors(shape, others))
     with torch.no_grad():
-        reference = torch.nn.functional.scaled_dot_product_attention(
-            inputs["q"], inputs["k"], inputs["v"], is_causal=shape.causal,
-            enable_gqa=shape.kv_heads != shape.heads).float()
+        reference = sdpa_default(shape)(inputs["q"], inputs["k"], inputs["v"]).float()
     rows = []
     for name in impls:
         row = BenchRow(shape, name)
@@ -236,3 +234,38 @@ def environment() -> dict:
 
 
 ProgressFn = Callable[[str], None]
+
+
+def host_overhead(calls: int = 2000, shape: Shape | None = None) -> dict[str, float]:
+    """Microseconds per call of fatune.attention and torch SDPA on a tiny problem (host-bound), same inputs.
+
+    Each implementation is warmed up, then called `calls` times back to back; the wall time
+    up to a final synchronize, divided by `calls`, is the per-call cost. Median of 5 rounds.
+    """
+    import statistics
+    import time
+
+    import fatune
+
+    shape = shape or Shape(batch=1, heads=8, seqlen_q=128, seqlen_k=128, head_dim=64, dtype="bfloat16", causal=True)
+    inputs = make_inputs(shape, "cuda")
+    q, k, v = (inputs[name].detach() for name in ("q", "k", "v"))
+    runners = {
+        "fatune": lambda: fatune.attention(q, k, v, is_causal=shape.causal),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal),
+    }
+    results = {}
+    for name, run in runners.items():
+        for _ in range(100):
+            run()
+        torch.cuda.synchronize()
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - start) / calls * 1e6)
+        results[name] = statistics.median(rounds)
+    results["ratio"] = results["fatune"] / results["sdpa"]
+    return results

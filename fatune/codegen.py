@@ -149,7 +149,7 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-_modules: dict[tuple[str, bool], ModuleType] = {}
+_modules: dict[tuple, ModuleType] = {}
 _lock = threading.Lock()
 
 
@@ -158,19 +158,22 @@ def _interpreting() -> bool:
 
 
 def load(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> ModuleType:
-    """Import the generated module for (kind, spec, config), rendering it into the cache if needed."""
-    path = source_path(kind, spec, config)
-    memo_key = (str(path), _interpreting())  # interpreted and compiled kernels are different objects
+    """Import the generated module for (kind, spec, config), rendering it into the cache if needed.
+
+    After the first call for a key this is one dictionary lookup (it sits on every call's path).
+    """
+    memo_key = (kind, spec, config, _interpreting())  # interpreted and compiled kernels are different objects
     module = _modules.get(memo_key)
     if module is not None:
         return module
     with _lock:
         module = _modules.get(memo_key)
         if module is None:
+            path = source_path(kind, spec, config)
             source = render(kind, spec, config)
             if not path.exists() or path.read_text() != source:
                 _write_atomically(path, source)
-            name = f"fatune_generated.{path.stem}{'_interp' if memo_key[1] else ''}"
+            name = f"fatune_generated.{path.stem}{'_interp' if memo_key[-1] else ''}"
             module_spec = importlib.util.spec_from_file_location(name, path)
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)

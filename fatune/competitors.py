@@ -15,6 +15,23 @@ SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 MATH_BUDGET_BYTES = 8 << 30  # the math backend materialises B x H x Lq x Lk scores (and more for backward)
 
 
+def dense_mask(shape: Shape, device: torch.device | str) -> torch.Tensor | None:
+    """Bool (B or 1, 1, Lq, Lk) keep-mask for shapes SDPA cannot express with is_causal (None otherwise)."""
+    if shape.window < 0 and shape.valid_keys >= 1.0:
+        return None
+    from fatune import reference
+    from fatune.inputs import check_inputs
+
+    dtype = torch.float16
+    q = torch.empty(shape.batch, shape.heads, shape.seqlen_q, 1, dtype=dtype, device="meta")
+    kwargs = shape.attention_kwargs(device)
+    limit = kwargs["seqlens_k"] if "seqlens_k" in kwargs else shape.seqlen_k
+    problem_kwargs = {key: value for key, value in kwargs.items() if key != "seqlens_k"}
+    k = torch.empty(shape.batch, shape.kv_heads, shape.seqlen_k, 1, dtype=dtype, device="meta")
+    problem = check_inputs(q, k, k, **problem_kwargs)
+    return reference.visible(problem, shape.seqlen_q, shape.seqlen_k, limit, torch.device(device))
+
+
 def sdpa(backend: str, shape: Shape) -> Attention | None:
     """torch SDPA forced onto one backend; None when that backend cannot take `shape`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -28,10 +45,15 @@ def sdpa(backend: str, shape: Shape) -> Attention | None:
     if backend == "math" and 12 * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k > MATH_BUDGET_BYTES:
         return None
     gqa = shape.kv_heads != shape.heads
+    masks: dict[torch.device, torch.Tensor | None] = {}
 
     def run(q, k, v):
+        if q.device not in masks:
+            masks[q.device] = dense_mask(shape, q.device)
+        mask = masks[q.device]
         with sdpa_kernel(chosen):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=shape.causal and mask is None,
+                                                  enable_gqa=gqa)
 
     return run
 
@@ -39,7 +61,13 @@ def sdpa(backend: str, shape: Shape) -> Attention | None:
 def sdpa_default(shape: Shape) -> Attention:
     """torch SDPA with its own backend choice."""
     gqa = shape.kv_heads != shape.heads
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
+
+    def run(q, k, v):
+        mask = dense_mask(shape, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=shape.causal and mask is None,
+                                              enable_gqa=gqa)
+
+    return run
 
 
 def flex(shape: Shape, device: torch.device | str = "cuda") -> Attention:

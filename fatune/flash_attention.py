@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
 from fatune import codegen, dropout, reference
-from fatune.dispatch import choose_config, interpreting
+from fatune.dispatch import Decision, dispatcher, interpreting
 from fatune.inputs import AttentionProblem, check_inputs
 from fatune.kernel_args import KernelArgs
-from fatune.spec import AttentionConfig
+from fatune.spec import AttentionConfig, KernelSpec
 
 log = logging.getLogger("fatune")
 STRICT_ENV = "FATUNE_STRICT"
@@ -172,9 +173,47 @@ def attention(
     if query.device.type != "cuda" and not interpreting():
         return _fallback(query, key, value, problem,
                          f"{query.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1)", strict)
-    chosen = choose_config(problem, query.device, config)
+    chosen = dispatcher().decide(problem, query.device, config, strict).config
+    if torch.compiler.is_compiling():
+        from fatune import custom_op
+
+        return custom_op.attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                   causal_alignment, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k,
+                                   max_seqlen_q, max_seqlen_k, chosen)
     if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
         # no keys anywhere: every row is a row that sees no key
         zero = (query.sum() + key.sum() + value.sum()) * 0
         return _new_like(query, problem.spec.head_dim_v).zero_() + zero
     return _FlashAttention.apply(query, key, value, problem, chosen)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What fatune.attention would run for a call, and why."""
+
+    backend: str  # "triton" (compiled), "triton-interpreter" or "torch-fallback"
+    spec: KernelSpec
+    decision: Decision | None
+    sources: dict[str, str]  # kernel module -> generated source file
+    reason: str
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend}", f"mask variant: {self.spec.mask_variant} ({self.spec.dtype}, "
+                 f"d={self.spec.head_dim}, dv={self.spec.head_dim_v})", f"why: {self.reason}"]
+        if self.decision is not None:
+            lines.append(self.decision.describe())
+        lines += [f"source ({kind}): {path}" for kind, path in self.sources.items()]
+        return "\n".join(lines)
+
+
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, config: AttentionConfig | None = None,
+            strict: bool | None = None, **kwargs) -> Explanation:
+    """Which tuned entry, config, generated source file and DB layer fatune.attention(same arguments) would use."""
+    problem = check_inputs(query, key, value, *args, **kwargs)
+    if query.device.type != "cuda" and not interpreting():
+        return Explanation("torch-fallback", problem.spec, None, {},
+                           f"{query.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1)")
+    decision = dispatcher().decide(problem, query.device, config, strict_mode(strict))
+    sources = {kind: str(codegen.source_path(kind, problem.spec, decision.config)) for kind in ("fwd", "bwd")}
+    backend = "triton" if query.device.type == "cuda" else "triton-interpreter"
+    return Explanation(backend, problem.spec, decision, sources, decision.reason)

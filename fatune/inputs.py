@@ -71,10 +71,15 @@ def _check_index_tensor(name: str, tensor: object, length: int | None, device: t
     return tensor
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, list[int]]:
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device,
+                      given_max: int | None) -> tuple[int, list[int]]:
     _check_index_tensor(name, cu, None, device)
     if cu.shape[0] < 2:
         raise ValueError(f"{name}: expected at least 2 entries (0, ..., total tokens), got {cu.shape[0]}")
+    if torch.compiler.is_compiling():  # values are checked when the compiled op runs (no graph break here)
+        if given_max is None:
+            raise ValueError(f"{name}: under torch.compile pass max_seqlen_q and max_seqlen_k as ints")
+        return given_max, [given_max] * (cu.shape[0] - 1)
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name}: expected to start at 0 and end at the {total} packed tokens, got {values[0]}..{values[-1]}")
@@ -135,8 +140,8 @@ def check_inputs(
         total_k, kv_heads, _ = key.shape
         if value.shape[0] != total_k or value.shape[1] != kv_heads:
             raise ValueError(f"value: expected ({total_k}, {kv_heads}, Dv) to match key, got {tuple(value.shape)}")
-        actual_q, lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, device)
-        actual_k, lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, device)
+        actual_q, lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, device, max_seqlen_q)
+        actual_k, lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, device, max_seqlen_k)
         if len(lengths_q) != len(lengths_k):
             raise ValueError(f"cu_seqlens_k: expected {len(lengths_q) + 1} entries like cu_seqlens_q, "
                              f"got {len(lengths_k) + 1}")
@@ -230,6 +235,7 @@ def check_inputs(
 
     if seqlens_k is not None:
         _check_index_tensor("seqlens_k", seqlens_k, batch, device)
+    if seqlens_k is not None and not torch.compiler.is_compiling():
         lengths = seqlens_k.tolist()
         if lengths and (min(lengths) < 0 or max(lengths) > seqlen_k):
             raise ValueError(f"seqlens_k: expected key lengths in 0..{seqlen_k}, got {min(lengths)}..{max(lengths)}")

@@ -32,14 +32,36 @@ class Shape:
     causal: bool = False
     kv_heads: int = 0  # 0: same as heads
     head_dim_v: int = 0  # 0: same as head_dim
+    window: int = -1  # >= 0: causal sliding window, keys i - window .. i (flash-attn's window_size=(window, 0))
+    valid_keys: float = 1.0  # < 1: key padding, each sequence keeps this fraction of its keys (seqlens_k)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
         object.__setattr__(self, "head_dim_v", self.head_dim_v or self.head_dim)
 
+    def attention_kwargs(self, device: torch.device | str) -> dict:
+        """The fatune.attention keyword arguments that describe this shape's mask variant."""
+        kwargs: dict = {"is_causal": self.causal, "enable_gqa": self.kv_heads != self.heads}
+        if self.window >= 0:
+            kwargs["window_size"] = (self.window, 0)
+        if self.valid_keys < 1.0:
+            kwargs["seqlens_k"] = torch.full((self.batch,), max(1, int(self.seqlen_k * self.valid_keys)),
+                                             dtype=torch.int32, device=device)
+        return kwargs
+
     @property
     def spec(self) -> KernelSpec:
-        return KernelSpec(self.dtype, self.head_dim, self.head_dim_v, self.causal)
+        """The kernel spec fatune.attention derives for this shape (from one-row stand-in tensors)."""
+        from fatune.inputs import check_inputs
+
+        dtype = DTYPES[self.dtype]
+        q = torch.empty(self.batch, self.heads, 1, self.head_dim, dtype=dtype)
+        k = torch.empty(self.batch, self.kv_heads, 1, self.head_dim, dtype=dtype)
+        v = torch.empty(self.batch, self.kv_heads, 1, self.head_dim_v, dtype=dtype)
+        kwargs = self.attention_kwargs("cpu")
+        if "seqlens_k" in kwargs:
+            kwargs["seqlens_k"] = torch.ones(self.batch, dtype=torch.int32)
+        return check_inputs(q, k, v, **kwargs).spec
 
     def with_(self, **changes) -> Shape:
         return replace(self, **changes)
@@ -49,11 +71,16 @@ class Shape:
         forward = 2.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
         if self.causal:
             forward *= 0.5
+        # work the kernels actually do (skipped tiles are not counted)
+        if self.window >= 0:
+            forward *= min(1.0, (self.window + 1) / self.seqlen_k) / (0.5 if self.causal else 1.0)
+        forward *= self.valid_keys
         return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[passes]
 
     def label(self) -> str:
         gqa = f" hkv{self.kv_heads}" if self.kv_heads != self.heads else ""
-        mask = " causal" if self.causal else ""
+        mask = (" causal" if self.causal else "") + (f" window{self.window}" if self.window >= 0 else "")
+        mask += f" keys{self.valid_keys:.0%}" if self.valid_keys < 1 else ""
         return f"{self.dtype} b{self.batch} h{self.heads}{gqa} lq{self.seqlen_q} lk{self.seqlen_k} d{self.head_dim}{mask}"
 
 
@@ -94,7 +121,7 @@ class KernelRunner:
 
         self.shape, self.config = shape, config
         q, k, v = (inputs[name].detach() for name in ("q", "k", "v"))
-        problem = check_inputs(q, k, v, is_causal=shape.causal, enable_gqa=shape.kv_heads != shape.heads)
+        problem = check_inputs(q, k, v, **shape.attention_kwargs(q.device))
         out = torch.empty(*q.shape[:3], shape.head_dim_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(*q.shape[:3], dtype=torch.float32, device=q.device)
         self.args = _kernel_args(problem, q, k, v, out, lse, seed=0)

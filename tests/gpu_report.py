@@ -19,6 +19,9 @@ def write() -> None:
     path = os.environ.get("FATUNE_GPU_REPORT")
     if not path or not _cases:
         return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # pytest -n: one file per worker process
+        path = f"{path}.{worker}"
     worst = max((ratio, nodeid, name) for nodeid, ratios in _cases.items() for name, ratio in ratios.items())
     with open(path, "w") as handle:
         json.dump({"cases": _cases, "worst": {"ratio": worst[0], "case": worst[1], "tensor": worst[2]}}, handle, indent=1)

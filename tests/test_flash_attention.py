@@ -141,6 +141,7 @@ def test_gpu_any_strides(layout, poison_outputs, record_gpu_errors):
     record_gpu_errors(run_and_compare(q, k, v, is_causal=True, grad_layout="transposed"))
 
 
+@pytest.mark.serial
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])

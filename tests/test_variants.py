@@ -338,6 +338,7 @@ def test_gpu_dropout(dtype, monkeypatch, poison_outputs, record_gpu_errors):
     assert torch.equal(first, fatune.attention(q, k, v, dropout_p=p))
 
 
+@pytest.mark.serial
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["window-256", "padding-25%"])
 def test_gpu_skipped_work_is_not_paid_for(case):

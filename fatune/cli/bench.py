@@ -23,12 +23,14 @@ from fatune.cli.options import int_list, name_list
 @click.option("--rep-ms", default=100.0, show_default=True)
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
               show_default=True, help="Folder for bench.md, bench.json and bench.png.")
-def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_ms, rep_ms, output) -> None:
+@click.option("--overhead", is_flag=True, help="Only measure host cost per call on a tiny problem (1x8x128x64).")
+def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_ms, rep_ms, output, overhead) -> None:
     """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
 
     Example:
 
         fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
+        fatune bench --overhead
     """
     import torch
 
@@ -37,6 +39,11 @@ def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_m
 
     if not torch.cuda.is_available():
         raise click.ClickException("fatune bench times CUDA kernels and needs a CUDA GPU; none is visible")
+    if overhead:
+        result = runner.host_overhead()
+        click.echo(f"host cost per call, 1x8x128x64 causal bf16: fatune {result['fatune']:.1f} us, "
+                   f"torch SDPA {result['sdpa']:.1f} us, ratio {result['ratio']:.2f}")
+        return
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
     shapes = runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,
                                    tuple(dtype_name(d) for d in dtypes), tokens, model_dim)

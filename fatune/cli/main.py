@@ -7,6 +7,8 @@ import click
 from fatune import __version__
 from fatune.cli.bench import bench
 from fatune.cli.codegen import codegen
+from fatune.cli.db import db
+from fatune.cli.search import search
 
 
 @click.group()
@@ -17,6 +19,8 @@ def cli() -> None:
 
 cli.add_command(codegen)
 cli.add_command(bench)
+cli.add_command(search)
+cli.add_command(db)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""`fatune search`: tune launch configs for this GPU and store the winners in the tuned DB."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from fatune.cli.options import int_list
+
+
+def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
+    if mask == "window":
+        return [s.with_(causal=True, window=window) for s in shapes if s.causal] or \
+            [s.with_(causal=True, window=window) for s in shapes]
+    if mask == "padding":
+        return [s.with_(valid_keys=valid_keys) for s in shapes]
+    return shapes
+
+
+@click.command()
+@click.option("--head-dim", type=click.IntRange(1, 256), required=True, help="Head dim of query/key (and value).")
+@click.option("--dtype", default="bf16", show_default=True, help="fp16, bf16 or fp32.")
+@click.option("--lengths", callback=int_list, default="512,1024,2048,4096,8192,16384", show_default=True,
+              help="Comma-separated query lengths.")
+@click.option("--lengths-k", callback=int_list, default="", help="Key lengths (default: same as --lengths).")
+@click.option("--batch", type=int, default=0, help="Batch size (default: 16384 tokens / L).")
+@click.option("--heads", type=int, default=0, help="Query heads (default: 2048 / head dim).")
+@click.option("--kv-heads", type=int, default=0, help="Key/value heads for GQA (default: same as --heads).")
+@click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding"]), default="both",
+              show_default=True, help="Mask variant(s): both = none and causal.")
+@click.option("--window", type=int, default=256, show_default=True, help="Left window size for --mask window.")
+@click.option("--valid-keys", type=float, default=0.25, show_default=True,
+              help="Fraction of keys kept per sequence for --mask padding.")
+@click.option("--trials", type=int, default=30, show_default=True, help="Optuna trials per kernel per shape.")
+@click.option("--time-budget", type=float, default=600.0, show_default=True, help="Seconds per shape.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (same seed, same trial sequence).")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Tuned DB file (default: $FATUNE_DB or ~/.cache/fatune/tuned.sqlite).")
+@click.option("--storage", default=None,
+              help="Optuna storage URL, e.g. postgresql://host/db (default: SQLite file beside the DB).")
+@click.option("--interpret", is_flag=True, help="Run in Triton's CPU interpreter: tiny shapes, timings not meaningful.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, window, valid_keys, trials,
+           time_budget, seed, db_path, storage, interpret, as_json) -> None:
+    """Search launch configs for each shape, timing forward+backward, and store the winners.
+
+    Each kernel (forward, dK/dV, dQ) gets its own Optuna study; winners are checked
+    against torch, re-timed end to end and compared with torch's best SDPA backend in
+    the same run. An interrupted search resumes from its Optuna storage.
+
+    Example:
+
+        fatune search --head-dim 64 --dtype bf16
+        fatune search --head-dim 128 --dtype fp16 --lengths 4096 --mask causal --trials 40
+    """
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        # triton.language decides interpreted vs compiled when first imported: start again with it set
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli.main", *sys.argv[1:]], env)
+    from fatune import db as tuned_db
+    from fatune import search as tuner
+    from fatune.measure import Shape
+    from fatune.spec import dtype_name
+
+    try:
+        dtype = dtype_name(dtype)
+        target = tuner.Target.detect(interpret)
+    except (ValueError, RuntimeError) as error:
+        raise click.ClickException(str(error)) from None
+    if interpret and lengths == [512, 1024, 2048, 4096, 8192, 16384]:
+        lengths = [64, 128]  # the interpreter runs tiles as numpy arrays: keep it small
+    lengths_k = lengths_k or lengths
+    if len(lengths_k) != len(lengths):
+        raise click.BadParameter("give as many key lengths as query lengths", param_hint="--lengths-k")
+    tokens, model_dim = (256, 64) if interpret else (16384, 2048)
+    heads = heads or max(1, model_dim // head_dim)
+    causal_values = {"both": (False, True), "none": (False,), "causal": (True,), "window": (True,),
+                     "padding": (False, True)}[mask]
+    shapes = [Shape(batch=batch or max(1, tokens // lq), heads=heads, seqlen_q=lq, seqlen_k=lk, head_dim=head_dim,
+                    dtype=dtype, causal=c, kv_heads=kv_heads or heads)
+              for c in causal_values for lq, lk in zip(lengths, lengths_k)]
+    shapes = _mask_shapes(shapes, mask, window, valid_keys)
+    if heads % (kv_heads or heads):
+        raise click.BadParameter(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}", param_hint="--kv-heads")
+
+    db_path = db_path or tuned_db.default_path()
+    storage = storage or f"sqlite:///{db_path.with_suffix('.optuna.sqlite')}"
+    space = tuner.INTERPRETER_SPACE if interpret else tuner.GPU_SPACE
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    results = []
+    with tuned_db.TunedDB(db_path) as database:
+        with click.progressbar(length=len(shapes) * trials * 3, label="search", file=click.get_text_stream("stderr"),
+                               show_pos=True) as bar:
+            for shape in shapes:
+                def on_trial(kernel, best_ms, shape=shape):
+                    bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
+                    bar.update(1)
+
+                try:
+                    result = tuner.search_shape(shape, target, trials=trials, seconds=time_budget, storage=storage,
+                                                seed=seed, space=space, on_trial=on_trial)
+                except RuntimeError as error:
+                    raise click.ClickException(str(error)) from None
+                stored = tuner.store(database, result, target)
+                results.append((result, stored))
+    if as_json:
+        click.echo(json.dumps([_result_json(r, stored, target) for r, stored in results], indent=1))
+        return
+    _print_table(results, target, db_path)
+
+
+def _result_json(result, stored: bool, target) -> dict:
+    return {
+        "shape": result.shape.label(), "config": result.config.to_dict(), "kernel_ms": result.kernel_ms,
+        "fwd_ms": result.fwd_ms, "bwd_ms": result.bwd_ms, "fwd_bwd_ms": result.fwd_bwd_ms, "tflops": result.tflops,
+        "sdpa_backend": result.sdpa_backend, "sdpa_ms": None if math.isnan(result.sdpa_ms) else result.sdpa_ms,
+        "speedup": None if math.isnan(result.speedup) else result.speedup, "trials": result.trials,
+        "rejected": result.rejected, "seconds": result.seconds, "stored": stored,
+        "interpreted": target.interpret, "gpu": target.gpu,
+    }
+
+
+def _print_table(results, target, db_path) -> None:
+    click.echo(f"\n{target.gpu} (sm {target.capability}); tuned DB {db_path}")
+    if target.interpret:
+        click.echo("Triton interpreter: the timings below are NOT meaningful (CPU emulation).")
+    header = f"{'shape':44} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'SDPA best':>16} {'speedup':>7} " \
+             f"{'trials':>6}  configs fwd | dkdv | dq"
+    click.echo(header)
+    click.echo("-" * len(header))
+    for result, stored in results:
+        sdpa = f"{result.sdpa_backend} {result.sdpa_ms:.3f}" if result.sdpa_backend else "n/a"
+        speed = f"{result.speedup:.2f}x" if not math.isnan(result.speedup) else "n/a"
+        configs = f"{result.config.fwd} | {result.config.dkdv} | {result.config.dq}"
+        click.echo(f"{result.shape.label():44} {result.fwd_ms:8.3f} {result.bwd_ms:8.3f} {result.fwd_bwd_ms:8.3f} "
+                   f"{result.tflops:8.1f} {sdpa:>16} {speed:>7} {result.trials:6d}  {configs}"
+                   f"{'' if stored else '  (DB kept a faster entry)'}")

@@ -1,0 +1,359 @@
+"""`fatune search`: find the fastest correct launch configs per shape with Optuna, store the winners.
+
+The forward, dK/dV and dQ kernels are independent launches, so each gets its own Optuna
+study (TPE sampler, fixed seed) minimising its own median time; a training step's
+forward+backward time is their sum plus the small Delta pre-pass, and is measured again
+end to end with the winners before anything is stored.
+
+A trial is rejected before compiling when its tiles cannot fit (shared-memory estimate,
+too many warps for the tile); a compile error or OutOfResources prunes it; its output is
+checked against torch before its time counts (a fast wrong kernel never wins); a trial
+whose quick timing is far behind the best so far is pruned before the full timing.
+Studies live in Optuna storage (SQLite by default) under a name that encodes the whole
+key, so an interrupted search resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import optuna
+import torch
+
+from fatune import codegen
+from fatune.db import Entry, TunedDB, seqlen_bucket
+from fatune.heuristics import default_config
+from fatune.measure import KernelRunner, Shape, bench, make_inputs, tflops, time_training_step
+from fatune.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, lanes
+
+ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2, "float32": 1e-3}  # max |candidate - torch| / max |torch|
+PRUNE_FACTOR = 1.5  # quick timing this much slower than the best so far: pruned
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Candidate launch configs for one kernel (the same axes for all three kernels)."""
+
+    block_m: tuple[int, ...] = (16, 32, 64, 128)
+    block_n: tuple[int, ...] = (16, 32, 64, 128)
+    num_warps: tuple[int, ...] = (2, 4, 8)
+    num_stages: tuple[int, ...] = (1, 2, 3, 4, 5)
+
+    def grid(self) -> list[LaunchConfig]:
+        return [LaunchConfig(*values) for values in itertools.product(self.block_m, self.block_n, self.num_warps,
+                                                                      self.num_stages)]
+
+
+GPU_SPACE = SearchSpace()
+# The interpreter runs tiles as numpy arrays: a small space keeps CPU searches short.
+INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,))
+
+
+def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> int:
+    """Estimate of a kernel's shared memory: resident tiles plus num_stages copies of streamed tiles.
+
+    Matches Triton 3.6's reports on sm_90 for the heuristic configs (see fatune.offline).
+    """
+    element = ELEMENT_BYTES[spec.dtype]
+    d, dv = lanes(spec.head_dim), lanes(spec.head_dim_v)
+    m, n, stages = config.block_m, config.block_n, config.num_stages
+    if kernel == "fwd":  # Q tile resident, K and V tiles streamed
+        return element * (m * d + stages * n * (d + dv))
+    if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed
+        return element * (n * (d + dv) + stages * m * (d + dv))
+    return element * (m * (d + dv) + stages * n * (d + dv))  # dq: Q, dO resident, K, V streamed
+
+
+def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig, shared_limit: int | None) -> str | None:
+    """Why `config` cannot run well for `kernel` on a GPU with `shared_limit` bytes per block (None:
+    the interpreter, where only correctness matters), decided without compiling; None if it may."""
+    if shared_limit is None:
+        return None
+    if config.block_m * config.block_n < config.num_warps * 32 * 8:
+        return f"{config.num_warps} warps for a {config.block_m}x{config.block_n} tile: under 8 elements per thread"
+    if shared_limit is not None:
+        needed = shared_memory_bytes(kernel, spec, config)
+        if needed > shared_limit:
+            return f"needs ~{needed // 1024} KiB shared memory, the GPU has {shared_limit // 1024} KiB per block"
+    resident = {"fwd": config.block_m * lanes(spec.head_dim_v), "dkdv": config.block_n * (lanes(spec.head_dim)
+                + lanes(spec.head_dim_v)), "dq": config.block_m * lanes(spec.head_dim)}[kernel]
+    if (resident + config.block_m * config.block_n) / (config.num_warps * 32) > 512:
+        return "float32 accumulators alone need over 512 registers per thread"
+    return None
+
+
+@dataclass
+class Target:
+    """Where a search runs: the GPU (or the interpreter), and how it times."""
+
+    device: torch.device
+    interpret: bool
+    gpu: str
+    capability: str
+    shared_limit: int | None
+
+    @classmethod
+    def detect(cls, interpret: bool) -> Target:
+        if interpret:
+            return cls(torch.device("cpu"), True, "triton-interpreter", "cpu", None)
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA GPU is visible: run fatune search on a GPU machine, or pass --interpret "
+                               "to try it on the CPU through Triton's interpreter (timings are not meaningful there)")
+        props = torch.cuda.get_device_properties(0)
+        limit = getattr(props, "shared_memory_per_block_optin", None) or 227 * 1024
+        return cls(torch.device("cuda"), False, props.name, f"{props.major}.{props.minor}", int(limit))
+
+    def time_ms(self, fn: Callable[[], object], quick: bool = False) -> float:
+        if self.interpret:  # one wall-clock run; the number only orders candidates roughly
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        return bench(fn, warmup_ms=10 if quick else 25, rep_ms=20 if quick else 100)
+
+
+@dataclass
+class ShapeResult:
+    shape: Shape
+    config: AttentionConfig
+    kernel_ms: dict[str, float]
+    fwd_ms: float
+    bwd_ms: float
+    fwd_bwd_ms: float
+    trials: int
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+    sdpa_backend: str = ""
+    sdpa_ms: float = math.nan
+    seconds: float = 0.0
+
+    @property
+    def tflops(self) -> float:
+        return tflops(self.shape, "fwd+bwd", self.fwd_bwd_ms)
+
+    @property
+    def speedup(self) -> float:
+        return self.sdpa_ms / self.fwd_bwd_ms if self.fwd_bwd_ms > 0 else math.nan
+
+
+class Checker:
+    """torch's output and gradients for one shape, to check every candidate kernel against."""
+
+    KERNEL_OUTPUTS = {"fwd": ("out",), "dkdv": ("grad_k", "grad_v"), "dq": ("grad_q",)}
+    REFERENCE_NAMES = {"out": "out", "grad_q": "q", "grad_k": "k", "grad_v": "v"}
+
+    def __init__(self, shape: Shape, inputs: dict[str, torch.Tensor]):
+        from fatune.competitors import sdpa_default
+
+        q, k, v = (inputs[name].detach().clone().requires_grad_() for name in ("q", "k", "v"))
+        out = sdpa_default(shape)(q, k, v)
+        out.backward(inputs["do"])
+        self.reference = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+        self.tolerance = TOLERANCE[shape.dtype]
+
+    def error(self, kernel: str, runner: KernelRunner) -> float:
+        """Largest relative max-abs error of the kernel's outputs; inf if any element is not finite."""
+        worst = 0.0
+        for name in self.KERNEL_OUTPUTS[kernel]:
+            actual = getattr(runner.args, name)
+            reference = self.reference[self.REFERENCE_NAMES[name]]
+            if not torch.isfinite(actual).all():
+                return math.inf
+            scale = reference.abs().max().item() or 1.0
+            worst = max(worst, (actual.float() - reference.float()).abs().max().item() / scale)
+        return worst
+
+
+def study_name(target: Target, shape: Shape, kernel: str) -> str:
+    spec = shape.spec
+    return ":".join([
+        "fatune", target.gpu, target.capability, f"triton{__import__('triton').__version__}",
+        f"templates{codegen.template_hash()}", spec.dtype, f"d{spec.head_dim}", f"dv{spec.head_dim_v}",
+        spec.mask_variant, f"g{shape.heads // shape.kv_heads}", f"lq{seqlen_bucket(shape.seqlen_q)}",
+        f"lk{seqlen_bucket(shape.seqlen_k)}", f"b{shape.batch}h{shape.heads}", kernel,
+    ])
+
+
+class KernelSearch:
+    """One Optuna study: the fastest correct LaunchConfig for one kernel of one shape."""
+
+    def __init__(self, target: Target, shape: Shape, kernel: str, inputs: dict[str, torch.Tensor], checker: Checker,
+                 base: AttentionConfig, space: SearchSpace, storage: str, seed: int):
+        self.target, self.shape, self.kernel = target, shape, kernel
+        self.inputs, self.checker, self.base, self.space = inputs, checker, base, space
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10, multivariate=True)
+        self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
+                                         sampler=sampler, direction="minimize", load_if_exists=True)
+
+    @property
+    def best_ms(self) -> float:
+        done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        return min((t.value for t in done), default=math.inf)
+
+    def best_config(self) -> LaunchConfig | None:
+        done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        if not done:
+            return None
+        return LaunchConfig.from_dict(min(done, key=lambda t: t.value).params)
+
+    def suggest(self, trial: optuna.Trial) -> LaunchConfig:
+        return LaunchConfig(
+            block_m=trial.suggest_categorical("block_m", list(self.space.block_m)),
+            block_n=trial.suggest_categorical("block_n", list(self.space.block_n)),
+            num_warps=trial.suggest_categorical("num_warps", list(self.space.num_warps)),
+            num_stages=trial.suggest_categorical("num_stages", list(self.space.num_stages)),
+        )
+
+    def objective(self, trial: optuna.Trial) -> float:
+        config = self.suggest(trial)
+        reason = infeasible(self.kernel, self.shape.spec, config, self.target.shared_limit)
+        if reason:
+            return self._reject(trial, "infeasible", reason)
+        attention_config = self.base.replace(**{self.kernel: config})
+        try:
+            runner = KernelRunner(self.shape, attention_config, self.inputs)
+            runner.prepare()
+            for name in Checker.KERNEL_OUTPUTS[self.kernel]:
+                getattr(runner.args, name).fill_(float("nan"))  # poison: an unwritten element fails the check
+            run = runner.run(self.kernel)
+            run()
+            if self.target.device.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as error:  # compile errors, OutOfResources, launch failures
+            kind = "out_of_resources" if "OutOfResources" in type(error).__name__ else "compile_error"
+            return self._reject(trial, kind, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+        error = self.checker.error(self.kernel, runner)
+        if not error <= self.checker.tolerance:
+            return self._reject(trial, "wrong_result", f"relative error {error:.3g} > {self.checker.tolerance}")
+        quick = self.target.time_ms(run, quick=True)
+        trial.report(quick, step=0)
+        if quick > PRUNE_FACTOR * self.best_ms:
+            trial.set_user_attr("rejected", "slow")
+            raise optuna.TrialPruned(f"quick timing {quick:.3f} ms > {PRUNE_FACTOR} x best {self.best_ms:.3f} ms")
+        return quick if self.target.interpret else self.target.time_ms(run)
+
+    @staticmethod
+    def _reject(trial: optuna.Trial, kind: str, reason: str) -> float:
+        trial.set_user_attr("rejected", kind)
+        trial.set_user_attr("reason", reason)
+        raise optuna.TrialPruned(reason)
+
+    def run(self, n_trials: int, deadline: float, on_trial: Callable[[], None] | None = None) -> None:
+        remaining = n_trials - len(self.study.trials)  # a resumed study keeps its trials
+        callbacks = [lambda study, trial: on_trial()] if on_trial else []
+        if remaining > 0:
+            self.study.optimize(self.objective, n_trials=remaining, timeout=max(1.0, deadline - time.time()),
+                                callbacks=callbacks, gc_after_trial=False)
+
+    def rejected(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for trial in self.study.trials:
+            kind = trial.user_attrs.get("rejected")
+            if kind:
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+
+def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> tuple[str, float]:
+    """The fastest torch SDPA backend on this shape, timed as a training step in this run."""
+    if target.interpret:
+        return "", math.nan
+    from fatune.competitors import sdpa
+
+    best = ("", math.inf)
+    for backend in ("cudnn", "flash", "efficient"):
+        runner = sdpa(backend, shape)
+        try:
+            ms = time_training_step(runner, inputs)["fwd_bwd_ms"]
+        except Exception:  # backend unavailable for this shape
+            continue
+        if ms < best[1]:
+            best = (backend, ms)
+    for name in ("q", "k", "v"):
+        inputs[name].grad = None
+    return best
+
+
+def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float, storage: str, seed: int,
+                 space: SearchSpace, on_trial: Callable[[str, float], None] | None = None) -> ShapeResult:
+    """Search the three kernels of one shape; measure the winners end to end and SDPA beside them."""
+    started = time.time()
+    deadline = started + seconds
+    inputs = make_inputs(shape, target.device, seed)
+    checker = Checker(shape, inputs)
+    base = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability())
+    chosen: dict[str, LaunchConfig] = {}
+    kernel_ms: dict[str, float] = {}
+    rejected: dict[str, int] = {}
+    total_trials = 0
+    for index, kernel in enumerate(KERNELS):
+        search = KernelSearch(target, shape, kernel, inputs, checker, base, space, storage, seed)
+        share = (deadline - time.time()) / (len(KERNELS) - index)
+        search.run(trials, time.time() + share,
+                   (lambda s=search, k=kernel: on_trial(k, s.best_ms)) if on_trial else None)
+        best = search.best_config()
+        if best is None:
+            raise RuntimeError(f"{shape.label()}: no {kernel} config passed the checks in {len(search.study.trials)} "
+                               f"trials ({search.rejected()}); give more trials or time")
+        chosen[kernel], kernel_ms[kernel] = best, search.best_ms
+        base = base.replace(**{kernel: best})  # later kernels run after this winner (the backward reads its LSE)
+        total_trials += len(search.study.trials)
+        for kind, count in search.rejected().items():
+            rejected[kind] = rejected.get(kind, 0) + count
+    config = AttentionConfig(**chosen)
+
+    import fatune
+
+    kwargs = shape.attention_kwargs(target.device)
+    step = time_training_step(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
+        if not target.interpret else _interpreted_step(shape, config, inputs)
+    backend, sdpa_ms = sdpa_best(shape, inputs, target)
+    return ShapeResult(shape, config, kernel_ms, step["fwd_ms"], step["bwd_ms"], step["fwd_bwd_ms"], total_trials,
+                       rejected, backend, sdpa_ms, time.time() - started)
+
+
+def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    import fatune
+
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    start = time.perf_counter()
+    out = fatune.attention(q, k, v, config=config, **shape.attention_kwargs(q.device))
+    middle = time.perf_counter()
+    out.backward(inputs["do"])
+    end = time.perf_counter()
+    return {"fwd_ms": (middle - start) * 1e3, "bwd_ms": (end - middle) * 1e3, "fwd_bwd_ms": (end - start) * 1e3}
+
+
+def to_entry(result: ShapeResult, target: Target) -> Entry:
+    import triton
+
+    spec = result.shape.spec
+    return Entry(
+        gpu=target.gpu, capability=target.capability, triton_version=triton.__version__,
+        torch_version=torch.__version__.split("+")[0], template_hash=codegen.template_hash(), dtype=spec.dtype,
+        head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, mask_variant=spec.mask_variant,
+        group_size=result.shape.heads // result.shape.kv_heads,
+        seqlen_q_bucket=seqlen_bucket(result.shape.seqlen_q), seqlen_k_bucket=seqlen_bucket(result.shape.seqlen_k),
+        fwd_config=result.config.fwd.to_dict(),
+        bwd_config={"dkdv": result.config.dkdv.to_dict(), "dq": result.config.dq.to_dict()},
+        fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms, tflops=result.tflops,
+        sdpa_backend=result.sdpa_backend, sdpa_ms=result.sdpa_ms, speedup=result.speedup,
+        batch=result.shape.batch, heads=result.shape.heads, seqlen_q=result.shape.seqlen_q,
+        seqlen_k=result.shape.seqlen_k, trials=result.trials, interpreted=target.interpret,
+    )
+
+
+def store(db: TunedDB, result: ShapeResult, target: Target) -> bool:
+    """Upsert the shape's winners; True if they were faster than what the DB held."""
+    return db.upsert(to_entry(result, target))
+
+
+def default_shapes(head_dim: int, dtype: str, *, lengths=(512, 1024, 2048, 4096, 8192, 16384), causal=(False, True),
+                   tokens: int = 16384, model_dim: int = 2048, kv_heads: int = 0) -> list[Shape]:
+    """The standard sweep: B * L = tokens and H * D = model_dim fill an H100/H200-class GPU."""
+    heads = max(1, model_dim // head_dim)
+    return [Shape(batch=max(1, tokens // length), heads=heads, seqlen_q=length, seqlen_k=length, head_dim=head_dim,
+                  dtype=dtype, causal=c, kv_heads=kv_heads or heads) for c in causal for length in lengths]

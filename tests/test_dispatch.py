@@ -1,0 +1,126 @@
+"""The dispatcher's layers, nearest-bucket fallback, stale-entry skipping, explain and strict mode."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+import fatune
+from fatune import dispatch
+from fatune.db import TunedDB
+from fatune.dispatch import Dispatcher, DispatchError
+from fatune.heuristics import default_config
+from fatune.inputs import check_inputs
+from fatune.spec import AttentionConfig, LaunchConfig
+from tests.conftest import DEVICE
+from tests.test_db import make_entry
+
+GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
+
+
+def problem(seqlen=4096, causal=True, head_dim=64, dtype=torch.float16):
+    q = torch.empty(1, 4, seqlen, head_dim, dtype=dtype, device="meta")
+    return check_inputs(q, q, q, is_causal=causal)
+
+
+def entry(**changes):
+    return make_entry(**{"gpu": GPU, "capability": CAPABILITY, "dtype": "float16", **changes})
+
+
+def fwd_block(decision) -> int:
+    return decision.config.fwd.block_m
+
+
+def write(path, *entries):
+    with TunedDB(path) as db:
+        for e in entries:
+            db.upsert(e)
+    return path
+
+
+def test_lookup_order_user_then_shipped_then_heuristic(tmp_path):
+    user = write(tmp_path / "user.sqlite", entry(fwd_config={**make_entry().fwd_config, "block_m": 16}))
+    shipped = write(tmp_path / "shipped.sqlite", entry(fwd_config={**make_entry().fwd_config, "block_m": 32}))
+    both = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
+    assert (both.layer, fwd_block(both), both.db_path) == ("user-db", 16, str(user))
+    only_shipped = Dispatcher(user_db=tmp_path / "missing.sqlite", shipped=[shipped]).lookup(problem(), GPU, CAPABILITY,
+                                                                                               None)
+    assert (only_shipped.layer, fwd_block(only_shipped)) == ("shipped-db", 32)
+    none = Dispatcher(user_db=tmp_path / "missing.sqlite", shipped=[]).lookup(problem(), GPU, CAPABILITY, None)
+    assert none.layer == "heuristic" and none.config == default_config(problem().spec, None)
+    forced = AttentionConfig(LaunchConfig(16, 16), LaunchConfig(16, 16), LaunchConfig(16, 16))
+    assert Dispatcher(user_db=user).decide(problem(), torch.device(DEVICE), forced).layer == "argument"
+
+
+def test_other_gpu_dtype_or_mask_does_not_match(tmp_path):
+    path = write(tmp_path / "u.sqlite", entry(gpu="Other GPU"), entry(dtype="bfloat16"), entry(mask_variant="none"))
+    decision = Dispatcher(user_db=path, shipped=[]).lookup(problem(), GPU, CAPABILITY, None)
+    assert decision.layer == "heuristic"
+
+
+def test_nearest_bucket_on_a_log_scale(tmp_path):
+    rows = [entry(seqlen_q_bucket=n, seqlen_k_bucket=n, fwd_config={**make_entry().fwd_config, "block_m": b})
+            for n, b in ((512, 16), (4096, 32), (16384, 64))]
+    path = write(tmp_path / "u.sqlite", *rows)
+    chooser = Dispatcher(user_db=path, shipped=[])
+    assert fwd_block(chooser.lookup(problem(4096), GPU, CAPABILITY, None)) == 32
+    near_small = chooser.lookup(problem(1000), GPU, CAPABILITY, None)  # bucket 1024: 1 octave from 512
+    assert fwd_block(near_small) == 16 and "nearest bucket" in near_small.reason
+    assert fwd_block(chooser.lookup(problem(30000), GPU, CAPABILITY, None)) == 64
+
+
+def test_stale_entries_are_skipped_and_logged_once(tmp_path, caplog):
+    path = write(tmp_path / "u.sqlite", entry(template_hash="feedfacefeedface"), entry(triton_version="0.0.1",
+                                                                                       seqlen_q_bucket=512))
+    chooser = Dispatcher(user_db=path, shipped=[])
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        first = chooser.lookup(problem(), GPU, CAPABILITY, None)
+        chooser.lookup(problem(), GPU, CAPABILITY, None)
+    assert first.layer == "heuristic" and len(first.skipped) == 2
+    assert len([r for r in caplog.records if "not used" in r.message]) == 2  # one line per distinct reason
+
+
+def test_decisions_are_memoised_per_process(tmp_path, monkeypatch):
+    path = write(tmp_path / "u.sqlite", entry())
+    chooser = Dispatcher(user_db=path, shipped=[])
+    device = torch.device(DEVICE)
+    first = chooser.decide(problem(), device)
+    monkeypatch.setattr(dispatch.Dispatcher, "lookup", lambda *a: pytest.fail("looked up twice"))
+    assert chooser.decide(problem(), device) is first
+
+
+def test_concurrent_first_calls_agree(tmp_path):
+    path = write(tmp_path / "u.sqlite", entry())
+    chooser = Dispatcher(user_db=path, shipped=[])
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(chooser.decide(problem(), torch.device(DEVICE))))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 8 and all(r is results[0] for r in results) and results[0].layer == "user-db"
+
+
+def test_strict_mode_refuses_the_heuristic(tmp_path):
+    chooser = Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[])
+    with pytest.raises(DispatchError, match="strict"):
+        chooser.decide(problem(), torch.device(DEVICE), strict=True)
+
+
+def test_explain_reports_layer_config_and_source(tmp_path, monkeypatch):
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))
+    monkeypatch.setattr(dispatch, "_dispatcher", Dispatcher(user_db=path, shipped=[]))
+    q = torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE)
+    explanation = fatune.explain(q, q, q, is_causal=True)
+    assert explanation.decision.layer == "user-db" and explanation.decision.db_path == str(path)
+    assert set(explanation.sources) == {"fwd", "bwd"} and "user-db" in str(explanation)
+    heuristic = fatune.explain(q, q, q)  # non-causal: no entry
+    assert heuristic.decision.layer == "heuristic"
+    forced = AttentionConfig(LaunchConfig(16, 16), LaunchConfig(16, 16), LaunchConfig(16, 16))
+    assert fatune.explain(q, q, q, config=forced).decision.layer == "argument"
+    with pytest.raises(DispatchError):
+        fatune.attention(q, q, q, strict=True)
