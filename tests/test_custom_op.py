@@ -54,7 +54,7 @@ def test_custom_op_passes_torch_library_checks():
 
 
 @pytest.mark.gpu
-def test_gpu_compile_inductor_and_cuda_graph_match_eager():
+def test_gpu_compile_inductor_matches_eager():
     torch.manual_seed(0)
     model = TinyModel(dim=256, heads=4, dtype=torch.bfloat16).cuda()
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
@@ -62,18 +62,24 @@ def test_gpu_compile_inductor_and_cuda_graph_match_eager():
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(compiled_grad, grad, atol=2e-2, rtol=2e-2)
 
+
+@pytest.mark.gpu
+def test_gpu_forward_and_backward_capture_in_a_cuda_graph():
+    torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
     reference = fatune.attention(q, k, v, is_causal=True)
     reference_grads = torch.autograd.grad(reference, (q, k, v), grad_out)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
-        fatune.attention(q, k, v, is_causal=True).backward(grad_out)
+    with torch.cuda.stream(stream):  # warm up on a side stream (compiles, allocator) as torch's docs do
+        for _ in range(3):
+            q.grad = k.grad = v.grad = None
+            fatune.attention(q, k, v, is_causal=True).backward(grad_out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     q.grad = k.grad = v.grad = None
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         captured = fatune.attention(q, k, v, is_causal=True)
         captured.backward(grad_out)
     graph.replay()
