@@ -9,8 +9,10 @@ A trial is rejected before compiling when its tiles cannot fit (shared-memory es
 too many warps for the tile); a compile error or OutOfResources prunes it; its output is
 checked against torch before its time counts (a fast wrong kernel never wins); a trial
 whose quick timing is far behind the best so far is pruned before the full timing.
-Studies live in Optuna storage (SQLite by default) under a name that encodes the whole
-key, so an interrupted search resumes where it stopped.
+Each study's first trial is the built-in heuristic config, so a winner is never slower than
+what fatune runs untuned (a short search on an H200 stored configs slower than the
+heuristic before this; BENCHMARKS.md). Studies live in Optuna storage (SQLite by default)
+under a name that encodes the whole key, so an interrupted search resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -187,6 +189,10 @@ class KernelSearch:
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10, multivariate=True)
         self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
                                          sampler=sampler, direction="minimize", load_if_exists=True)
+        start = getattr(base, kernel).to_dict()
+        if not self.study.trials and all(start[axis] in getattr(space, axis) for axis in start):
+            # the heuristic config goes first: the winner is never slower than what fatune runs untuned
+            self.study.enqueue_trial(start)
 
     @property
     def best_ms(self) -> float:
@@ -242,7 +248,8 @@ class KernelSearch:
         raise optuna.TrialPruned(reason)
 
     def run(self, n_trials: int, deadline: float, on_trial: Callable[[], None] | None = None) -> None:
-        remaining = n_trials - len(self.study.trials)  # a resumed study keeps its trials
+        finished = [t for t in self.study.trials if t.state != optuna.trial.TrialState.WAITING]
+        remaining = n_trials - len(finished)  # a resumed study keeps its trials; the enqueued one is still to run
         callbacks = [lambda study, trial: on_trial()] if on_trial else []
         if remaining > 0:
             self.study.optimize(self.objective, n_trials=remaining, timeout=max(1.0, deadline - time.time()),

@@ -100,3 +100,15 @@ def test_search_without_gpu_or_interpreter_says_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="--interpret"):
         search.Target.detect(interpret=False)
+
+
+def test_the_heuristic_config_is_the_first_trial(tmp_path):
+    from fatune.heuristics import default_config
+
+    storage = f"sqlite:///{tmp_path / 's.sqlite'}"
+    search_shape(TINY, interpreter_target(), trials=2, seconds=600, storage=storage, seed=0, space=INTERPRETER_SPACE)
+    heuristic = default_config(TINY.spec, None)
+    for summary in optuna.get_all_study_summaries(storage):
+        kernel = summary.study_name.rsplit(":", 1)[1]
+        first = optuna.load_study(study_name=summary.study_name, storage=storage).trials[0]
+        assert LaunchConfig.from_dict(first.params) == getattr(heuristic, kernel)
