@@ -116,13 +116,18 @@ def render(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> str:
     return _environment().get_template(TEMPLATE_FILES[kind]).render(template_options(kind, spec, config))
 
 
-def cache_dir() -> Path:
-    """Where rendered sources go: $FATUNE_CACHE_DIR, else the user's cache dir."""
-    configured = os.environ.get(CACHE_ENV)
+def user_path(env: str, name: str) -> Path:
+    """$env if set, else `name` in fatune's folder of the user's cache dir ($XDG_CACHE_HOME or ~/.cache)."""
+    configured = os.environ.get(env)
     if configured:
         return Path(configured).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fatune" / "kernels"
+    return Path(base) / "fatune" / name
+
+
+def cache_dir() -> Path:
+    """Where rendered sources go: $FATUNE_CACHE_DIR, else ~/.cache/fatune/kernels."""
+    return user_path(CACHE_ENV, "kernels")
 
 
 def source_key(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> str:

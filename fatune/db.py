@@ -40,12 +40,10 @@ def seqlen_bucket(seqlen: int) -> int:
 
 
 def default_path() -> Path:
-    """The user's tuned DB: $FATUNE_DB, else under the user's cache dir."""
-    configured = os.environ.get(DB_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fatune" / "tuned.sqlite"
+    """The user's tuned DB: $FATUNE_DB, else ~/.cache/fatune/tuned.sqlite."""
+    from fatune.codegen import user_path
+
+    return user_path(DB_ENV, "tuned.sqlite")
 
 
 @dataclass

@@ -14,9 +14,9 @@ from fatune.cli.options import int_list
 
 
 def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
+    """The shapes with --mask window (a causal sliding window) or padding (key lengths) applied."""
     if mask == "window":
-        return [s.with_(causal=True, window=window) for s in shapes if s.causal] or \
-            [s.with_(causal=True, window=window) for s in shapes]
+        return [s.with_(causal=True, window=window) for s in shapes]
     if mask == "padding":
         return [s.with_(valid_keys=valid_keys) for s in shapes]
     return shapes
