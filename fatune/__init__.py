@@ -1,8 +1,7 @@
 """fatune: autotuned FlashAttention kernels generated from Jinja2 templates for Triton."""
 
 from fatune import custom_op as _custom_op  # registers the fatune:: torch ops
-from fatune.custom_op import FlashAttention
-from fatune.flash_attention import attention, explain
+from fatune.flash_attention import FlashAttention, attention, explain
 from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig
 
 __version__ = "0.1.0"

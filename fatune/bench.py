@@ -236,11 +236,14 @@ def environment() -> dict:
 ProgressFn = Callable[[str], None]
 
 
-def host_overhead(calls: int = 2000, shape: Shape | None = None) -> dict[str, float]:
-    """Microseconds per call of fatune.attention and torch SDPA on a tiny problem (host-bound), same inputs.
+def host_overhead(calls: int = 2000, shape: Shape | None = None) -> dict[str, dict[str, float]]:
+    """Microseconds per call of fatune.attention and torch SDPA on a tiny (host-bound) problem.
 
-    Each implementation is warmed up, then called `calls` times back to back; the wall time
-    up to a final synchronize, divided by `calls`, is the per-call cost. Median of 5 rounds.
+    Two ways a user calls it: "forward" (inputs without grad, as inference runs) and "step"
+    (inputs requiring grad: forward, then backward from a fixed dO, gradients cleared before
+    each step, as a training step runs it). Each is warmed up, then called back to back; the
+    wall time up to a final synchronize, divided by the number of calls, is one round's
+    per-call cost. Median of 5 rounds, implementations interleaved round by round.
     """
     import statistics
     import time
@@ -249,23 +252,48 @@ def host_overhead(calls: int = 2000, shape: Shape | None = None) -> dict[str, fl
 
     shape = shape or Shape(batch=1, heads=8, seqlen_q=128, seqlen_k=128, head_dim=64, dtype="bfloat16", causal=True)
     inputs = make_inputs(shape, "cuda")
-    q, k, v = (inputs[name].detach() for name in ("q", "k", "v"))
-    runners = {
-        "fatune": lambda: fatune.attention(q, k, v, is_causal=shape.causal),
-        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal),
+    grads = [inputs[name] for name in ("q", "k", "v")]
+    plain = [t.detach() for t in grads]
+    grad_out = inputs["do"]
+    implementations = {
+        "fatune": lambda q, k, v: fatune.attention(q, k, v, is_causal=shape.causal),
+        "sdpa": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal),
     }
-    results = {}
-    for name, run in runners.items():
-        for _ in range(100):
-            run()
-        torch.cuda.synchronize()
-        rounds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(calls):
+
+    def forward(fn):
+        return lambda: fn(*plain)
+
+    def step(fn):
+        def run():
+            for tensor in grads:
+                tensor.grad = None
+            fn(*grads).backward(grad_out)
+        return run
+
+    results: dict[str, dict[str, float]] = {}
+    for mode, make, count in (("forward", forward, calls), ("step", step, max(1, calls // 4))):
+        runs = {name: make(fn) for name, fn in implementations.items()}
+        rounds: dict[str, list[float]] = {name: [] for name in runs}
+        for run in runs.values():
+            for _ in range(100):
                 run()
-            torch.cuda.synchronize()
-            rounds.append((time.perf_counter() - start) / calls * 1e6)
-        results[name] = statistics.median(rounds)
-    results["ratio"] = results["fatune"] / results["sdpa"]
+        torch.cuda.synchronize()
+        for _ in range(5):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                for _ in range(count):
+                    run()
+                torch.cuda.synchronize()
+                rounds[name].append((time.perf_counter() - start) / count * 1e6)
+        results[mode] = {name: statistics.median(values) for name, values in rounds.items()}
+        results[mode]["ratio"] = results[mode]["fatune"] / results[mode]["sdpa"]
     return results
+
+
+def overhead_lines(results: dict[str, dict[str, float]], shape_label: str = "1x8x128x64 causal bf16") -> list[str]:
+    """The host-cost table `fatune bench --overhead` prints."""
+    lines = [f"host cost per call, {shape_label} (median of 5 rounds):"]
+    for mode, row in results.items():
+        lines.append(f"  {mode:8} fatune {row['fatune']:7.1f} us   torch SDPA {row['sdpa']:7.1f} us   "
+                     f"ratio {row['ratio']:.2f}")
+    return lines

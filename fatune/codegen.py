@@ -13,6 +13,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from typing import Any, Literal
 import jinja2
 import triton
 
+from fatune import signature
 from fatune.spec import AttentionConfig, KernelSpec, TritonExpr
 
 Kind = Literal["fwd", "bwd", "dropout_mask"]
@@ -33,6 +35,7 @@ TEMPLATE_FILES: dict[str, str] = {
     "dropout_mask": "attn_dropout_mask.py.jinja",
 }
 CACHE_ENV = "FATUNE_CACHE_DIR"
+log = logging.getLogger("fatune")
 
 _TITLES = {
     "fwd": "FlashAttention forward: O = softmax(Q K^T * sm_scale) V and the per-row LSE.",
@@ -76,14 +79,13 @@ def template_hash() -> str:
 
 
 def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
-    """The one options dict a template renders from: constexpr constants, launch params, switches."""
+    """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
-        launch_params = {"NUM_WARPS": config.fwd.num_warps, "NUM_STAGES": config.fwd.num_stages}
         used = {"fwd": config.fwd.to_dict()}
     elif kind == "dropout_mask":
-        launch_params, used = {}, {}
+        used = {}
     else:
         constants.update(
             DKDV_BLOCK_M=config.dkdv.block_m,
@@ -91,12 +93,6 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
             DQ_BLOCK_M=config.dq.block_m,
             DQ_BLOCK_N=config.dq.block_n,
         )
-        launch_params = {
-            "DKDV_NUM_WARPS": config.dkdv.num_warps,
-            "DKDV_NUM_STAGES": config.dkdv.num_stages,
-            "DQ_NUM_WARPS": config.dq.num_warps,
-            "DQ_NUM_STAGES": config.dq.num_stages,
-        }
         used = {"dkdv": config.dkdv.to_dict(), "dq": config.dq.to_dict()}
     return {
         "template_name": TEMPLATE_FILES[kind],
@@ -104,7 +100,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(used, sort_keys=True),
         "constants": constants,
-        "launch_params": launch_params,
+        "signature": {name: signature.render(name) for name in signature.PARAMS},
         **spec.switches(),
     }
 
@@ -156,6 +152,28 @@ def _write_atomically(path: Path, text: str) -> None:
 
 _modules: dict[tuple, ModuleType] = {}
 _lock = threading.Lock()
+_fallback_dir: Path | None = None
+
+
+def _write_source(path: Path, source: str) -> Path:
+    """Put `source` at `path` (unless it is there already) and return where it is.
+
+    A cache folder that cannot be written (read-only home, a file in the way) costs one
+    warning naming $FATUNE_CACHE_DIR; the sources then go to a private temporary folder.
+    """
+    global _fallback_dir
+    try:
+        if not path.exists() or path.read_text() != source:
+            _write_atomically(path, source)
+        return path
+    except OSError as error:
+        if _fallback_dir is None:
+            _fallback_dir = Path(tempfile.mkdtemp(prefix="fatune-kernels-"))
+            log.warning("fatune: cannot write generated kernels to %s (%s); set $%s to a writable folder. "
+                        "Using %s in this process.", path.parent, error, CACHE_ENV, _fallback_dir)
+        fallback = _fallback_dir / path.name
+        _write_atomically(fallback, source)
+        return fallback
 
 
 def _interpreting() -> bool:
@@ -174,10 +192,7 @@ def load(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> ModuleType:
     with _lock:
         module = _modules.get(memo_key)
         if module is None:
-            path = source_path(kind, spec, config)
-            source = render(kind, spec, config)
-            if not path.exists() or path.read_text() != source:
-                _write_atomically(path, source)
+            path = _write_source(source_path(kind, spec, config), render(kind, spec, config))
             name = f"fatune_generated.{path.stem}{'_interp' if memo_key[-1] else ''}"
             module_spec = importlib.util.spec_from_file_location(name, path)
             assert module_spec is not None and module_spec.loader is not None

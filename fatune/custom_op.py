@@ -2,109 +2,100 @@
 
 `fatune::attention_forward` returns (out, lse) and `fatune::attention_backward` the three
 gradients; both have fake (meta) implementations, and the backward is registered as the
-forward's autograd formula. Eager calls do not go through here: fatune.attention calls
-its autograd.Function directly, which costs less on the host. Under compilation,
-fatune.attention routes here (see flash_attention.attention).
+forward's autograd formula. Nothing is decided while tracing: the ops' real
+implementations prepare their plan (checks, dispatch, kernel arguments; fatune.plans)
+when they run, so a compiled graph picks its configs per call shape, and `dynamic=True`
+does not recompile for a new sequence length. Eager calls do not come here: their
+autograd.Function costs less on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
+from fatune import dropout, plans
+from fatune.launch import layout_like
+from fatune.plans import Call
 from fatune.spec import KERNELS, AttentionConfig, LaunchConfig
 
 Tensor = torch.Tensor
+_CONFIG_FIELDS = len(dataclasses.fields(LaunchConfig))
 
 
-def config_to_list(config: AttentionConfig) -> list[int]:
-    return [value for name in KERNELS for value in getattr(config, name).to_dict().values()]
+def config_to_list(config: AttentionConfig | None) -> list[int]:
+    """The op's flat form of a config ([] for none: the op dispatches when it runs)."""
+    if config is None:
+        return []
+    return [value for name in KERNELS for value in dataclasses.astuple(getattr(config, name))]
 
 
-def config_from_list(values: list[int]) -> AttentionConfig:
-    return AttentionConfig(*(LaunchConfig(*values[i:i + 4]) for i in range(0, 12, 4)))
+def config_from_list(values: list[int]) -> AttentionConfig | None:
+    if not values:
+        return None
+    step = _CONFIG_FIELDS
+    return AttentionConfig(*(LaunchConfig(*values[i:i + step]) for i in range(0, len(values), step)))
 
 
-def _problem(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
-             enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k):
-    from fatune.inputs import check_inputs
-
-    return check_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        window_size=(window_left, window_right), causal_alignment=causal_alignment or None,
-                        alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, cu_seqlens_q=cu_seqlens_q,
-                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q or None,
-                        max_seqlen_k=max_seqlen_k or None)
+def _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, enable_gqa,
+          window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k) -> Call:
+    return Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, (window_left, window_right),
+                causal_alignment or None, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k)
 
 
-def _allocate(problem, q):
-    from fatune.flash_attention import _new_like, _new_tensor
-
-    out = _new_like(q, problem.spec.head_dim_v)
-    rows = (1, problem.heads, problem.seqlen_q) if problem.packed else (problem.batch, problem.heads, problem.seqlen_q)
-    return out, _new_tensor(rows, torch.float32, q.device)
+def _lse_rows(q: Tensor, packed: bool) -> tuple:
+    return (1, q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[1], q.shape[2])
 
 
 @torch.library.custom_op("fatune::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
                       seqlens_k: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                      seed: Tensor, dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool,
-                      window_left: int, window_right: int, causal_alignment: str, max_seqlen_q: int,
-                      max_seqlen_k: int, config: list[int]) -> tuple[Tensor, Tensor]:
-    from fatune import codegen
-    from fatune.flash_attention import _kernel_args
-
-    problem = _problem(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal,
-                       scale, enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k)
-    out, lse = _allocate(problem, q)
-    codegen.load("fwd", problem.spec, config_from_list(config)).launch(
-        _kernel_args(problem, q, k, v, out, lse, int(seed.item())))
-    return out, lse
+                      seed: Optional[Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
+                      enable_gqa: bool, window_left: int, window_right: int, causal_alignment: str,
+                      max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                      config: list[int]) -> tuple[Tensor, Tensor]:
+    call = _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
+                 enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k)
+    prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
+    if prepared.plan is None:
+        out = plans.run_without_kernels(prepared, q, k, v, call)
+        return out, q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=torch.float32)
+    return prepared.plan.forward(q, k, v, call.extras, seed)
 
 
 @attention_forward.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, seed, dropout_p, is_causal, scale,
       enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, config):
-    from fatune.flash_attention import _new_like
-
-    packed = cu_seqlens_q is not None
-    out = _new_like(q, v.shape[-1])
-    rows = (1, q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[1], q.shape[2])
-    return out, q.new_empty(rows, dtype=torch.float32)
+    out = torch.empty_strided(*layout_like(q.shape, q.stride(), v.shape[-1]), dtype=q.dtype, device=q.device)
+    return out, q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
 @torch.library.custom_op("fatune::attention_backward", mutates_args=())
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor], seqlens_k: Optional[Tensor],
-                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seed: Tensor, dropout_p: float,
-                       is_causal: bool, scale: float, enable_gqa: bool, window_left: int, window_right: int,
-                       causal_alignment: str, max_seqlen_q: int, max_seqlen_k: int,
-                       config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    from fatune import codegen
-    from fatune.flash_attention import _as_bhld, _kernel_args, _new_like, _new_tensor
-
-    problem = _problem(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal,
-                       scale, enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k)
-    packed = problem.packed
-    dq, dk, dv = _new_like(q), _new_like(k), _new_like(v)
-    args = _kernel_args(problem, q, k, v, out, lse, int(seed.item()))
-    args.grad_out = _as_bhld(grad_out, packed)
-    args.delta = _new_tensor(tuple(lse.shape), torch.float32, lse.device)
-    args.grad_q, args.grad_k, args.grad_v = (_as_bhld(t, packed) for t in (dq, dk, dv))
-    codegen.load("bwd", problem.spec, config_from_list(config)).launch(args)
-    return dq, dk, dv
+                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seed: Optional[Tensor],
+                       dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, window_left: int,
+                       window_right: int, causal_alignment: str, max_seqlen_q: Optional[int],
+                       max_seqlen_k: Optional[int], config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    call = _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
+                 enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k)
+    prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
+    if prepared.plan is None:  # recompute the dense result with autograd
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            result = plans.run_without_kernels(prepared, *inputs, call)
+            grads = torch.autograd.grad(result, inputs, grad_out, allow_unused=True)
+        return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q, k, v)))
+    return prepared.plan.backward(grad_out, q, k, v, out, lse, call.extras, seed)
 
 
 @attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, *rest):
-    from fatune.flash_attention import _new_like
-
-    return _new_like(q), _new_like(k), _new_like(v)
-
-
-_SCALARS = ("attn_mask", "alibi_slopes", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "seed", "dropout_p",
-            "is_causal", "scale", "enable_gqa", "window_left", "window_right", "causal_alignment", "max_seqlen_q",
-            "max_seqlen_k", "config")
+def _(grad_out, q, k, v, *rest):
+    return tuple(torch.empty_strided(*layout_like(t.shape, t.stride()), dtype=t.dtype, device=t.device)
+                 for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
@@ -113,38 +104,28 @@ def _setup_context(ctx, inputs, output):
     ctx.rest = rest
 
 
+_INPUTS = ("q", "k", "v", "attn_mask", "alibi_slopes", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "seed",
+           "dropout_p", "is_causal", "scale", "enable_gqa", "window_left", "window_right", "causal_alignment",
+           "max_seqlen_q", "max_seqlen_k", "config")
+
+
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward(grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out,
-                                    q, k, v, out, lse, *ctx.rest)
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, *ctx.rest)
     grads = {"q": dq, "k": dk, "v": dv}
-    return tuple(grads.get(name) for name in ("q", "k", "v", *_SCALARS))
+    return tuple(grads.get(name) for name in _INPUTS)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment,
-              alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              config: AttentionConfig) -> Tensor:
-    """fatune.attention through the custom ops (for torch.compile)."""
-    seed = torch.randint(0, 2**62, (1,)) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64)
-    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    out, _ = attention_forward(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, seed,
-                               float(dropout_p), bool(is_causal), scale, bool(enable_gqa), int(window_size[0]),
-                               int(window_size[1]), causal_alignment or "", int(max_seqlen_q or 0),
-                               int(max_seqlen_k or 0), config_to_list(config))
+def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConfig | None) -> Tensor:
+    """fatune.attention through the custom ops (what torch.compile traces)."""
+    seed = dropout.draw_seed(q.device) if call.dropout_p > 0 else None
+    window_left, window_right = (min(int(size), 2**62) for size in call.window_size)  # beyond any sequence
+    out, _ = attention_forward(q, k, v, call.attn_mask, call.alibi_slopes, call.seqlens_k, call.cu_seqlens_q,
+                               call.cu_seqlens_k, seed, float(call.dropout_p), bool(call.is_causal),
+                               None if call.scale is None else float(call.scale), bool(call.enable_gqa),
+                               window_left, window_right, call.causal_alignment or "", call.max_seqlen_q,
+                               call.max_seqlen_k, config_to_list(config))
     return out
-
-
-class FlashAttention(torch.nn.Module):
-    """Drop-in attention module: forward(query, key, value, **kwargs) = fatune.attention(..., **defaults, **kwargs)."""
-
-    def __init__(self, **defaults):
-        super().__init__()
-        self.defaults = defaults
-
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs) -> Tensor:
-        from fatune.flash_attention import attention as fatune_attention
-
-        return fatune_attention(query, key, value, **{**self.defaults, **kwargs})

@@ -1,117 +1,43 @@
-"""`fatune.attention`: the public call, its autograd Function and the output allocation.
+"""`fatune.attention`: the public call, its autograd Function, `fatune.explain` and the module.
 
-The generated kernels read Q, K, V, dO through their strides, so no input is copied;
-outputs and gradients are allocated in the layout of the tensor they mirror.
+The generated kernels read Q, K, V and dO through their strides, so no input is copied;
+outputs and gradients are allocated in the layout of the tensor they mirror. A call's
+checks, dispatch and kernel arguments are prepared once per call signature
+(fatune.plans); under torch.compile the call goes through the custom ops instead
+(fatune.custom_op), which prepare the same plans when they run.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-from fatune import codegen, dropout, reference
-from fatune.dispatch import Decision, dispatcher, interpreting
-from fatune.inputs import AttentionProblem, check_inputs
-from fatune.kernel_args import KernelArgs
+from fatune import codegen, custom_op, dropout
+from fatune.dispatch import Decision
+from fatune.launch import Plan
+from fatune.plans import Call, prepare, run_without_kernels, strict_mode
 from fatune.spec import AttentionConfig, KernelSpec
-
-log = logging.getLogger("fatune")
-STRICT_ENV = "FATUNE_STRICT"
-_logged: set[str] = set()
-
-
-class FallbackError(RuntimeError):
-    """Strict mode: fatune would have fallen back to another implementation."""
-
-
-def strict_mode(strict: bool | None) -> bool:
-    """The `strict` argument, or else $FATUNE_STRICT (1/true/yes)."""
-    if strict is not None:
-        return bool(strict)
-    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def log_once(message: str, *args) -> None:
-    key = message % args
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(message, *args)
-
-
-def _new_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Uninitialised buffer for a kernel to fill (tests replace this to poison outputs)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _new_like(tensor: torch.Tensor, last_dim: int | None = None) -> torch.Tensor:
-    """Buffer with tensor's shape (last dim replaced) and its dim order, last dim innermost."""
-    shape = list(tensor.shape)
-    if last_dim is not None:
-        shape[-1] = last_dim
-    outer = sorted(range(tensor.dim() - 1), key=lambda i: -tensor.stride(i))
-    order = outer + [tensor.dim() - 1]
-    buffer = _new_tensor(tuple(shape[i] for i in order), tensor.dtype, tensor.device)
-    return buffer.permute([order.index(i) for i in range(tensor.dim())])
-
-
-def _as_bhld(tensor: torch.Tensor, packed: bool) -> torch.Tensor:
-    """The kernels' (B, H, L, D) view: packed (total, H, D) becomes (1, H, total, D), no copy."""
-    return tensor.transpose(0, 1).unsqueeze(0) if packed else tensor
-
-
-def _kernel_args(problem: AttentionProblem, q, k, v, out, lse, seed: int) -> KernelArgs:
-    packed = problem.packed
-    return KernelArgs(
-        q=_as_bhld(q, packed), k=_as_bhld(k, packed), v=_as_bhld(v, packed), out=_as_bhld(out, packed), lse=lse,
-        batch=problem.batch, max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
-        sm_scale=problem.scale, window_left=problem.window_left, window_right=problem.window_right,
-        dropout_p=problem.dropout_p, seed=seed, mask=problem.attn_mask, alibi=problem.alibi_slopes,
-        cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k, seqlens_k=problem.seqlens_k,
-    )
 
 
 class _FlashAttention(torch.autograd.Function):
+    """Forward saves Q, K, V, O and the per-row LSE; backward recomputes P tile by tile."""
+
     @staticmethod
-    def forward(ctx, query, key, value, problem: AttentionProblem, config: AttentionConfig):
-        seed = dropout.draw_seed() if problem.spec.dropout else 0
-        out = _new_like(query, problem.spec.head_dim_v)
-        lse_rows = (1, problem.heads, problem.seqlen_q) if problem.packed else (problem.batch, problem.heads,
-                                                                                problem.seqlen_q)
-        lse = _new_tensor(lse_rows, torch.float32, query.device)
-        codegen.load("fwd", problem.spec, config).launch(_kernel_args(problem, query, key, value, out, lse, seed))
+    def forward(ctx, query, key, value, plan: Plan, extras: tuple):
+        seed = dropout.draw_seed(query.device) if plan.uses_seed else None
+        out, lse = plan.forward(query, key, value, extras, seed)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.problem, ctx.config, ctx.seed = problem, config, seed
+        ctx.plan, ctx.extras, ctx.seed = plan, extras, seed
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        problem: AttentionProblem = ctx.problem
-        packed = problem.packed
-        grad = {"query": _new_like(query), "key": _new_like(key), "value": _new_like(value)}
-        args = _kernel_args(problem, query, key, value, out, lse, ctx.seed)
-        args.grad_out = _as_bhld(grad_out, packed)
-        args.delta = _new_tensor(tuple(lse.shape), torch.float32, lse.device)
-        args.grad_q, args.grad_k, args.grad_v = (_as_bhld(grad[name], packed) for name in ("query", "key", "value"))
-        codegen.load("bwd", problem.spec, ctx.config).launch(args)
-        inputs = ("query", "key", "value", "problem", "config")
-        return tuple(grad.get(name) for name in inputs)
-
-
-def _fallback(query, key, value, problem: AttentionProblem, reason: str, strict: bool) -> torch.Tensor:
-    if strict:
-        raise FallbackError(f"fatune.attention would fall back to a dense torch implementation: {reason} "
-                            f"(strict mode: strict=True or ${STRICT_ENV})")
-    log_once("fatune.attention falls back to a dense torch implementation: %s", reason)
-    keep = None
-    if problem.spec.dropout:
-        shape = (problem.batch, problem.heads, problem.max_seqlen_q, problem.max_seqlen_k)
-        keep = torch.rand(shape, device=query.device) >= problem.dropout_p
-    return reference.attention(query, key, value, problem, precision="float32", dropout_keep=keep)
+        grad_query, grad_key, grad_value = ctx.plan.backward(grad_out, query, key, value, out, lse, ctx.extras,
+                                                             ctx.seed)
+        return grad_query, grad_key, grad_value, None, None
 
 
 def attention(
@@ -156,35 +82,38 @@ def attention(
 
     - alibi_slopes: float32 (H,) or (B, H); adds -slope * |i + offset - j| to the scores.
     - seqlens_k: int32 (B,) keys per batch element; later keys are skipped, not computed.
-    - dropout_p: dropout on the attention probabilities (seeded from torch's CPU generator).
+    - dropout_p: dropout on the attention probabilities (seeded from torch's generator on
+      the tensors' device).
     - Rows that see no key return 0 (torch SDPA returns NaN there) and get zero gradients.
     - config: force launch configs; strict (or $FATUNE_STRICT=1): raise instead of falling back.
 
     On CPU tensors the kernels run in Triton's interpreter when TRITON_INTERPRET=1;
     otherwise the call falls back to a dense torch implementation and logs why, once.
     """
-    problem = check_inputs(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        window_size=window_size, causal_alignment=causal_alignment, alibi_slopes=alibi_slopes,
-        seqlens_k=seqlens_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-    )
-    strict = strict_mode(strict)
-    if query.device.type != "cuda" and not interpreting():
-        return _fallback(query, key, value, problem,
-                         f"{query.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1)", strict)
-    chosen = dispatcher().decide(problem, query.device, config, strict).config
+    call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if torch.compiler.is_compiling():
-        from fatune import custom_op
+        return custom_op.attention(query, key, value, call, config)
+    prepared = prepare(query, key, value, call, config, strict)
+    plan = prepared.plan
+    if plan is None:
+        return run_without_kernels(prepared, query, key, value, call)
+    extras = call.extras
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return _FlashAttention.apply(query, key, value, plan, extras)
+    seed = dropout.draw_seed(query.device) if plan.uses_seed else None
+    return plan.forward(query, key, value, extras, seed)[0]
 
-        return custom_op.attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
-                                   causal_alignment, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k,
-                                   max_seqlen_q, max_seqlen_k, chosen)
-    if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
-        # no keys anywhere: every row is a row that sees no key
-        zero = (query.sum() + key.sum() + value.sum()) * 0
-        return _new_like(query, problem.spec.head_dim_v).zero_() + zero
-    return _FlashAttention.apply(query, key, value, problem, chosen)
+
+class FlashAttention(torch.nn.Module):
+    """Drop-in attention module: forward(query, key, value, **kwargs) = fatune.attention(..., **defaults, **kwargs)."""
+
+    def __init__(self, **defaults):
+        super().__init__()
+        self.defaults = defaults
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+        return attention(query, key, value, **{**self.defaults, **kwargs})
 
 
 @dataclass(frozen=True)
@@ -209,11 +138,13 @@ class Explanation:
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, config: AttentionConfig | None = None,
             strict: bool | None = None, **kwargs) -> Explanation:
     """Which tuned entry, config, generated source file and DB layer fatune.attention(same arguments) would use."""
-    problem = check_inputs(query, key, value, *args, **kwargs)
-    if query.device.type != "cuda" and not interpreting():
-        return Explanation("torch-fallback", problem.spec, None, {},
-                           f"{query.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1)")
-    decision = dispatcher().decide(problem, query.device, config, strict_mode(strict))
-    sources = {kind: str(codegen.source_path(kind, problem.spec, decision.config)) for kind in ("fwd", "bwd")}
+    call = Call(*args, **kwargs)
+    spec = call.check(query, key, value).spec
+    prepared = prepare(query, key, value, call, config, strict_mode(strict))
+    if prepared.plan is None:
+        backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
+        return Explanation(backend, spec, None, {}, prepared.reason)
+    plan = prepared.plan
+    sources = {kind: str(codegen.source_path(kind, plan.spec, plan.config)) for kind in ("fwd", "bwd")}
     backend = "triton" if query.device.type == "cuda" else "triton-interpreter"
-    return Explanation(backend, problem.spec, decision, sources, decision.reason)
+    return Explanation(backend, spec, prepared.decision, sources, prepared.reason)

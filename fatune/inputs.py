@@ -8,6 +8,7 @@ kernel spec (compile-time), the run-time scalars, and the optional mask/length t
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,7 @@ class AttentionProblem:
 
     @property
     def group_size(self) -> int:
-        return self.heads // self.kv_heads
+        return self.heads // self.kv_heads if self.kv_heads else 1
 
     @property
     def packed(self) -> bool:
@@ -68,25 +69,52 @@ def _check_index_tensor(name: str, tensor: object, length: int | None, device: t
         raise ValueError(f"{name}: expected a tensor on {device} like query, got {tensor.device}")
     if length is not None and tensor.shape[0] != length:
         raise ValueError(f"{name}: expected {length} entries, got {tensor.shape[0]}")
+    if tensor.shape[0] > 1 and tensor.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous tensor (stride 1), got stride {tensor.stride(0)}")
     return tensor
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device,
-                      given_max: int | None) -> tuple[int, list[int]]:
-    _check_index_tensor(name, cu, None, device)
-    if cu.shape[0] < 2:
-        raise ValueError(f"{name}: expected at least 2 entries (0, ..., total tokens), got {cu.shape[0]}")
-    if torch.compiler.is_compiling():  # values are checked when the compiled op runs (no graph break here)
+def contents_readable() -> bool:
+    """Whether index tensors may be read on the host now: not while torch.compile traces and
+    not during CUDA-graph capture (a copy to the host would break both). The kernels clamp
+    every index they read, so unchecked values cannot make them touch memory out of bounds."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _longest_packed(name: str, cu: torch.Tensor, total: int, given_max: int | None) -> int:
+    """The longest sequence of packed offsets `cu`, checked against the `total` tokens."""
+    if cu.device.type == "meta" or not contents_readable():
         if given_max is None:
-            raise ValueError(f"{name}: under torch.compile pass max_seqlen_q and max_seqlen_k as ints")
-        return given_max, [given_max] * (cu.shape[0] - 1)
+            raise ValueError(f"max_seqlen_{name[-1]}: pass max_seqlen_q and max_seqlen_k as ints under "
+                             f"torch.compile and CUDA-graph capture ({name} cannot be read there)")
+        return given_max
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name}: expected to start at 0 and end at the {total} packed tokens, got {values[0]}..{values[-1]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
     if min(lengths) < 0:
         raise ValueError(f"{name}: expected non-decreasing offsets, got {values}")
-    return max(lengths), lengths
+    actual = max(lengths)
+    given_name = f"max_seqlen_{name[-1]}"
+    if given_max is not None and given_max < actual:
+        raise ValueError(f"{given_name}: expected an int >= the longest sequence ({actual}), got {given_max!r}")
+    return actual
+
+
+def check_contents(seqlens_k: torch.Tensor | None, seqlen_k: int, cu_seqlens_q: torch.Tensor | None,
+                   cu_seqlens_k: torch.Tensor | None, total_q: int, total_k: int, max_seqlen_q: int | None,
+                   max_seqlen_k: int | None) -> tuple[int, int]:
+    """Check the values of the index tensors (a host copy); for packed inputs, (longest q, longest k)."""
+    if seqlens_k is not None and seqlens_k.numel() and seqlens_k.device.type != "meta" and contents_readable():
+        lengths = seqlens_k.tolist()
+        if min(lengths) < 0 or max(lengths) > seqlen_k:
+            raise ValueError(f"seqlens_k: expected key lengths in 0..{seqlen_k}, got {min(lengths)}..{max(lengths)}")
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        return 0, 0
+    return (_longest_packed("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+            _longest_packed("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k))
 
 
 def _broadcast_view(name: str, tensor: torch.Tensor, shape: tuple[int, ...], form: str) -> torch.Tensor:
@@ -119,8 +147,13 @@ def check_inputs(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    check_index_values: bool = True,
 ) -> AttentionProblem:
-    """Validate an SDPA-shaped (or packed varlen) call and describe it as an AttentionProblem."""
+    """Validate an SDPA-shaped (or packed varlen) call and describe it as an AttentionProblem.
+
+    check_index_values=False skips reading seqlens_k / cu_seqlens values (for callers that
+    check them per call with `check_contents`, or tensors without data).
+    """
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     dims = 3 if packed else 4
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -140,16 +173,18 @@ def check_inputs(
         total_k, kv_heads, _ = key.shape
         if value.shape[0] != total_k or value.shape[1] != kv_heads:
             raise ValueError(f"value: expected ({total_k}, {kv_heads}, Dv) to match key, got {tuple(value.shape)}")
-        actual_q, lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, device, max_seqlen_q)
-        actual_k, lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, device, max_seqlen_k)
-        if len(lengths_q) != len(lengths_k):
-            raise ValueError(f"cu_seqlens_k: expected {len(lengths_q) + 1} entries like cu_seqlens_q, "
-                             f"got {len(lengths_k) + 1}")
-        for name, given, actual in (("max_seqlen_q", max_seqlen_q, actual_q), ("max_seqlen_k", max_seqlen_k, actual_k)):
-            if given is not None and (not isinstance(given, int) or given < actual):
-                raise ValueError(f"{name}: expected an int >= the longest sequence ({actual}), got {given!r}")
-        batch, seqlen_q, seqlen_k = len(lengths_q), total_q, total_k
-        max_q, max_k = actual_q, actual_k
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            _check_index_tensor(name, cu, None, device)
+            if cu.shape[0] < 2:
+                raise ValueError(f"{name}: expected at least 2 entries (0, ..., total tokens), got {cu.shape[0]}")
+        if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+            raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} entries like cu_seqlens_q, "
+                             f"got {cu_seqlens_k.shape[0]}")
+        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
+                raise ValueError(f"{name}: expected an int >= the longest sequence, or None, got {given!r}")
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, total_q, total_k
+        max_q, max_k = max_seqlen_q, max_seqlen_k
         if attn_mask is not None:
             raise ValueError("attn_mask: not supported with packed (cu_seqlens) inputs; use window_size or seqlens")
         if seqlens_k is not None:
@@ -183,9 +218,9 @@ def check_inputs(
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale: expected a finite float or None, got {scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
 
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
@@ -201,6 +236,10 @@ def check_inputs(
         raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS} or None, got {causal_alignment!r}")
     if is_causal:
         right = 0 if right == -1 else min(right, 0)
+    # a window reaching past every key is no window: the kernels never see sizes beyond int32
+    reach = seqlen_q + seqlen_k
+    left = -1 if left >= reach else left
+    right = -1 if right >= reach else right
 
     mask_kind = "none"
     mask_view = None
@@ -217,7 +256,8 @@ def check_inputs(
                 raise ValueError("attn_mask: gradients w.r.t. an additive mask are not computed; "
                                  "pass attn_mask.detach()")
         else:
-            raise TypeError(f"attn_mask: expected dtype torch.bool, {query.dtype} or torch.float32, got {attn_mask.dtype}")
+            allowed = ", ".join(str(t) for t in dict.fromkeys((torch.bool, query.dtype, torch.float32)))
+            raise TypeError(f"attn_mask: expected dtype {allowed}, got {attn_mask.dtype}")
         mask_view = _broadcast_view("attn_mask", attn_mask, (batch, heads, seqlen_q, seqlen_k), "(B, H, L_q, L_k)")
         if mask_kind == "bool":
             mask_view = mask_view.view(torch.uint8)
@@ -235,10 +275,13 @@ def check_inputs(
 
     if seqlens_k is not None:
         _check_index_tensor("seqlens_k", seqlens_k, batch, device)
-    if seqlens_k is not None and not torch.compiler.is_compiling():
-        lengths = seqlens_k.tolist()
-        if lengths and (min(lengths) < 0 or max(lengths) > seqlen_k):
-            raise ValueError(f"seqlens_k: expected key lengths in 0..{seqlen_k}, got {min(lengths)}..{max(lengths)}")
+    if check_index_values:
+        longest_q, longest_k = check_contents(seqlens_k, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+                                              max_q, max_k)
+        if packed:
+            max_q, max_k = longest_q, longest_k
+    elif packed and (max_q is None or max_k is None):
+        raise ValueError("max_seqlen_q: pass max_seqlen_q and max_seqlen_k when the cu_seqlens values are not read")
 
     spec = KernelSpec(
         dtype=query.dtype,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from fatune import codegen
 from fatune.spec import DTYPES, AttentionConfig, KernelSpec
 
 
@@ -113,29 +113,37 @@ def tflops(shape: Shape, passes: str, ms: float) -> float:
 
 
 class KernelRunner:
-    """Launches fatune's kernels one at a time on fixed inputs, for per-kernel timing."""
+    """Launches fatune's kernels one at a time on fixed inputs and buffers, for per-kernel timing.
+
+    `args` holds the buffers the kernels write (out, lse, delta, grad_q, grad_k, grad_v) and grad_out.
+    """
 
     def __init__(self, shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor]):
-        from fatune.flash_attention import _kernel_args
-        from fatune.inputs import check_inputs
+        from fatune import dropout
+        from fatune.launch import Plan
+        from fatune.plans import Call
 
         self.shape, self.config = shape, config
         q, k, v = (inputs[name].detach() for name in ("q", "k", "v"))
-        problem = check_inputs(q, k, v, **shape.attention_kwargs(q.device))
-        out = torch.empty(*q.shape[:3], shape.head_dim_v, dtype=q.dtype, device=q.device)
-        lse = torch.empty(*q.shape[:3], dtype=torch.float32, device=q.device)
-        self.args = _kernel_args(problem, q, k, v, out, lse, seed=0)
-        self.args.grad_out = inputs["do"]
-        self.args.delta = torch.empty_like(lse)
-        self.args.grad_q, self.args.grad_k, self.args.grad_v = (torch.empty_like(t) for t in (q, k, v))
-        self.fwd_module = codegen.load("fwd", problem.spec, config)
-        self.bwd_module = codegen.load("bwd", problem.spec, config)
+        call = Call(**shape.attention_kwargs(q.device))
+        self.plan = Plan(call.check(q, k, v), config, q.device, q, k, v)
+        out, lse = self.plan.allocate_forward()
+        delta, grad_q, grad_k, grad_v = self.plan.allocate_backward()
+        grad_out = inputs["do"]
+        self.args = SimpleNamespace(out=out, lse=lse, delta=delta, grad_q=grad_q, grad_k=grad_k, grad_v=grad_v,
+                                    grad_out=grad_out)
+        seed = dropout.draw_seed(q.device) if self.plan.uses_seed else None
+        self.slots = self.plan.slots(q, k, v, out, lse, call.extras, seed) + (grad_out, delta, grad_q, grad_k, grad_v)
 
     def run(self, kernel: str) -> Callable[[], None]:
         """A no-argument callable launching 'fwd', 'preprocess', 'dkdv' or 'dq'."""
-        launch = {"fwd": self.fwd_module.launch, "preprocess": self.bwd_module.launch_preprocess,
-                  "dkdv": self.bwd_module.launch_dkdv, "dq": self.bwd_module.launch_dq}[kernel]
-        return lambda: launch(self.args)
+        from fatune.launch import current_stream
+
+        if kernel == "fwd":
+            launch = self.plan.fwd_launch()
+        else:
+            launch = dict(zip(("preprocess", "dkdv", "dq"), self.plan.bwd_launches(self.args.grad_out)))[kernel]
+        return lambda: launch(self.slots, current_stream(self.plan.device))
 
     def prepare(self) -> None:
         """Run forward and the pre-pass once so the backward kernels read real LSE and Delta."""

@@ -18,12 +18,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fatune import codegen
+from fatune import codegen, signature
 from fatune.spec import AttentionConfig, KernelSpec
 
-_POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-_OTHER_POINTERS = {"LSE": "fp32", "DELTA": "fp32", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32"}
-_FLOAT_SCALARS = {"sm_scale", "dropout_p"}
 _TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq")}
 
@@ -42,32 +39,19 @@ class CompiledKernel:
         return self.spill_bytes > 0
 
 
-def _signature(fn, spec: KernelSpec) -> tuple[dict, dict, dict]:
-    """Argument types as a contiguous-layout launch specialises them (16-aligned, unit head-dim stride)."""
-    signature: dict[str, str] = {}
+def _signature(kernel: str, spec: KernelSpec) -> tuple[dict, dict, dict]:
+    """Argument types as a launch on contiguous, 16-aligned tensors specialises them: pointers and
+    strides divisible by 16, unit head-dim strides constant."""
+    types = signature.triton_types(kernel, _TRITON_TYPES[spec.dtype], spec.attn_mask)
     attrs: dict[tuple[int], list] = {}
     constexprs: dict[str, int] = {}
-    element = _TRITON_TYPES[spec.dtype]
-    for index, name in enumerate(fn.arg_names):
-        if name in _POINTERS or name in _OTHER_POINTERS or name == "MASK":
-            if name == "MASK":
-                signature[name] = "*u8" if spec.attn_mask == "bool" else "*" + element
-            else:
-                signature[name] = "*" + (element if name in _POINTERS else _OTHER_POINTERS[name])
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name in _FLOAT_SCALARS:
-            signature[name] = "fp32"
-        elif name == "seed":
-            signature[name] = "i64"
-        elif name.startswith("stride") and name.endswith("d"):
-            signature[name] = "constexpr"
+    for index, (name, kind) in enumerate(types.items()):
+        if name.startswith("stride") and name.endswith("d"):
+            types[name] = "constexpr"
             constexprs[name] = 1
-        elif name.startswith("stride") or name in ("L_Q", "L_K"):
-            signature[name] = "i32"
+        elif kind.startswith("*") or name.startswith("stride") or name in ("L_Q", "L_K"):
             attrs[(index,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-    return signature, attrs, constexprs
+    return types, attrs, constexprs
 
 
 def _cuobjdump() -> str:
@@ -83,8 +67,8 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
     launch = getattr(config, kernel)
-    signature, attrs, constexprs = _signature(fn, spec)
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    types, attrs, constexprs = _signature(function_name, spec)
+    source = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
     compiled = triton.compile(source, target=target,
                               options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})

@@ -27,12 +27,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every buffer fatune allocates for a kernel starts as NaN, so an unwritten element fails."""
-    import fatune.flash_attention as flash
+    import fatune.launch as launch
 
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    def poisoned(shape, strides, dtype, device):
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device).fill_(float("nan"))
 
-    monkeypatch.setattr(flash, "_new_tensor", poisoned)
+    monkeypatch.setattr(launch, "new_buffer", poisoned)
 
 
 @pytest.fixture

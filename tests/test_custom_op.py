@@ -1,89 +1,165 @@
-"""fatune.attention under torch.compile(fullgraph=True), in CUDA graphs, and as an nn.Module."""
+"""fatune.attention under torch.compile(fullgraph=True), in CUDA graphs, and as an nn.Module.
+
+The compile tests run in fresh processes: a user compiles before any eager call, so
+nothing may rely on caches an eager call would have filled.
+"""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 import fatune
+from fatune.custom_op import config_from_list, config_to_list
+from fatune.heuristics import INTERPRETER_CONFIG
 from tests.conftest import DEVICE
 
+# A fresh process: compile first, then compare forward and gradients with eager.
+COMPILE_SCRIPT = """
+import sys, torch, fatune
 
-class TinyModel(torch.nn.Module):
-    def __init__(self, dim=32, heads=2, dtype=torch.float32):
+DEVICE, DTYPE, BACKEND, MODE, DYNAMIC = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+MODE = None if MODE == "default" else MODE
+DYNAMIC = {"none": None, "true": True, "false": False}[DYNAMIC]
+
+
+class Block(torch.nn.Module):
+    # attention through the module (GQA, causal) and through the function (key-padding mask, window)
+    def __init__(self, dim, heads, kv_heads):
         super().__init__()
-        self.heads = heads
-        self.proj = torch.nn.Linear(dim, 3 * dim, dtype=dtype)
-        self.attn = fatune.FlashAttention(is_causal=True)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim, dtype=DTYPE)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim, dtype=DTYPE)
+        self.attn = fatune.FlashAttention(is_causal=True, enable_gqa=True)
 
-    def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = self.proj(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        return self.attn(q, k, v).transpose(1, 2).reshape(b, n, d)
-
-
-def _eager_and_compiled(model, x, backend):
-    eager = model(x)
-    eager.sum().backward()
-    grad = model.proj.weight.grad.clone()
-    model.proj.weight.grad = None
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
-    out = compiled(x)
-    out.sum().backward()
-    return eager, out, grad, model.proj.weight.grad
+    def forward(self, x, keep):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        first = self.attn(q, k, v)
+        second = fatune.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=keep,
+                                  window_size=(7, 3))
+        return (first + second).transpose(1, 2).reshape(b, n, -1)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant; the GPU test uses inductor")
-def test_compile_fullgraph_matches_eager_on_cpu():
-    torch.manual_seed(0)
-    model = TinyModel()
-    x = torch.randn(2, 40, 32)
-    eager, out, grad, compiled_grad = _eager_and_compiled(model, x, "aot_eager")
-    torch.testing.assert_close(out, eager)
-    torch.testing.assert_close(compiled_grad, grad)
+torch.manual_seed(0)
+model = Block(64, 4, 2).to(DEVICE)
+compiled = torch.compile(model, fullgraph=True, backend=BACKEND, mode=MODE, dynamic=DYNAMIC)
+for n in (40, 57, 81):  # several sequence lengths: dynamic=True must not recompile for them
+    x = torch.randn(2, n, 64, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    keep = torch.rand(2, 1, 1, n, device=DEVICE) < 0.8
+    results = []
+    for fn in (compiled, model):
+        x.grad = None
+        model.zero_grad()
+        out = fn(x, keep)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach().clone(), x.grad.clone(), model.q.weight.grad.clone()))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+stats = dict(torch._dynamo.utils.counters["stats"])
+print("OK", stats)
+if DYNAMIC:
+    assert stats["unique_graphs"] == 1, f"recompiled for a new length: {stats}"
+"""
+
+
+def run_compile_script(device: str, dtype: str, backend: str, mode: str = "default", dynamic: str = "none"):
+    env = dict(os.environ)
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, device, dtype, backend, mode, dynamic],
+                            capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "OK" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant; the GPU tests use inductor")
+@pytest.mark.parametrize("dynamic", ["none", "true"])
+def test_compile_fullgraph_from_a_fresh_process_matches_eager_on_cpu(dynamic):
+    run_compile_script("cpu", "float32", "aot_eager", dynamic=dynamic)
+
+
+def test_config_list_round_trip():
+    assert config_from_list(config_to_list(INTERPRETER_CONFIG)) == INTERPRETER_CONFIG
+    assert config_from_list(config_to_list(None)) is None
 
 
 def test_custom_op_passes_torch_library_checks():
     q = torch.randn(1, 2, 24, 16, dtype=torch.float16, device=DEVICE)
     k, v = torch.randn_like(q), torch.randn_like(q)
-    config = fatune.dispatch.dispatcher().decide(fatune.inputs.check_inputs(q, k, v), q.device).config
-    args = (q, k, v, None, None, None, None, None, torch.zeros(1, dtype=torch.int64), 0.0, True, 0.25, False, -1, -1,
-            "", 0, 0, fatune.custom_op.config_to_list(config))
-    torch.library.opcheck(torch.ops.fatune.attention_forward.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    for config in ([], config_to_list(INTERPRETER_CONFIG)):
+        args = (q, k, v, None, None, None, None, None, None, 0.0, True, 0.25, False, -1, -1, "", None, None, config)
+        torch.library.opcheck(torch.ops.fatune.attention_forward.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_module_and_function_agree():
+    q, k, v = (torch.randn(1, 2, 30, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    module = fatune.FlashAttention(is_causal=True)
+    assert torch.equal(module(q, k, v), fatune.attention(q, k, v, is_causal=True))
+    assert torch.equal(module(q, k, v, is_causal=False), fatune.attention(q, k, v))
+
+
+# ---------------------------------------------------------------- GPU (pytest -m gpu)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, dynamic", [("default", "none"), ("reduce-overhead", "none"),
+                                           ("max-autotune-no-cudagraphs", "none"), ("default", "true")])
+def test_gpu_compile_from_a_fresh_process(mode, dynamic):
+    run_compile_script("cuda", "bfloat16", "inductor", mode, dynamic)
 
 
 @pytest.mark.gpu
-def test_gpu_compile_inductor_matches_eager():
-    torch.manual_seed(0)
-    model = TinyModel(dim=256, heads=4, dtype=torch.bfloat16).cuda()
-    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
-    eager, out, grad, compiled_grad = _eager_and_compiled(model, x, "inductor")
-    torch.testing.assert_close(out, eager)
-    torch.testing.assert_close(compiled_grad, grad, atol=2e-2, rtol=2e-2)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
+def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, monkeypatch):
+    """Capture forward+backward in a CUDA graph; each replay must equal an eager call with its seed."""
+    from fatune import dropout
 
+    seeds = []
+    draw = dropout.draw_seed
 
-@pytest.mark.gpu
-def test_gpu_forward_and_backward_capture_in_a_cuda_graph():
+    def recording_draw(device):
+        seeds.append(draw(device))
+        return seeds[-1]
+
+    monkeypatch.setattr(dropout, "draw_seed", recording_draw)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
-    reference = fatune.attention(q, k, v, is_causal=True)
-    reference_grads = torch.autograd.grad(reference, (q, k, v), grad_out)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out = fatune.attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        out.backward(grad_out)
+        return out
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up on a side stream (compiles, allocator) as torch's docs do
         for _ in range(3):
-            q.grad = k.grad = v.grad = None
-            fatune.attention(q, k, v, is_causal=True).backward(grad_out)
+            step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    q.grad = k.grad = v.grad = None
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        captured = fatune.attention(q, k, v, is_causal=True)
-        captured.backward(grad_out)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, reference)
-    for got, want in zip((q.grad, k.grad, v.grad), reference_grads):
-        assert torch.equal(got, want)
+    with torch.cuda.graph(graph):
+        captured = step()
+    captured_seed = seeds[-1]
+    grads = (q.grad, k.grad, v.grad)
+    outputs = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        outputs.append(captured.clone())
+        seed_value = captured_seed.clone()
+        replayed = tuple(g.clone() for g in grads)
+        monkeypatch.setattr(dropout, "draw_seed", lambda device: seed_value.clone())
+        eager = step()
+        assert torch.equal(captured, eager)
+        for got, want in zip(replayed, (q.grad, k.grad, v.grad)):
+            assert torch.equal(got, want)
+        monkeypatch.setattr(dropout, "draw_seed", recording_draw)
+    if dropout_p:
+        assert not torch.equal(outputs[0], outputs[1]), "every replay must draw a fresh dropout seed"

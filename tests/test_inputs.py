@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fatune
-import fatune.flash_attention as flash
-from fatune.flash_attention import FallbackError
+import fatune.plans as plans
+from fatune.plans import FallbackError
 from tests.conftest import DEVICE
 
 
@@ -92,9 +92,10 @@ def test_additive_mask_requiring_grad_is_refused():
 
 @pytest.fixture
 def no_gpu_no_interpreter(monkeypatch):
-    monkeypatch.setattr(flash, "interpreting", lambda: False)
-    monkeypatch.setattr(flash, "_logged", set())
-    monkeypatch.delenv(flash.STRICT_ENV, raising=False)
+    monkeypatch.setattr(plans, "interpreting", lambda: False)
+    monkeypatch.setattr(plans, "_logged", set())
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.delenv(plans.STRICT_ENV, raising=False)
 
 
 def test_cpu_tensors_fall_back_with_one_logged_reason(no_gpu_no_interpreter, caplog):
@@ -113,6 +114,6 @@ def test_strict_mode_raises_instead_of_falling_back(how, no_gpu_no_interpreter, 
     q, k, v = qkv(device="cpu")
     kwargs = {"strict": True} if how == "argument" else {}
     if how == "environment":
-        monkeypatch.setenv(flash.STRICT_ENV, "1")
+        monkeypatch.setenv(plans.STRICT_ENV, "1")
     with pytest.raises(FallbackError, match="strict"):
         fatune.attention(q, k, v, **kwargs)

@@ -249,7 +249,7 @@ def test_alibi(slopes_shape, causal, poison_outputs):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dropout_matches_reference_with_the_kernels_mask(causal, monkeypatch, poison_outputs):
     seed, p = 1234, 0.25
-    monkeypatch.setattr(dropout, "draw_seed", lambda: seed)
+    monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
     q, k, v = _qkv(lq=45, lk=70, seed=stable_seed("dropout", causal))
     keep = dropout.keep_mask(seed, p, 2, 2, 45, 70, DEVICE)
     run_and_compare(q, k, v, dropout_p=p, is_causal=causal, dropout_keep=keep)
@@ -328,7 +328,7 @@ def test_gpu_packed_varlen(dtype, poison_outputs, record_gpu_errors):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_dropout(dtype, monkeypatch, poison_outputs, record_gpu_errors):
     seed, p = 4321, 0.2
-    monkeypatch.setattr(dropout, "draw_seed", lambda: seed)
+    monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
     torch.manual_seed(1)
     q, k, v = random_qkv(2, 4, 4, 513, 700, 64, 64, dtype=dtype, device="cuda")
     keep = dropout.keep_mask(seed, p, 2, 4, 513, 700, "cuda")

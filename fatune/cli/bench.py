@@ -23,7 +23,8 @@ from fatune.cli.options import int_list, name_list
 @click.option("--rep-ms", default=100.0, show_default=True)
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
               show_default=True, help="Folder for bench.md, bench.json and bench.png.")
-@click.option("--overhead", is_flag=True, help="Only measure host cost per call on a tiny problem (1x8x128x64).")
+@click.option("--overhead", is_flag=True,
+              help="Only measure host cost per call on a tiny problem (1x8x128x64): forward and training step.")
 def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_ms, rep_ms, output, overhead) -> None:
     """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
 
@@ -40,9 +41,7 @@ def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_m
     if not torch.cuda.is_available():
         raise click.ClickException("fatune bench times CUDA kernels and needs a CUDA GPU; none is visible")
     if overhead:
-        result = runner.host_overhead()
-        click.echo(f"host cost per call, 1x8x128x64 causal bf16: fatune {result['fatune']:.1f} us, "
-                   f"torch SDPA {result['sdpa']:.1f} us, ratio {result['ratio']:.2f}")
+        click.echo("\n".join(runner.overhead_lines(runner.host_overhead())))
         return
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
     shapes = runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU runs of a session, as the device tool runs them (repo root, .whl carried):
+#   bash benchmarks/gpu_run.sh STAGE [STAGE ...]
+# Stages write their logs under $OUT (the device tool's result folder) and keep going after a failure.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/fatune-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/gpu.txt"
+
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case "$stage" in
+    overhead)  # host cost per call: forward and training step, fatune vs SDPA
+      python3 -m fatune.cli.main bench --overhead 2>&1 | tee "$OUT/overhead.txt" ;;
+    compile)  # torch.compile modes from fresh processes, CUDA-graph capture
+      python3 -m pytest tests/test_custom_op.py -m gpu -n 6 -q -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/compile.log" ;;
+    accuracy)  # every gpu-marked test but the serial timing/memory ones
+      FATUNE_GPU_REPORT="$OUT/gpu_report.json" python3 -m pytest -m "gpu and not serial" -n 16 -q -p no:cacheprovider \
+        2>&1 | tail -n 60 | tee "$OUT/accuracy.log" ;;
+    core)  # the core accuracy tests only (forward and gradients of the plain and causal kernels)
+      python3 -m pytest tests/test_flash_attention.py -m "gpu and not serial" -n 16 -q -p no:cacheprovider \
+        2>&1 | tail -n 40 | tee "$OUT/core.log" ;;
+    serial)  # timing and memory measurements, alone on the GPU
+      python3 -m pytest -m "gpu and serial" -q -s -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/serial.log" ;;
+    *)
+      echo "unknown stage $stage" ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"

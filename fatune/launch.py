@@ -1,0 +1,215 @@
+"""The one way a call reaches the generated kernels: allocation, arguments, grids, launches.
+
+A `Plan` holds everything about a call that does not change from one call to the next
+with the same shapes, strides, dtypes and options: the kernel spec and launch configs,
+output layouts, grids and each kernel's scalar and stride arguments. Calls with the same
+plan then only allocate outputs and launch. After its first launch (through Triton's own
+launcher, which compiles and specialises the kernel) a `KernelLaunch` keeps the compiled
+binary and launches it directly: Triton's per-call argument binding and specialisation
+checks are skipped, which is safe because everything they depend on (every integer
+argument, the dtypes, the pointers' 16-byte alignment) is part of the plan's key.
+
+The eager autograd Function, the torch custom ops and the search's timing runner all
+launch through here.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import triton
+from triton import knobs
+from triton.compiler import CompiledKernel
+
+from fatune import codegen, signature
+from fatune.inputs import AttentionProblem
+from fatune.spec import AttentionConfig, LaunchConfig
+
+# Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
+SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "DO", "DELTA", "DQ", "DK",
+         "DV")
+EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")  # order of a call's extras
+NO_EXTRAS = (None,) * len(EXTRAS)
+
+
+def new_buffer(shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised buffer for a kernel to fill (the tests replace this to poison outputs)."""
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+
+def layout_like(shape: Sequence[int], strides: Sequence[int], last_dim: int | None = None
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) of a dense buffer shaped like a tensor (last dim replaced by `last_dim`)
+    whose dims lie in memory in the tensor's order, the last dim innermost.
+
+    Outputs and gradients take their input's layout, so a (B, L, H, D) tensor viewed as
+    (B, H, L, D) gets a gradient that is a free view of (B, L, H, D) memory too.
+    """
+    shape = list(shape)
+    if last_dim is not None:
+        shape[-1] = last_dim
+    outer = sorted(range(len(shape) - 1), key=lambda i: -strides[i])
+    order = outer + [len(shape) - 1]
+    out_strides = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        out_strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(shape), tuple(out_strides)
+
+
+def bhld_strides(strides: Sequence[int], packed: bool) -> tuple[int, ...]:
+    """The kernels' (b, h, l, d) strides: a packed (total, H, D) tensor is one (1, H, total, D) sequence."""
+    return (0, strides[1], strides[0], strides[2]) if packed else tuple(strides)
+
+
+def _launch_hooks_active() -> bool:
+    return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
+
+
+class KernelLaunch:
+    """One kernel of a plan: its function, grid, launch options and non-pointer arguments."""
+
+    __slots__ = ("fn", "grid", "num_warps", "num_stages", "pick", "tail", "binary")
+
+    def __init__(self, fn: Any, kernel: str, grid: tuple[int, int, int], config: LaunchConfig,
+                 values: dict[str, Any]):
+        self.fn = fn
+        self.grid = grid
+        self.num_warps, self.num_stages = config.num_warps, config.num_stages
+        self.pick = operator.itemgetter(*(SLOTS.index(name) for name in signature.pointers(kernel)))
+        self.tail = tuple(values[name] for name in signature.values(kernel))
+        self.binary: CompiledKernel | None = None
+
+    def __call__(self, slots: tuple, stream: int | None) -> None:
+        args = self.pick(slots) + self.tail
+        binary = self.binary
+        if binary is not None and not _launch_hooks_active():
+            binary.run(self.grid[0], self.grid[1], self.grid[2], stream, binary.function, binary.packed_metadata,
+                       None, None, None, *args)
+            return
+        kernel = self.fn.run(*args, grid=self.grid, warmup=False, num_warps=self.num_warps,
+                             num_stages=self.num_stages)
+        if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
+            self.binary = kernel
+
+
+def current_stream(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+class Plan:
+    """Everything constant across calls of one problem shape: layouts, grids, kernel launches.
+
+    forward(q, k, v, extras, seed) -> (out, lse); backward(...) -> (dq, dk, dv). `extras`
+    holds the call's optional tensors in EXTRAS order (None where absent); `seed` is the
+    dropout seed tensor (int64, on the device) or None.
+    """
+
+    def __init__(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device,
+                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        spec, packed = problem.spec, problem.packed
+        self.spec, self.config, self.device, self.packed = spec, config, device, packed
+        self.dtype = q.dtype
+        self.out_layout = layout_like(q.shape, q.stride(), spec.head_dim_v)
+        self.grad_layouts = tuple(layout_like(t.shape, t.stride()) for t in (q, k, v))
+        rows = (1, problem.heads, problem.seqlen_q) if packed else (problem.batch, problem.heads, problem.seqlen_q)
+        self.lse_layout = (rows, (rows[1] * rows[2], rows[2], 1))
+        mask, alibi = problem.attn_mask, problem.alibi_slopes
+        self.values: dict[str, Any] = {
+            "sm_scale": problem.scale, "window_left": problem.window_left, "window_right": problem.window_right,
+            "dropout_p": problem.dropout_p, "H": problem.heads, "GROUP": problem.group_size,
+            "L_Q": problem.seqlen_q, "L_K": problem.seqlen_k,
+            "stride_lb": 0 if packed else self.lse_layout[1][0], "stride_lh": self.lse_layout[1][1],
+        }
+        self._add_strides("q", q.stride())
+        self._add_strides("k", k.stride())
+        self._add_strides("v", v.stride())
+        self._add_strides("o", self.out_layout[1])
+        for name, (_, strides) in zip(("dq", "dk", "dv"), self.grad_layouts):
+            self._add_strides(name, strides)
+        mask_strides = tuple(mask.stride()) if mask is not None else (0, 0, 0, 0)
+        alibi_strides = tuple(alibi.stride()) if alibi is not None else (0, 0)
+        self.values.update(zip(("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah"),
+                               mask_strides + alibi_strides))
+        self.uses_seed = spec.dropout
+        self.fwd_grid = (triton.cdiv(problem.max_seqlen_q, config.fwd.block_m), problem.heads, problem.batch)
+        self.dq_grid = (triton.cdiv(problem.max_seqlen_q, config.dq.block_m), problem.heads, problem.batch)
+        self.dkdv_grid = (triton.cdiv(problem.max_seqlen_k, config.dkdv.block_n), problem.kv_heads, problem.batch)
+        self._fwd: KernelLaunch | None = None
+        self._bwd: dict[tuple, tuple[KernelLaunch, ...]] = {}
+
+    def _add_strides(self, name: str, strides: Sequence[int]) -> None:
+        self.values.update(zip(signature.strides(name), bhld_strides(strides, self.packed)))
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def fwd_launch(self) -> KernelLaunch:
+        if self._fwd is None:
+            module = codegen.load("fwd", self.spec, self.config)
+            self._fwd = KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, self.values)
+        return self._fwd
+
+    def allocate_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = new_buffer(*self.out_layout, self.dtype, self.device)
+        return out, new_buffer(*self.lse_layout, torch.float32, self.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
+                seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = self.allocate_forward()
+        self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
+        return out, lse
+
+    def run_forward(self, slots: tuple) -> None:
+        self.fwd_launch()(slots, current_stream(self.device))
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def bwd_launches(self, grad_out: torch.Tensor) -> tuple[KernelLaunch, ...]:
+        """(Delta pre-pass, dK/dV, dQ) for gradients of this stride and alignment (cached)."""
+        key = (grad_out.stride(), grad_out.data_ptr() % 16)
+        launches = self._bwd.get(key)
+        if launches is None:
+            module = codegen.load("bwd", self.spec, self.config)
+            values = dict(self.values)
+            values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
+            delta_config = LaunchConfig(self.config.dq.block_m, 16, num_warps=4, num_stages=1)
+            launches = (
+                KernelLaunch(module.attn_bwd_preprocess, "attn_bwd_preprocess", self.dq_grid, delta_config, values),
+                KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, self.config.dkdv, values),
+                KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", self.dq_grid, self.config.dq, values),
+            )
+            self._bwd[key] = launches
+        return launches
+
+    def allocate_backward(self) -> tuple[torch.Tensor, ...]:
+        """(delta, dq, dk, dv) buffers."""
+        delta = new_buffer(*self.lse_layout, torch.float32, self.device)
+        dq, dk, dv = (new_buffer(shape, strides, self.dtype, self.device) for shape, strides in self.grad_layouts)
+        return delta, dq, dk, dv
+
+    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, extras: tuple = NO_EXTRAS,
+                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        launches = self.bwd_launches(grad_out)
+        delta, dq, dk, dv = self.allocate_backward()
+        slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, delta, dq, dk, dv)
+        stream = current_stream(self.device)
+        for launch in launches:
+            launch(slots, stream)
+        return dq, dk, dv
+
+    # -- arguments ---------------------------------------------------------------------------
+
+    @staticmethod
+    def slots(q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None) -> tuple:
+        """The forward slots (SLOTS up to SEED); absent optional tensors become a dummy pointer."""
+        if extras is NO_EXTRAS:
+            return (q, k, v, out, lse, lse, lse, lse, lse, lse, lse if seed is None else seed)
+        return (q, k, v, out, lse, *(t if t is not None else lse for t in extras), lse if seed is None else seed)
+
+

@@ -1,0 +1,199 @@
+"""Which plan a call of fatune.attention runs, decided once per call signature.
+
+A call's key holds every property that the argument checks, the dispatcher and the
+kernels' specialisation read: shapes, strides, dtypes and devices of all tensors, the 16-byte
+alignment of their data, the scalar options -- but no tensor values. The first call with a
+key runs the full checks (fatune.inputs), asks the dispatcher for launch configs and builds
+a `launch.Plan`; later calls with that key are one dictionary lookup. The values of
+seqlens_k / cu_seqlens are still checked on every call that passes them (a host read),
+except under torch.compile and CUDA-graph capture, where the kernels clamp them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from fatune import reference
+from fatune.dispatch import Decision, dispatcher, interpreting
+from fatune.inputs import AttentionProblem, check_contents, check_inputs
+from fatune.launch import NO_EXTRAS, Plan, layout_like, new_buffer
+from fatune.spec import AttentionConfig
+
+log = logging.getLogger("fatune")
+STRICT_ENV = "FATUNE_STRICT"
+MAX_PLANS = 4096  # distinct call signatures kept per process (the cache starts over past this)
+
+
+class FallbackError(RuntimeError):
+    """Strict mode: fatune would have fallen back to another implementation."""
+
+
+def strict_mode(strict: bool | None) -> bool:
+    """The `strict` argument, or else $FATUNE_STRICT (1/true/yes/on)."""
+    if strict is not None:
+        return bool(strict)
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_logged: set[str] = set()
+
+
+def log_once(message: str, *args) -> None:
+    key = message % args
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(message, *args)
+
+
+class Call(NamedTuple):
+    """The arguments of one fatune.attention call besides query, key and value."""
+
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+    window_size: Any = (-1, -1)
+    causal_alignment: str | None = None
+    alibi_slopes: torch.Tensor | None = None
+    seqlens_k: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+
+    def check(self, query, key, value, check_index_values: bool = True) -> AttentionProblem:
+        return check_inputs(query, key, value, self.attn_mask, self.dropout_p, self.is_causal, self.scale,
+                            self.enable_gqa, window_size=self.window_size, causal_alignment=self.causal_alignment,
+                            alibi_slopes=self.alibi_slopes, seqlens_k=self.seqlens_k,
+                            cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
+                            max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+                            check_index_values=check_index_values)
+
+    @property
+    def extras(self) -> tuple:
+        """The optional tensors in launch.EXTRAS order."""
+        extras = (self.attn_mask, self.alibi_slopes, self.cu_seqlens_q, self.cu_seqlens_k, self.seqlens_k)
+        return NO_EXTRAS if all(t is None for t in extras) else extras
+
+
+def _tensor_key(tensor: Any) -> tuple | None:
+    if tensor is None:
+        return None
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16, tensor.requires_grad)
+
+
+def call_key(query, key, value, call: Call, config: AttentionConfig | None, strict: bool) -> tuple:
+    """Everything about a call that its plan depends on (TypeError/AttributeError for odd arguments)."""
+    return (
+        query.shape, query.stride(), query.dtype, query.device, query.data_ptr() % 16,
+        key.shape, key.stride(), key.dtype, key.device, key.data_ptr() % 16,
+        value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16,
+        type(call.dropout_p), call.dropout_p, type(call.is_causal), call.is_causal, type(call.scale), call.scale,
+        type(call.enable_gqa), call.enable_gqa, tuple(call.window_size), call.causal_alignment,
+        call.max_seqlen_q, call.max_seqlen_k, config, strict,
+        _tensor_key(call.attn_mask), _tensor_key(call.alibi_slopes), _tensor_key(call.seqlens_k),
+        _tensor_key(call.cu_seqlens_q), _tensor_key(call.cu_seqlens_k),
+    )
+
+
+@dataclass
+class Prepared:
+    """What a call signature runs: `plan` (the kernels), or `mode` 'empty', 'meta' or 'fallback'."""
+
+    mode: str
+    plan: Plan | None = None
+    decision: Decision | None = None
+    reason: str = ""
+    lengths: tuple[int, int] = (0, 0)  # longest packed sequences (q, k) it was built for
+
+
+_BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values
+_plans: dict[tuple, Prepared] = {}
+_lock = threading.Lock()
+
+
+def clear() -> None:
+    """Forget every plan and dispatch decision (after the tuned DBs changed, say)."""
+    with _lock:
+        _plans.clear()
+    dispatcher().clear()
+
+
+def prepare(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> Prepared:
+    """The Prepared for this call: cached per call_key, built (and fully checked) on the first call.
+
+    With seqlens_k / cu_seqlens the values are checked on every call, and the longest packed
+    sequences (which size the grid) extend the key.
+    """
+    strict = strict_mode(strict)
+    try:
+        base = call_key(query, key, value, call, config, strict)
+        prepared = _plans.get(base)
+    except (TypeError, AttributeError, RuntimeError):  # odd arguments: the full checks say what is wrong
+        return _build(query, key, value, call, config, strict)
+    cache_key = base
+    if prepared is _BY_VALUES:
+        cache_key = base + _index_values(query, key, call)
+        prepared = _plans.get(cache_key)
+    if prepared is None:
+        prepared = _build(query, key, value, call, config, strict)
+        if prepared.mode != "fallback":
+            with _lock:
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
+                if call.seqlens_k is not None or call.cu_seqlens_q is not None:
+                    _plans[base] = _BY_VALUES
+                    cache_key = base + prepared.lengths
+                _plans[cache_key] = prepared
+    return prepared
+
+
+def _index_values(query, key, call: Call) -> tuple[int, int]:
+    """Check the seqlens_k / cu_seqlens values (a host read); the longest packed sequences, for the key."""
+    packed = call.cu_seqlens_q is not None
+    return check_contents(call.seqlens_k, key.shape[-2], call.cu_seqlens_q, call.cu_seqlens_k,
+                          query.shape[0] if packed else 0, key.shape[0] if packed else 0,
+                          call.max_seqlen_q, call.max_seqlen_k)
+
+
+def _build(query, key, value, call: Call, config: AttentionConfig | None, strict: bool) -> Prepared:
+    problem = call.check(query, key, value)
+    device = query.device
+    lengths = (problem.max_seqlen_q, problem.max_seqlen_k) if problem.packed else (0, 0)
+    if device.type == "meta":
+        return Prepared("meta", reason="meta tensors: shapes only", lengths=lengths)
+    if device.type != "cuda" and not interpreting():
+        reason = f"{device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1)"
+        if strict:
+            raise FallbackError(f"fatune.attention would fall back to a dense torch implementation: {reason} "
+                                f"(strict mode: strict=True or ${STRICT_ENV})")
+        return Prepared("fallback", reason=reason)
+    if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
+        return Prepared("empty", reason="no keys or no queries", lengths=lengths)
+    decision = dispatcher().decide(problem, device, config, strict)
+    plan = Plan(problem, decision.config, device, query, key, value)
+    return Prepared("kernels", plan, decision, decision.reason, lengths)
+
+
+def run_without_kernels(prepared: Prepared, query, key, value, call: Call) -> torch.Tensor:
+    """The result of a call whose Prepared has no plan: empty, meta or the dense fallback."""
+    if prepared.mode == "fallback":
+        log_once("fatune.attention falls back to a dense torch implementation: %s", prepared.reason)
+        problem = call.check(query, key, value)
+        keep = None
+        if problem.spec.dropout:
+            shape = (problem.batch, problem.heads, problem.max_seqlen_q, problem.max_seqlen_k)
+            keep = torch.rand(shape, device=query.device) >= problem.dropout_p
+        return reference.attention(query, key, value, problem, precision="float32", dropout_keep=keep)
+    out = new_buffer(*layout_like(query.shape, query.stride(), value.shape[-1]), query.dtype, query.device)
+    if prepared.mode == "meta":
+        return out
+    # no keys anywhere: every row is a row that sees no key (0), still connected to the inputs
+    return out.zero_() + (query.sum() + key.sum() + value.sum()) * 0

@@ -1,0 +1,86 @@
+"""The generated kernels' parameter lists, written once.
+
+Each kernel's parameters are listed here, in order: its pointers first, then run-time
+scalars, then strides. The same list is rendered into the kernel's `def` line in the
+templates, selects the launch arguments in `fatune.launch`, and gives the argument types
+`fatune.offline` compiles with, so the three can never disagree on the order.
+
+Pointers name tensors of one call (Q, K, V, O, ...); a pointer a variant does not use is
+passed as a dummy the kernel never reads. Strides are element strides along batch, head,
+sequence and head dim (b, h, l, d) of the tensor named by their middle letters.
+"""
+
+from __future__ import annotations
+
+# pointer name -> element type ("io": the inputs' dtype; "mask": the mask's)
+POINTERS: dict[str, str] = {
+    "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "fp32",
+    "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64",
+    "DO": "io", "DELTA": "fp32", "DQ": "io", "DK": "io", "DV": "io",
+    "OUT": "i8",
+}
+FLOAT_SCALARS = frozenset({"sm_scale", "dropout_p"})
+
+
+def strides(*tensors: str, dims: str = "bhld") -> tuple[str, ...]:
+    """('q',) -> ('stride_qb', 'stride_qh', 'stride_ql', 'stride_qd')."""
+    return tuple(f"stride_{t}{d}" for t in tensors for d in dims)
+
+
+OPTIONAL_INPUTS = ("MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED")
+RUN_TIME = ("sm_scale", "window_left", "window_right", "dropout_p", "H", "GROUP", "L_Q", "L_K")
+STAT_STRIDES = ("stride_lb", "stride_lh")  # LSE and Delta: (B, H, L) with contiguous rows
+MASK_AND_ALIBI_STRIDES = ("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah")
+
+PARAMS: dict[str, tuple[str, ...]] = {
+    "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, *RUN_TIME, *strides("q", "k", "v", "o"),
+                 *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
+    "attn_bwd_preprocess": ("O", "DO", "DELTA", "CU_Q", "L_Q", *strides("o", "do"), *STAT_STRIDES),
+    "attn_bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", *OPTIONAL_INPUTS, *RUN_TIME,
+                      *strides("q", "k", "v", "do", "dk", "dv"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
+    "attn_bwd_dq": ("Q", "K", "V", "DO", "LSE", "DELTA", "DQ", *OPTIONAL_INPUTS, *RUN_TIME,
+                    *strides("q", "k", "v", "do", "dq"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
+    "dropout_mask_kernel": ("OUT", "SEED", "dropout_p", "H", "L_Q", "L_K", *strides("out", dims="bhqk")),
+}
+
+
+def pointers(kernel: str) -> tuple[str, ...]:
+    """The leading pointer parameters of `kernel`."""
+    names = PARAMS[kernel]
+    count = next(i for i, name in enumerate(names) if name not in POINTERS)
+    return names[:count]
+
+
+def values(kernel: str) -> tuple[str, ...]:
+    """The scalar and stride parameters of `kernel` (everything after its pointers)."""
+    return PARAMS[kernel][len(pointers(kernel)):]
+
+
+def render(kernel: str, indent: int = 8) -> str:
+    """The parameter list as it stands in the kernel's `def` line: pointers, scalars, then one
+    line of strides per tensor."""
+    scalars = [name for name in values(kernel) if not name.startswith("stride_")]
+    stride_names = [name for name in values(kernel) if name.startswith("stride_")]
+    by_tensor: dict[str, list[str]] = {}
+    for name in stride_names:
+        by_tensor.setdefault(name[len("stride_"):-1], []).append(name)
+    lines = [", ".join(pointers(kernel)), ", ".join(scalars)] + [", ".join(group) for group in by_tensor.values()]
+    return (",\n" + " " * indent).join(line for line in lines if line)
+
+
+def triton_types(kernel: str, dtype: str, mask: str) -> dict[str, str]:
+    """Triton argument types of `kernel` for inputs of `dtype` ('fp16', 'bf16', 'fp32') and a mask
+    kind ('none', 'bool', 'additive'), as `triton.compile` takes them in an ASTSource signature."""
+    mask_type = {"bool": "*i1", "additive": "*" + dtype}.get(mask, "*fp32")
+    types = {}
+    for name in PARAMS[kernel]:
+        kind = POINTERS.get(name)
+        if kind is None:
+            types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+        elif kind == "io":
+            types[name] = "*" + dtype
+        elif kind == "mask":
+            types[name] = mask_type
+        else:
+            types[name] = "*" + kind
+    return types
