@@ -15,15 +15,15 @@ for stage in "$@"; do
     overhead)  # host cost per call: forward and training step, fatune vs SDPA
       python3 -m fatune.cli.main bench --overhead 2>&1 | tee "$OUT/overhead.txt" ;;
     compile)  # torch.compile modes from fresh processes, CUDA-graph capture
-      python3 -m pytest tests/test_custom_op.py -m gpu -n 6 -q -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/compile.log" ;;
+      python3 -m pytest tests/test_custom_op.py -m gpu -n 6 -q -p no:cacheprovider > "$OUT/compile.log" 2>&1; tail -n 30 "$OUT/compile.log" ;;
     accuracy)  # every gpu-marked test but the serial timing/memory ones
       FATUNE_GPU_REPORT="$OUT/gpu_report.json" python3 -m pytest -m "gpu and not serial" -n 16 -q -p no:cacheprovider \
-        2>&1 | tail -n 60 | tee "$OUT/accuracy.log" ;;
+        > "$OUT/accuracy.log" 2>&1; tail -n 30 "$OUT/accuracy.log" ;;
     core)  # the core accuracy tests only (forward and gradients of the plain and causal kernels)
       python3 -m pytest tests/test_flash_attention.py -m "gpu and not serial" -n 16 -q -p no:cacheprovider \
-        2>&1 | tail -n 40 | tee "$OUT/core.log" ;;
+        > "$OUT/core.log" 2>&1; tail -n 30 "$OUT/core.log" ;;
     serial)  # timing and memory measurements, alone on the GPU
-      python3 -m pytest -m "gpu and serial" -q -s -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/serial.log" ;;
+      python3 -m pytest -m "gpu and serial" -q -s -p no:cacheprovider > "$OUT/serial.log" 2>&1; tail -n 30 "$OUT/serial.log" ;;
     *)
       echo "unknown stage $stage" ;;
   esac

@@ -16,7 +16,7 @@ import torch
 from fatune import codegen, custom_op, dropout
 from fatune.dispatch import Decision
 from fatune.launch import Plan
-from fatune.plans import Call, prepare, run_without_kernels, strict_mode
+from fatune.plans import Call, prepare, run_without_kernels
 from fatune.spec import AttentionConfig, KernelSpec
 
 
@@ -32,8 +32,9 @@ class _FlashAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            raise RuntimeError("fatune.attention: double backward (create_graph=True) is not supported")
         query, key, value, out, lse = ctx.saved_tensors
         grad_query, grad_key, grad_value = ctx.plan.backward(grad_out, query, key, value, out, lse, ctx.extras,
                                                              ctx.seed)
@@ -140,7 +141,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     """Which tuned entry, config, generated source file and DB layer fatune.attention(same arguments) would use."""
     call = Call(*args, **kwargs)
     spec = call.check(query, key, value).spec
-    prepared = prepare(query, key, value, call, config, strict_mode(strict))
+    prepared = prepare(query, key, value, call, config, strict)
     if prepared.plan is None:
         backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
         return Explanation(backend, spec, None, {}, prepared.reason)

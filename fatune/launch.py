@@ -16,7 +16,7 @@ launch through here.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import triton
@@ -69,10 +69,26 @@ def _launch_hooks_active() -> bool:
     return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
 
 
+def _direct_launcher(binary: CompiledKernel) -> tuple[Callable, tuple] | None:
+    """Triton's C launch function and the arguments it takes between the stream and the kernel's own.
+
+    That is what `binary.run(...)` ends in, minus a Python frame that repacks ~50 arguments;
+    only for kernels that need no scratch memory and on launchers of that shape (Triton 3.4+
+    on CUDA); None otherwise, and the launch goes through `binary.run`.
+    """
+    launcher = binary.run
+    names = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
+    if not all(hasattr(launcher, name) for name in names) or launcher.global_scratch_size or \
+            launcher.profile_scratch_size:
+        return None
+    return launcher.launch, (binary.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                             binary.packed_metadata, None, None, None)
+
+
 class KernelLaunch:
     """One kernel of a plan: its function, grid, launch options and non-pointer arguments."""
 
-    __slots__ = ("fn", "grid", "num_warps", "num_stages", "pick", "tail", "binary")
+    __slots__ = ("fn", "grid", "num_warps", "num_stages", "pick", "tail", "binary", "direct", "middle")
 
     def __init__(self, fn: Any, kernel: str, grid: tuple[int, int, int], config: LaunchConfig,
                  values: dict[str, Any]):
@@ -82,18 +98,23 @@ class KernelLaunch:
         self.pick = operator.itemgetter(*(SLOTS.index(name) for name in signature.pointers(kernel)))
         self.tail = tuple(values[name] for name in signature.values(kernel))
         self.binary: CompiledKernel | None = None
+        self.direct: Callable | None = None
+        self.middle: tuple = ()
 
     def __call__(self, slots: tuple, stream: int | None) -> None:
         args = self.pick(slots) + self.tail
+        if self.direct is not None and not _launch_hooks_active():
+            self.direct(*self.grid, stream, *self.middle, *args)
+            return
         binary = self.binary
         if binary is not None and not _launch_hooks_active():
-            binary.run(self.grid[0], self.grid[1], self.grid[2], stream, binary.function, binary.packed_metadata,
-                       None, None, None, *args)
+            binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
             return
         kernel = self.fn.run(*args, grid=self.grid, warmup=False, num_warps=self.num_warps,
                              num_stages=self.num_stages)
         if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
             self.binary = kernel
+            self.direct, self.middle = _direct_launcher(kernel) or (None, ())
 
 
 def current_stream(device: torch.device) -> int | None:
@@ -170,19 +191,15 @@ class Plan:
     # -- backward ----------------------------------------------------------------------------
 
     def bwd_launches(self, grad_out: torch.Tensor) -> tuple[KernelLaunch, ...]:
-        """(Delta pre-pass, dK/dV, dQ) for gradients of this stride and alignment (cached)."""
+        """(dQ and Delta, then dK/dV) for gradients of this stride and alignment (cached)."""
         key = (grad_out.stride(), grad_out.data_ptr() % 16)
         launches = self._bwd.get(key)
         if launches is None:
             module = codegen.load("bwd", self.spec, self.config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
-            delta_config = LaunchConfig(self.config.dq.block_m, 16, num_warps=4, num_stages=1)
-            launches = (
-                KernelLaunch(module.attn_bwd_preprocess, "attn_bwd_preprocess", self.dq_grid, delta_config, values),
-                KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, self.config.dkdv, values),
-                KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", self.dq_grid, self.config.dq, values),
-            )
+            launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", self.dq_grid, self.config.dq, values),
+                        KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, self.config.dkdv, values))
             self._bwd[key] = launches
         return launches
 
@@ -205,11 +222,8 @@ class Plan:
 
     # -- arguments ---------------------------------------------------------------------------
 
-    @staticmethod
-    def slots(q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None) -> tuple:
-        """The forward slots (SLOTS up to SEED); absent optional tensors become a dummy pointer."""
+    def slots(self, q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None) -> tuple:
+        """The forward slots (SLOTS up to SEED); optional tensors the kernels do not read are None."""
         if extras is NO_EXTRAS:
-            return (q, k, v, out, lse, lse, lse, lse, lse, lse, lse if seed is None else seed)
-        return (q, k, v, out, lse, *(t if t is not None else lse for t in extras), lse if seed is None else seed)
-
-
+            return (q, k, v, out, lse, None, None, None, None, None, seed)
+        return (q, k, v, out, lse, *extras, seed)

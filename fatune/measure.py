@@ -136,19 +136,19 @@ class KernelRunner:
         self.slots = self.plan.slots(q, k, v, out, lse, call.extras, seed) + (grad_out, delta, grad_q, grad_k, grad_v)
 
     def run(self, kernel: str) -> Callable[[], None]:
-        """A no-argument callable launching 'fwd', 'preprocess', 'dkdv' or 'dq'."""
+        """A no-argument callable launching 'fwd', 'dq' (which also writes Delta) or 'dkdv'."""
         from fatune.launch import current_stream
 
         if kernel == "fwd":
             launch = self.plan.fwd_launch()
         else:
-            launch = dict(zip(("preprocess", "dkdv", "dq"), self.plan.bwd_launches(self.args.grad_out)))[kernel]
+            launch = dict(zip(("dq", "dkdv"), self.plan.bwd_launches(self.args.grad_out)))[kernel]
         return lambda: launch(self.slots, current_stream(self.plan.device))
 
     def prepare(self) -> None:
-        """Run forward and the pre-pass once so the backward kernels read real LSE and Delta."""
+        """Run forward and dQ once so the backward kernels read real LSE and Delta."""
         self.run("fwd")()
-        self.run("preprocess")()
+        self.run("dq")()
 
 
 def compile_seconds(fn: Callable[[], object]) -> float:

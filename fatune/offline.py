@@ -21,7 +21,6 @@ from triton.compiler import ASTSource
 from fatune import codegen, signature
 from fatune.spec import AttentionConfig, KernelSpec
 
-_TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq")}
 
 
@@ -41,10 +40,10 @@ class CompiledKernel:
 
 def _signature(kernel: str, spec: KernelSpec) -> tuple[dict, dict, dict]:
     """Argument types as a launch on contiguous, 16-aligned tensors specialises them: pointers and
-    strides divisible by 16, unit head-dim strides constant."""
-    types = signature.triton_types(kernel, _TRITON_TYPES[spec.dtype], spec.attn_mask)
+    strides divisible by 16, unit head-dim strides and unused optional pointers (None) constant."""
+    types = signature.triton_types(kernel, spec)
     attrs: dict[tuple[int], list] = {}
-    constexprs: dict[str, int] = {}
+    constexprs: dict[str, int | None] = {name: None for name, kind in types.items() if kind == "constexpr"}
     for index, (name, kind) in enumerate(types.items()):
         if name.startswith("stride") and name.endswith("d"):
             types[name] = "constexpr"

@@ -89,7 +89,7 @@ def _tensor_key(tensor: Any) -> tuple | None:
     return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16, tensor.requires_grad)
 
 
-def call_key(query, key, value, call: Call, config: AttentionConfig | None, strict: bool) -> tuple:
+def call_key(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> tuple:
     """Everything about a call that its plan depends on (TypeError/AttributeError for odd arguments)."""
     return (
         query.shape, query.stride(), query.dtype, query.device, query.data_ptr() % 16,
@@ -132,7 +132,6 @@ def prepare(query, key, value, call: Call, config: AttentionConfig | None, stric
     With seqlens_k / cu_seqlens the values are checked on every call, and the longest packed
     sequences (which size the grid) extend the key.
     """
-    strict = strict_mode(strict)
     try:
         base = call_key(query, key, value, call, config, strict)
         prepared = _plans.get(base)
@@ -163,7 +162,8 @@ def _index_values(query, key, call: Call) -> tuple[int, int]:
                           call.max_seqlen_q, call.max_seqlen_k)
 
 
-def _build(query, key, value, call: Call, config: AttentionConfig | None, strict: bool) -> Prepared:
+def _build(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> Prepared:
+    strict = strict_mode(strict)  # $FATUNE_STRICT is read once per call signature
     problem = call.check(query, key, value)
     device = query.device
     lengths = (problem.max_seqlen_q, problem.max_seqlen_k) if problem.packed else (0, 0)

@@ -12,6 +12,11 @@ sequence and head dim (b, h, l, d) of the tensor named by their middle letters.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fatune.spec import KernelSpec
+
 # pointer name -> element type ("io": the inputs' dtype; "mask": the mask's)
 POINTERS: dict[str, str] = {
     "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "fp32",
@@ -35,11 +40,10 @@ MASK_AND_ALIBI_STRIDES = ("stride_mb", "stride_mh", "stride_mq", "stride_mk", "s
 PARAMS: dict[str, tuple[str, ...]] = {
     "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, *RUN_TIME, *strides("q", "k", "v", "o"),
                  *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
-    "attn_bwd_preprocess": ("O", "DO", "DELTA", "CU_Q", "L_Q", *strides("o", "do"), *STAT_STRIDES),
     "attn_bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", *OPTIONAL_INPUTS, *RUN_TIME,
                       *strides("q", "k", "v", "do", "dk", "dv"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
-    "attn_bwd_dq": ("Q", "K", "V", "DO", "LSE", "DELTA", "DQ", *OPTIONAL_INPUTS, *RUN_TIME,
-                    *strides("q", "k", "v", "do", "dq"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
+    "attn_bwd_dq": ("Q", "K", "V", "O", "DO", "LSE", "DELTA", "DQ", *OPTIONAL_INPUTS, *RUN_TIME,
+                    *strides("q", "k", "v", "o", "do", "dq"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
     "dropout_mask_kernel": ("OUT", "SEED", "dropout_p", "H", "L_Q", "L_K", *strides("out", dims="bhqk")),
 }
 
@@ -68,19 +72,29 @@ def render(kernel: str, indent: int = 8) -> str:
     return (",\n" + " " * indent).join(line for line in lines if line)
 
 
-def triton_types(kernel: str, dtype: str, mask: str) -> dict[str, str]:
-    """Triton argument types of `kernel` for inputs of `dtype` ('fp16', 'bf16', 'fp32') and a mask
-    kind ('none', 'bool', 'additive'), as `triton.compile` takes them in an ASTSource signature."""
-    mask_type = {"bool": "*i1", "additive": "*" + dtype}.get(mask, "*fp32")
+def optional_inputs_used(spec: KernelSpec) -> set[str]:
+    """The optional pointers that kernels of `spec` read; the others are passed as None."""
+    used = {"MASK": spec.attn_mask != "none", "ALIBI": spec.alibi, "CU_Q": spec.seqlens == "varlen",
+            "CU_K": spec.seqlens == "varlen", "SEQLENS_K": spec.seqlens == "seqlens_k", "SEED": spec.dropout}
+    return {name for name, on in used.items() if on}
+
+
+def triton_types(kernel: str, spec: KernelSpec) -> dict[str, str]:
+    """Triton argument types of `kernel` for `spec`, as `triton.compile` takes them in an ASTSource
+    signature ("constexpr" for the optional pointers it does not read, which are passed as None)."""
+    dtype = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[spec.dtype]
+    used = optional_inputs_used(spec)
     types = {}
     for name in PARAMS[kernel]:
         kind = POINTERS.get(name)
         if kind is None:
             types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+        elif name in OPTIONAL_INPUTS and name not in used:
+            types[name] = "constexpr"
         elif kind == "io":
             types[name] = "*" + dtype
         elif kind == "mask":
-            types[name] = mask_type
+            types[name] = "*i1" if spec.attn_mask == "bool" else "*" + dtype
         else:
             types[name] = "*" + kind
     return types

@@ -61,7 +61,7 @@ for n in (40, 57, 81):  # several sequence lengths: dynamic=True must not recomp
         out.backward(torch.ones_like(out))
         results.append((out.detach().clone(), x.grad.clone(), model.q.weight.grad.clone()))
     for got, want in zip(*results):
-        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 stats = dict(torch._dynamo.utils.counters["stats"])
 print("OK", stats)
 if DYNAMIC:
@@ -110,7 +110,8 @@ def test_module_and_function_agree():
 @pytest.mark.parametrize("mode, dynamic", [("default", "none"), ("reduce-overhead", "none"),
                                            ("max-autotune-no-cudagraphs", "none"), ("default", "true")])
 def test_gpu_compile_from_a_fresh_process(mode, dynamic):
-    run_compile_script("cuda", "bfloat16", "inductor", mode, dynamic)
+    # float32: the compiled model's own matmuls round like eager's, so the comparison can be tight
+    run_compile_script("cuda", "float32", "inductor", mode, dynamic)
 
 
 @pytest.mark.gpu

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,3 +119,84 @@ def test_strict_mode_raises_instead_of_falling_back(how, no_gpu_no_interpreter, 
         monkeypatch.setenv(plans.STRICT_ENV, "1")
     with pytest.raises(FallbackError, match="strict"):
         fatune.attention(q, k, v, **kwargs)
+
+
+# Inputs that are odd but valid: fatune computes what they mean, never overflows or crashes.
+# (case id, kwargs, kwargs of the equivalent call)
+EQUIVALENT_CALLS = [
+    ("window-right-maxsize", {"window_size": (-1, sys.maxsize)}, {}),
+    ("window-left-2**64", {"window_size": (2**64, -1)}, {}),
+    ("window-both-huge", {"window_size": (2**63, 2**63)}, {}),
+    ("causal-window-huge", {"is_causal": True, "window_size": (2**70, 0)}, {"is_causal": True,
+                                                                            "causal_alignment": "bottom_right"}),
+    ("scale-numpy-float32", {"scale": np.float32(0.5)}, {"scale": 0.5}),
+    ("scale-numpy-float64", {"scale": np.float64(0.5)}, {"scale": 0.5}),
+    ("scale-int", {"scale": 1}, {"scale": 1.0}),
+]
+
+
+@pytest.mark.parametrize("kwargs, same_as", [case[1:] for case in EQUIVALENT_CALLS],
+                         ids=[case[0] for case in EQUIVALENT_CALLS])
+def test_odd_but_valid_arguments_mean_what_they_say(kwargs, same_as):
+    q, k, v = qkv(lq=20, lk=24)
+    torch.testing.assert_close(fatune.attention(q, k, v, **kwargs), fatune.attention(q, k, v, **same_as),
+                               rtol=0, atol=0)
+
+
+def test_zero_heads_give_an_empty_result():
+    q, k, v = qkv(h=0, hkv=0)
+    out = fatune.attention(q, k, v)
+    assert out.shape == (2, 0, 16, 32)
+
+
+def test_meta_tensors_give_shapes():
+    q, k, v = qkv(dv=24, device="meta")
+    out = fatune.attention(q, k, v, is_causal=True)
+    assert out.device.type == "meta" and out.shape == (2, 4, 16, 24)
+
+
+def test_mask_dtype_message_lists_each_dtype_once():
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(TypeError) as error:
+        fatune.attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.int64, device=DEVICE))
+    assert str(error.value).count("torch.float32") == 1
+
+
+def test_unwritable_kernel_cache_costs_one_warning(tmp_path, monkeypatch, caplog):
+    from fatune import codegen
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(codegen.CACHE_ENV, str(blocker / "kernels"))  # cannot be created, even by root
+    monkeypatch.setattr(codegen, "_modules", {})
+    monkeypatch.setattr(codegen, "_fallback_dir", None)
+    q, k, v = qkv(d=48, dv=48)  # a spec no other test loads first
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        first = fatune.attention(q, k, v, scale=0.3)
+        monkeypatch.setattr(plans, "_plans", {})
+        monkeypatch.setattr(codegen, "_modules", {})
+        second = fatune.attention(q, k, v, scale=0.3)
+    assert torch.equal(first, second)
+    warnings = [r.message for r in caplog.records if codegen.CACHE_ENV in r.message]
+    assert len(warnings) == 1 and str(blocker) in warnings[0]
+
+
+@pytest.mark.parametrize("case", ["seqlens-past-the-end", "seqlens-negative", "cu-seqlens-garbage"])
+def test_unread_index_values_are_clamped_in_the_kernels(case, monkeypatch):
+    """Under CUDA-graph capture and torch.compile the index tensors are not read on the host: the kernels
+    clamp them, so no value makes them touch memory outside the tensors."""
+    from fatune import inputs
+
+    monkeypatch.setattr(inputs, "contents_readable", lambda: False)
+    if case.startswith("seqlens"):
+        q, k, v = qkv(lq=20, lk=24)
+        given = i32([30, 5]) if case == "seqlens-past-the-end" else i32([-3, 24])
+        out = fatune.attention(q, k, v, seqlens_k=given)
+        monkeypatch.setattr(inputs, "contents_readable", lambda: True)
+        meant = fatune.attention(q, k, v, seqlens_k=given.clamp(0, 24))
+        torch.testing.assert_close(out, meant, rtol=0, atol=0)
+    else:
+        q, k, v = _packed_qkv()
+        out = fatune.attention(q, k, v, cu_seqlens_q=i32([0, 7, 3, 99]), cu_seqlens_k=i32([-5, 40, 6, 12]),
+                               max_seqlen_q=10, max_seqlen_k=12)
+        assert out.shape == (10, 2, 16)
