@@ -80,36 +80,50 @@ def test_export_import_round_trip_preserves_every_row(tmp_path, suffix):
     assert import_entries(target, exported) == (0, len(rows))
 
 
-@pytest.mark.parametrize("content", ["garbage", "json-garbage", "foreign-sqlite", "newer-schema", "stale"])
+def write_bad_db(path: Path, kind: str, **match) -> Path:
+    """A file at `path` that fatune must refuse (import) or pass over (dispatch); `match` sets the
+    key columns of the one entry the entry-level kinds hold."""
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "garbage":
+        path.write_bytes(b"SQLite format 3\x00" + b"not a database" * 100)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "json-garbage":
+        path.write_text(json.dumps({"something": "else"}))
+    elif kind == "foreign":
+        connection = sqlite3.connect(path)
+        connection.execute("create table users (name text)")
+        connection.commit()
+        connection.close()
+    elif kind in ("newer", "stale"):
+        with TunedDB(path) as db:
+            db.upsert(make_entry(**match, **({"template_hash": "0123456789abcdef"} if kind == "stale" else {})))
+        if kind == "newer":
+            connection = sqlite3.connect(path)
+            connection.execute("update meta set value = ? where key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
+            connection.commit()
+            connection.close()
+    else:  # a row no fatune would write: block_m 7, a missing backward config or a negative time
+        TunedDB(path).close()
+        raw_insert(path, **match, **{
+            "invalid-entry": {"fwd_config": '{"block_m": 7, "block_n": 64, "num_warps": 4, "num_stages": 3}'},
+            "null-config": {"bwd_config": None}, "negative-time": {"fwd_bwd_ms": -1.0}}[kind])
+    return path
+
+
+@pytest.mark.parametrize("content", ["garbage", "json-garbage", "foreign", "newer", "stale", "invalid-entry"])
 def test_import_refuses_bad_files_and_leaves_the_db_untouched(tmp_path, content):
     db = TunedDB(tmp_path / "mine.sqlite")
     db.upsert(make_entry())
     before = [asdict(e) for e in db.entries()]
-    bad = tmp_path / ("bad.json" if content == "json-garbage" else "bad.sqlite")
-    if content == "garbage":
-        bad.write_bytes(b"not a database" * 100)
-    elif content == "json-garbage":
-        bad.write_text(json.dumps({"something": "else"}))
-    elif content == "foreign-sqlite":
-        connection = sqlite3.connect(bad)
-        connection.execute("create table users (name text)")
-        connection.commit()
-        connection.close()
-    elif content == "newer-schema":
-        TunedDB(bad).upsert(make_entry(head_dim=128))
-        connection = sqlite3.connect(bad)
-        connection.execute("update meta set value = ? where key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
-        connection.commit()
-        connection.close()
-    else:
-        other = TunedDB(bad)
-        other.upsert(make_entry(head_dim=128, template_hash="0123456789abcdef"))
-        other.close()
+    bad = write_bad_db(tmp_path / ("bad.json" if content == "json-garbage" else "bad.sqlite"), content, head_dim=128)
     with pytest.raises(DBError) as raised:
         import_entries(db, bad)
     message = str(raised.value)
     expected = {"garbage": "not a usable SQLite", "json-garbage": "not a fatune tuned-DB export",
-                "foreign-sqlite": "not a fatune tuned DB", "newer-schema": "newer", "stale": "template hash"}[content]
+                "foreign": "not a fatune tuned DB", "newer": "newer", "stale": "template hash",
+                "invalid-entry": "fwd_config.block_m"}[content]
     assert expected in message and str(bad) in message
     assert [asdict(e) for e in db.entries()] == before
     if content == "stale":
@@ -203,7 +217,7 @@ def test_invalid_entries_are_refused_on_upsert_and_import_naming_the_field(tmp_p
     assert [asdict(e) for e in db.entries()] == before
 
 
-def _raw_insert(path: Path, **changes) -> None:
+def raw_insert(path: Path, **changes) -> None:
     """Write a row past fatune's checks, as another tool (or a damaged copy) could."""
     row = {**make_entry().to_row(), **changes}
     connection = sqlite3.connect(path)
@@ -218,7 +232,7 @@ def _raw_insert(path: Path, **changes) -> None:
 def test_invalid_rows_are_skipped_and_reported_on_read(tmp_path, column, value):
     path = tmp_path / "t.sqlite"
     TunedDB(path).upsert(make_entry(mask_variant="none"))
-    _raw_insert(path, **{column: value})
+    raw_insert(path, **{column: value})
     reported = []
     with TunedDB(path, readonly=True) as db:
         assert [e.mask_variant for e in db.entries(on_invalid=reported.append)] == ["none"]
@@ -230,7 +244,7 @@ def test_invalid_rows_are_skipped_and_reported_on_read(tmp_path, column, value):
 def test_a_stored_bad_time_never_wins_against_a_real_one(tmp_path):
     path = tmp_path / "t.sqlite"
     TunedDB(path).close()
-    _raw_insert(path, fwd_bwd_ms=-1.0)
+    raw_insert(path, fwd_bwd_ms=-1.0)
     with TunedDB(path) as db:
         assert db.upsert(make_entry(fwd_bwd_ms=9.0))
         assert db.get(make_entry().key()).fwd_bwd_ms == 9.0

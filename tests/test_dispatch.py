@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sqlite3
 import threading
 
 import pytest
@@ -19,7 +18,7 @@ from fatune.heuristics import default_config
 from fatune.inputs import check_inputs
 from fatune.spec import AttentionConfig, LaunchConfig
 from tests.conftest import DEVICE
-from tests.test_db import _raw_insert, make_entry
+from tests.test_db import raw_insert, make_entry, write_bad_db
 
 GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
 
@@ -131,47 +130,13 @@ def test_explain_reports_layer_config_and_source(tmp_path, monkeypatch):
 
 # -- a DB that cannot be used costs speed, never the call ----------------------------------------
 
-def _bad_user_db(tmp_path, kind: str):
-    path = tmp_path / "user.sqlite"
-    if kind == "directory":
-        path.mkdir()
-    elif kind == "garbage":
-        path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 2000)
-    elif kind == "empty":
-        path.write_bytes(b"")
-    elif kind == "foreign":
-        connection = sqlite3.connect(path)
-        connection.execute("create table users (name text)")
-        connection.commit()
-        connection.close()
-    elif kind == "newer":
-        write(path, entry())
-        connection = sqlite3.connect(path)
-        connection.execute("update meta set value = '99' where key = 'schema_version'")
-        connection.commit()
-        connection.close()
-    elif kind == "invalid-entry":
-        TunedDB(path).close()
-        _raw_insert(path, gpu=GPU, capability=CAPABILITY, dtype="float16",
-                    fwd_config='{"block_m": 7, "block_n": 64, "num_warps": 4, "num_stages": 3}')
-    elif kind == "null-config":
-        TunedDB(path).close()
-        _raw_insert(path, gpu=GPU, capability=CAPABILITY, dtype="float16", bwd_config=None)
-    elif kind == "negative-time":
-        TunedDB(path).close()
-        _raw_insert(path, gpu=GPU, capability=CAPABILITY, dtype="float16", fwd_bwd_ms=-1.0)
-    elif kind == "stale":
-        write(path, entry(template_hash="feedfacefeedface"))
-    return path
-
-
 BAD_DBS = ["directory", "garbage", "empty", "foreign", "newer", "invalid-entry", "null-config", "negative-time",
            "stale"]
 
 
 @pytest.mark.parametrize("kind", BAD_DBS)
 def test_a_bad_user_db_is_logged_once_and_the_next_layer_answers(tmp_path, caplog, kind):
-    user = _bad_user_db(tmp_path, kind)
+    user = write_bad_db(tmp_path / "user.sqlite", kind, gpu=GPU, capability=CAPABILITY, dtype="float16")
     shipped = write(tmp_path / "shipped.sqlite", entry(fwd_config={**make_entry().fwd_config, "block_m": 32}))
     with caplog.at_level(logging.WARNING, logger="fatune"):
         decision = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
@@ -196,8 +161,8 @@ def test_a_bad_fatune_db_variable_is_named(tmp_path, monkeypatch, caplog):
 
 def test_a_corrupt_user_db_still_gives_the_right_result(tmp_path, monkeypatch):
     """Through fatune.attention: the call runs (heuristic config) and matches torch."""
-    user = _bad_user_db(tmp_path, "invalid-entry")
-    _raw_insert(user, gpu=GPU, capability=CAPABILITY, dtype="float32", head_dim=16, head_dim_v=16,
+    user = write_bad_db(tmp_path / "user.sqlite", "invalid-entry")
+    raw_insert(user, gpu=GPU, capability=CAPABILITY, dtype="float32", head_dim=16, head_dim_v=16,
                 seqlen_q_bucket=32, seqlen_k_bucket=32, mask_variant="none", bwd_config='{"dkdv": null}')
     monkeypatch.setattr(dispatch, "_dispatcher", Dispatcher(user_db=user, shipped=[]))
     q, k, v = (torch.randn(1, 2, 24, 16, device=DEVICE) for _ in range(3))
