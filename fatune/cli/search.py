@@ -88,6 +88,10 @@ def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, wi
     # everything that can fail for a reason other than the search itself fails here, before any trial
     try:
         db_path = db_path or tuned_db.default_path()
+        tuned_db.check_writable(db_path)
+    except tuned_db.DBError as error:
+        raise click.ClickException(str(error)) from None
+    try:
         storage = storage or tuner.default_storage_url(db_path)
         tuner.check_storage(storage)
     except ValueError as error:
