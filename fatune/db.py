@@ -292,7 +292,7 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "triton_version": (_is_text, "a Triton version"),
     "torch_version": (_is_text, "a torch version"),
     "template_hash": (_is_text, "a template hash"),
-    "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+    "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
     "head_dim": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),
     "head_dim_v": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),
     "mask_variant": (lambda v: isinstance(v, str) and v in mask_variants(),
