@@ -231,7 +231,8 @@ class Entry:
         row["fwd_config"] = json.dumps(self.fwd_config, sort_keys=True)
         row["bwd_config"] = json.dumps(self.bwd_config, sort_keys=True)
         row["interpreted"] = int(self.interpreted)
-        row["created_at"] = self.created_at or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        row["created_at"] = self.created_at or now.isoformat(timespec="seconds")
         return row
 
     @classmethod

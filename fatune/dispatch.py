@@ -142,7 +142,8 @@ class Dispatcher:
                 try:
                     found = self._search_file(path, gpu, capability, key, report)
                 except Exception as error:  # noqa: BLE001 - any DB problem costs speed, never the call
-                    report(f"fatune: ignoring tuned DB {error if isinstance(error, DBError) else f'{label(path)}: {error!r}'}")
+                    reason = str(error) if isinstance(error, DBError) else f"{label(path)}: {error!r}"
+                    report(f"fatune: ignoring tuned DB {reason}")
                     continue
                 if found is not None:
                     entry, reason = found

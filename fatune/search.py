@@ -256,11 +256,9 @@ class KernelSearch:
     """One Optuna study: the fastest correct LaunchConfig for one kernel of one shape."""
 
     def __init__(self, target: Target, shape: Shape, kernel: str, inputs: dict[str, torch.Tensor], checker: Checker,
-                 base: AttentionConfig, space: SearchSpace, storage: str | optuna.storages.RDBStorage, seed: int):
+                 base: AttentionConfig, space: SearchSpace, storage: optuna.storages.RDBStorage, seed: int):
         self.target, self.shape, self.kernel = target, shape, kernel
         self.inputs, self.checker, self.base, self.space = inputs, checker, base, space
-        if isinstance(storage, str):
-            storage = open_storage(storage)
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10, multivariate=True)
         with _creation_lock(storage.url):
             self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
@@ -429,11 +427,17 @@ def to_entry(result: ShapeResult, target: Target) -> Entry:
         **key_columns(target.gpu, target.capability, shape_key(result.shape)),
         fwd_config=result.config.fwd.to_dict(),
         bwd_config={"dkdv": result.config.dkdv.to_dict(), "dq": result.config.dq.to_dict()},
-        fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms, tflops=result.tflops,
-        sdpa_backend=result.sdpa_backend, sdpa_ms=result.sdpa_ms, speedup=result.speedup,
+        fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms, tflops=_measured(result.tflops),
+        sdpa_backend=result.sdpa_backend, sdpa_ms=_measured(result.sdpa_ms), speedup=_measured(result.speedup),
         batch=result.shape.batch, heads=result.shape.heads, seqlen_q=result.shape.seqlen_q,
         seqlen_k=result.shape.seqlen_k, trials=result.trials, interpreted=target.interpret,
     )
+
+
+def _measured(value: float) -> float:
+    """A measured number as the DB keeps it: NaN (not measured) unless finite and positive (no SDPA
+    backend ran: infinite ms)."""
+    return value if math.isfinite(value) and value > 0 else math.nan
 
 
 def store(db: TunedDB, result: ShapeResult, target: Target) -> bool:

@@ -221,7 +221,8 @@ def raw_insert(path: Path, **changes) -> None:
     """Write a row past fatune's checks, as another tool (or a damaged copy) could."""
     row = {**make_entry().to_row(), **changes}
     connection = sqlite3.connect(path)
-    connection.execute(f"insert into entries ({', '.join(row)}) values ({', '.join('?' * len(row))})", list(row.values()))
+    columns, marks = ", ".join(row), ", ".join("?" * len(row))
+    connection.execute(f"insert into entries ({columns}) values ({marks})", list(row.values()))
     connection.commit()
     connection.close()
 

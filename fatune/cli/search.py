@@ -30,14 +30,16 @@ def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
 @click.option("--lengths-k", callback=optional_int_list, default="", help="Key lengths (default: same as --lengths).")
 @click.option("--batch", type=click.IntRange(0), default=0, help="Batch size (default: 16384 tokens / L).")
 @click.option("--heads", type=click.IntRange(0), default=0, help="Query heads (default: 2048 / head dim).")
-@click.option("--kv-heads", type=click.IntRange(0), default=0, help="Key/value heads for GQA (default: same as --heads).")
+@click.option("--kv-heads", type=click.IntRange(0), default=0,
+              help="Key/value heads for GQA (default: same as --heads).")
 @click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding"]), default="both",
               show_default=True, help="Mask variant(s): both = none and causal.")
 @click.option("--window", type=click.IntRange(0), default=256, show_default=True,
               help="Left window size for --mask window.")
 @click.option("--valid-keys", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.25,
               show_default=True, help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")
-@click.option("--trials", type=click.IntRange(1), default=30, show_default=True, help="Optuna trials per kernel per shape.")
+@click.option("--trials", type=click.IntRange(1), default=30, show_default=True,
+              help="Optuna trials per kernel per shape.")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
               help="Seconds per shape.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (same seed, same trial sequence).")
