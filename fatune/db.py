@@ -4,47 +4,166 @@ A SQLite file written with sqlite-utils. One row per key (see KEY_COLUMNS); an u
 the faster entry. WAL journaling and a busy timeout let several searching processes write
 one file without losing rows; every write runs in an IMMEDIATE transaction. The schema
 version lives in the `meta` table: older files are migrated, newer or foreign ones refused.
+
+A tuned DB travels between machines, so it is untrusted input: every entry is validated
+when it is imported, upserted and read (`Entry.check`), and a file is opened for reading
+with `mode=ro` (or `immutable=1` where a WAL file's side files cannot be created, as in a
+read-only deployment image). Exports are written in rollback-journal mode so that they can
+be read from a read-only folder. This module also owns the key: how a call or a searched
+shape maps to key columns (`call_key`), nearest-bucket matching and staleness.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import functools
+import itertools
 import json
 import math
 import os
+import re
 import sqlite3
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import sqlite_utils
 
-from fatune.spec import AttentionConfig, LaunchConfig
+from fatune.spec import DTYPES, MASK_KINDS, MAX_HEAD_DIM, SEQLEN_MODES, AttentionConfig, KernelSpec, LaunchConfig
+
+if TYPE_CHECKING:
+    from fatune.inputs import AttentionProblem
+    from fatune.measure import Shape
 
 SCHEMA_VERSION = 1
 TABLE = "entries"
 DB_ENV = "FATUNE_DB"
-KEY_COLUMNS = (
-    "gpu", "capability", "triton_version", "torch_version", "template_hash", "dtype", "head_dim", "head_dim_v",
-    "mask_variant", "group_size", "seqlen_q_bucket", "seqlen_k_bucket",
-)
+MIN_BUCKET, MAX_BUCKET = 16, 1 << 31  # sequence lengths are int32 in the kernels
+MAX_COUNT = 1 << 62  # informational integers (batch, trials, ...) must fit SQLite's int64
 
 
 class DBError(Exception):
-    """A tuned DB file that fatune cannot use (foreign, corrupt or from a newer fatune)."""
+    """A tuned DB file that fatune cannot use (unreadable, foreign, corrupt or from a newer fatune)."""
+
+
+class InvalidEntry(DBError):
+    """An entry whose fields the kernels or the dispatcher cannot use; the message names the field."""
 
 
 def seqlen_bucket(seqlen: int) -> int:
     """Log-scale bucket of a sequence length: the next power of two, at least 16."""
-    return max(16, 1 << max(0, int(seqlen) - 1).bit_length())
+    return max(MIN_BUCKET, 1 << max(0, int(seqlen) - 1).bit_length())
 
 
 def default_path() -> Path:
     """The user's tuned DB: $FATUNE_DB, else ~/.cache/fatune/tuned.sqlite."""
     from fatune.codegen import user_path
 
-    return user_path(DB_ENV, "tuned.sqlite")
+    try:
+        return user_path(DB_ENV, "tuned.sqlite")
+    except RuntimeError as error:  # Path.expanduser: no home directory for '~user'
+        raise DBError(f"${DB_ENV}={os.environ.get(DB_ENV, '')!r}: {error}") from None
 
+
+def label(path: str | os.PathLike) -> str:
+    """`path` for messages, naming $FATUNE_DB when that is where the path came from."""
+    configured = os.environ.get(DB_ENV)
+    try:
+        from_env = bool(configured) and Path(configured).expanduser() == Path(path)
+    except RuntimeError:  # '~user' with no such user
+        from_env = False
+    return f"{path} (${DB_ENV})" if from_env else str(path)
+
+
+# -- the key ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CallKey:
+    """The key columns a call (or a searched shape) determines; the rest say where it was tuned."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    mask_variant: str
+    group_size: int
+    seqlen_q_bucket: int
+    seqlen_k_bucket: int
+
+
+INSTALLATION_COLUMNS = ("gpu", "capability", "triton_version", "torch_version", "template_hash")
+KEY_COLUMNS = INSTALLATION_COLUMNS + tuple(f.name for f in dataclasses.fields(CallKey))  # one row per key
+
+
+def call_key(spec: KernelSpec, group_size: int, seqlen_q: int, seqlen_k: int) -> CallKey:
+    """The one place a key is built: dispatcher (`problem_key`) and search (`shape_key`) both come here."""
+    return CallKey(spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask_variant, group_size,
+                   seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_k))
+
+
+def problem_key(problem: AttentionProblem) -> CallKey:
+    return call_key(problem.spec, problem.group_size, problem.max_seqlen_q, problem.max_seqlen_k)
+
+
+def shape_key(shape: Shape) -> CallKey:
+    return call_key(shape.spec, shape.heads // shape.kv_heads, shape.seqlen_q, shape.seqlen_k)
+
+
+def installation(gpu: str, capability: str) -> dict[str, str]:
+    """The key columns that say where an entry was tuned: the GPU, and this installation's versions."""
+    import torch
+    import triton
+
+    from fatune import codegen
+
+    return dict(zip(INSTALLATION_COLUMNS, (gpu, capability, triton.__version__, torch.__version__.split("+")[0],
+                                           codegen.template_hash())))
+
+
+def key_columns(gpu: str, capability: str, key: CallKey) -> dict[str, Any]:
+    """Every key column of an entry tuned here on `gpu` for `key`."""
+    return {**installation(gpu, capability), **asdict(key)}
+
+
+def is_stale(entry: Entry) -> list[str]:
+    """Why `entry` cannot be used by this installation (other Triton version or templates); [] if it can."""
+    here = installation(entry.gpu, entry.capability)
+    reasons = []
+    if entry.triton_version != here["triton_version"]:
+        reasons.append(f"Triton {entry.triton_version} (running {here['triton_version']})")
+    if entry.template_hash != here["template_hash"]:
+        reasons.append(f"template hash {entry.template_hash} (running {here['template_hash']})")
+    return reasons
+
+
+def bucket_distance(entry: Entry, key: CallKey) -> float:
+    """How far an entry's buckets are from a call's, in octaves of Lq plus octaves of Lk."""
+    return (abs(math.log2(entry.seqlen_q_bucket / key.seqlen_q_bucket))
+            + abs(math.log2(entry.seqlen_k_bucket / key.seqlen_k_bucket)))
+
+
+def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
+    """The entry whose buckets are nearest `key` (the faster on a tie), and a reason saying how near."""
+    best = min(entries, key=lambda e: (bucket_distance(e, key), e.fwd_bwd_ms), default=None)
+    if best is None:
+        return None
+    if bucket_distance(best, key) == 0:
+        return best, f"tuned entry, exact bucket Lq<={key.seqlen_q_bucket}, Lk<={key.seqlen_k_bucket}"
+    return best, (f"tuned entry, nearest bucket Lq<={best.seqlen_q_bucket}, Lk<={best.seqlen_k_bucket} "
+                  f"(call: Lq<={key.seqlen_q_bucket}, Lk<={key.seqlen_k_bucket})")
+
+
+@functools.lru_cache(maxsize=1)
+def mask_variants() -> frozenset[str]:
+    """Every name KernelSpec.mask_variant can give: the only ones an entry may carry."""
+    flags = ("causal", "window_left", "window_right", "bottom_right", "alibi", "dropout")
+    return frozenset(
+        KernelSpec("float16", 16, attn_mask=mask, seqlens=seqlens, **dict(zip(flags, values))).mask_variant
+        for values in itertools.product((False, True), repeat=len(flags)) for mask in MASK_KINDS
+        for seqlens in SEQLEN_MODES)
+
+
+# -- entries ---------------------------------------------------------------------------------
 
 @dataclass
 class Entry:
@@ -82,6 +201,25 @@ class Entry:
     def key(self) -> tuple:
         return tuple(getattr(self, column) for column in KEY_COLUMNS)
 
+    def describe(self) -> str:
+        """A short name for messages: GPU, dtype, head dim, mask variant and buckets."""
+        return (f"{self.gpu} {self.dtype} d{self.head_dim} {self.mask_variant} "
+                f"Lq<={self.seqlen_q_bucket} Lk<={self.seqlen_k_bucket}")
+
+    def check(self) -> Entry:
+        """This entry if every field is one the kernels and the dispatcher can use; else InvalidEntry."""
+        for name, (valid, expected) in _FIELD_CHECKS.items():
+            value = getattr(self, name)
+            if not valid(value):
+                raise InvalidEntry(f"{name}: expected {expected}, got {value!r:.80}")
+        _launch_config("fwd_config", self.fwd_config)
+        if not isinstance(self.bwd_config, dict) or set(self.bwd_config) != {"dkdv", "dq"}:
+            raise InvalidEntry(f"bwd_config: expected an object with exactly 'dkdv' and 'dq' launch configs, "
+                               f"got {self.bwd_config!r:.80}")
+        for kernel in ("dkdv", "dq"):
+            _launch_config(f"bwd_config.{kernel}", self.bwd_config[kernel])
+        return self
+
     def attention_config(self) -> AttentionConfig:
         """The three kernels' launch configs this entry stores."""
         return AttentionConfig(fwd=LaunchConfig.from_dict(self.fwd_config),
@@ -93,20 +231,104 @@ class Entry:
         row["fwd_config"] = json.dumps(self.fwd_config, sort_keys=True)
         row["bwd_config"] = json.dumps(self.bwd_config, sort_keys=True)
         row["interpreted"] = int(self.interpreted)
-        row["created_at"] = self.created_at or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        row["created_at"] = self.created_at or now.isoformat(timespec="seconds")
         return row
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Entry:
-        data = dict(row)
-        data.pop("id", None)
-        data["fwd_config"] = json.loads(data["fwd_config"] or "{}")
-        data["bwd_config"] = json.loads(data["bwd_config"] or "{}")
+        """The checked entry a DB row holds; InvalidEntry naming the field if it holds none."""
+        data = {name: row.get(name) for name in _COLUMNS}
+        missing = [name for name in KEY_COLUMNS if data[name] is None]
+        if missing:
+            raise InvalidEntry(f"{missing[0]}: expected a value, got NULL")
+        for name in ("fwd_config", "bwd_config"):
+            if not isinstance(data[name], str):
+                raise InvalidEntry(f"{name}: expected a JSON text, got {data[name]!r:.80}")
+            try:
+                data[name] = json.loads(data[name])
+            except (ValueError, RecursionError) as error:
+                raise InvalidEntry(f"{name}: not valid JSON ({error})") from None
+        if data["interpreted"] not in (0, 1):
+            raise InvalidEntry(f"interpreted: expected 0 or 1, got {data['interpreted']!r:.80}")
         data["interpreted"] = bool(data["interpreted"])
-        for column, kind in _COLUMNS.items():
-            if kind is float and data.get(column) is None:
-                data[column] = math.nan  # SQLite stores NaN as NULL
-        return cls(**{key: value for key, value in data.items() if key in cls.__dataclass_fields__})
+        for name, kind in _COLUMNS.items():
+            if data[name] is None:
+                data[name] = math.nan if kind is float else ("" if kind is str else 0)  # SQLite stores NaN as NULL
+        return cls(**data).check()
+
+    @classmethod
+    def from_json(cls, data: Any) -> Entry:
+        """The checked entry an export's JSON object holds: every field present, no unknown ones."""
+        if not isinstance(data, dict):
+            raise InvalidEntry(f"expected an object with the entry's fields, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(name) for name in data if name not in names)
+        missing = [name for name in names if name not in data]
+        if unknown or missing:
+            raise InvalidEntry(f"{(unknown or missing)[0]}: {'unknown' if unknown else 'missing'} field")
+        return cls(**data).check()
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _is_time(value: Any, *, zero: bool = False, nan: bool = False) -> bool:
+    """A finite number of milliseconds > 0 (>= 0 with zero; NaN, 'not measured', with nan)."""
+    if type(value) not in (int, float):
+        return False
+    if math.isnan(value):
+        return nan
+    return math.isfinite(value) and (value >= 0 if zero else value > 0)
+
+
+def _is_text(value: Any, pattern: str = r".+") -> bool:
+    return isinstance(value, str) and re.fullmatch(pattern, value, re.DOTALL) is not None
+
+
+_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "gpu": (_is_text, "a GPU name"),
+    "capability": (lambda v: _is_text(v, r"\d+\.\d+|cpu"), "'MAJOR.MINOR' such as '9.0', or 'cpu'"),
+    "triton_version": (_is_text, "a Triton version"),
+    "torch_version": (_is_text, "a torch version"),
+    "template_hash": (_is_text, "a template hash"),
+    "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
+    "head_dim": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),
+    "head_dim_v": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),
+    "mask_variant": (lambda v: isinstance(v, str) and v in mask_variants(),
+                     "a mask variant such as 'none', 'causal' or 'causal+window-left+bottom-right'"),
+    "group_size": (lambda v: _is_int(v, 1, MAX_COUNT), "an int >= 1"),
+    "seqlen_q_bucket": (lambda v: _is_int(v, MIN_BUCKET, MAX_BUCKET) and v & (v - 1) == 0,
+                        f"a power of two in {MIN_BUCKET}..{MAX_BUCKET}"),
+    "seqlen_k_bucket": (lambda v: _is_int(v, MIN_BUCKET, MAX_BUCKET) and v & (v - 1) == 0,
+                        f"a power of two in {MIN_BUCKET}..{MAX_BUCKET}"),
+    "fwd_ms": (_is_time, "a finite time > 0 ms"),
+    "bwd_ms": (lambda v: _is_time(v, zero=True), "a finite time >= 0 ms"),
+    "fwd_bwd_ms": (_is_time, "a finite time > 0 ms"),
+    "tflops": (lambda v: _is_time(v, zero=True, nan=True), "a finite number >= 0, or NaN"),
+    "sdpa_backend": (lambda v: isinstance(v, str), "a string"),
+    "sdpa_ms": (lambda v: _is_time(v, nan=True), "a finite time > 0 ms, or NaN"),
+    "speedup": (lambda v: _is_time(v, nan=True), "a finite number > 0, or NaN"),
+    **{name: (lambda v: _is_int(v, 0, MAX_COUNT), "an int >= 0")
+       for name in ("batch", "heads", "seqlen_q", "seqlen_k", "trials")},
+    "interpreted": (lambda v: isinstance(v, bool), "true or false"),
+    "created_at": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _launch_config(name: str, data: Any) -> LaunchConfig:
+    """The LaunchConfig `data` holds (every field an int the kernels accept); InvalidEntry naming the field."""
+    fields = [f.name for f in dataclasses.fields(LaunchConfig)]
+    if not isinstance(data, dict) or sorted(data) != sorted(fields):
+        raise InvalidEntry(f"{name}: expected an object with exactly {fields}, got {data!r:.80}")
+    for key in fields:
+        if type(data[key]) is not int:
+            raise InvalidEntry(f"{name}.{key}: expected an int, got {data[key]!r:.80}")
+    try:
+        return LaunchConfig(**data)
+    except ValueError as error:
+        raise InvalidEntry(f"{name}.{error}") from None
 
 
 _COLUMNS = {
@@ -120,57 +342,139 @@ _COLUMNS = {
 MIGRATIONS: dict[int, list[str]] = {}
 
 
-class TunedDB:
-    """A tuned DB file (created on first write). Safe for several processes to share."""
+# -- files -----------------------------------------------------------------------------------
 
-    def __init__(self, path: str | os.PathLike, *, readonly: bool = False):
+def check_readable(path: Path) -> None:
+    """DBError naming the reason if `path` cannot be read as a file (missing, a folder, no permission)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        raise DBError(f"{label(path)}: no such file") from None
+    except IsADirectoryError:
+        raise DBError(f"{label(path)}: is a directory, not a tuned DB file") from None
+    except OSError as error:
+        raise DBError(f"{label(path)}: cannot be read ({error.strerror or error})") from None
+
+
+def check_writable(path: Path, *, create: bool = True) -> None:
+    """DBError naming the reason if an SQLite file at `path` cannot be written (or created, with create).
+
+    Checked before any work, so a write command fails at once: SQLite also needs to write
+    its journal beside the file, so the folder must be writable too.
+    """
+    if path.is_dir():
+        raise DBError(f"{label(path)}: is a directory, not a file")
+    if path.exists():
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise DBError(f"{label(path)}: is read-only (no write permission)")
+        folder = path.parent
+    elif not create:
+        raise DBError(f"{label(path)}: no such file")
+    else:
+        folder = path.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            raise DBError(f"{label(path)}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DBError(f"{label(path)}: folder {folder} is read-only (SQLite writes its journal there)")
+
+
+def _connect_readonly(path: Path) -> sqlite3.Connection:
+    """A read-only connection: mode=ro, else immutable=1 (a WAL file in a folder where its side
+    files cannot be created, such as a read-only deployment image)."""
+    check_readable(path)
+    uri = path.resolve().as_uri()  # percent-encodes '?', '%' and '#' in the name
+    for query in ("mode=ro", "immutable=1"):
+        connection = sqlite3.connect(f"{uri}?{query}", uri=True, timeout=10, check_same_thread=False)
+        try:
+            connection.execute("select count(*) from sqlite_master").fetchone()
+            return connection
+        except sqlite3.OperationalError as error:
+            connection.close()
+            if query == "immutable=1" or "locked" in str(error):
+                raise
+    raise AssertionError("unreachable")
+
+
+class TunedDB:
+    """A tuned DB file (created on first write unless create=False). Safe for several processes to share."""
+
+    def __init__(self, path: str | os.PathLike, *, readonly: bool = False, create: bool = True, wal: bool = True):
         self.path = Path(path)
         self.readonly = readonly
-        if readonly:
-            if not self.path.exists():
-                raise DBError(f"{self.path}: no such tuned DB")
-            uri = f"file:{self.path}?mode=ro"
-            self.db = sqlite_utils.Database(sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False))
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite_utils.Database(sqlite3.connect(str(self.path), timeout=30, check_same_thread=False))
-            self.db.conn.isolation_level = None  # explicit transactions below
+        self.label = label(self.path)
+        try:
+            if readonly:
+                connection = _connect_readonly(self.path)
+            else:
+                check_writable(self.path, create=create)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                connection = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False)
+                connection.isolation_level = None  # explicit transactions below
+        except sqlite3.Error as error:
+            raise DBError(f"{self.label}: not a usable SQLite database ({error})") from None
+        except OSError as error:
+            raise DBError(f"{self.label}: cannot be opened ({error.strerror or error})") from None
+        self.db = sqlite_utils.Database(connection)
         try:
             self.db.execute("PRAGMA busy_timeout = 30000")
-            self._check_schema()
             if not readonly:
+                self._check_write_lock()
+            self._check_schema()
+            if not readonly and wal:
                 self.db.enable_wal()
         except sqlite3.DatabaseError as error:
             self.db.conn.close()
-            raise DBError(f"{self.path}: not a usable SQLite database ({error})") from None
+            raise DBError(f"{self.label}: not a usable SQLite database ({error})") from None
         except DBError:
             self.db.conn.close()
             raise
 
     # -- schema ------------------------------------------------------------------------------
 
+    def _check_write_lock(self) -> None:
+        """Write and roll back: fails at once on a file this process may only read."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("CREATE TABLE fatune_write_probe (x)")
+            finally:
+                self.db.execute("ROLLBACK")
+        except sqlite3.OperationalError as error:
+            if "readonly" in str(error):
+                raise DBError(f"{self.label}: is read-only ({error})") from None
+            raise
+
     def _check_schema(self) -> None:
         tables = set(self.db.table_names())
         if not tables:
             if self.readonly:
-                raise DBError(f"{self.path}: empty file, not a fatune tuned DB")
+                raise DBError(f"{self.label}: empty file, not a fatune tuned DB")
             self._create()
             return
         if "meta" not in tables or TABLE not in tables:
-            raise DBError(f"{self.path}: not a fatune tuned DB (tables {sorted(tables)}; expected meta and {TABLE})")
+            raise DBError(f"{self.label}: not a fatune tuned DB (tables {sorted(tables)}; expected meta and {TABLE})")
         row = self.db.execute("select value from meta where key = 'schema_version'").fetchone()
-        version = int(row[0]) if row else 0
+        try:
+            version = int(row[0]) if row else 0
+        except (TypeError, ValueError):
+            raise DBError(f"{self.label}: not a fatune tuned DB (schema version {row[0]!r:.40})") from None
         if version > SCHEMA_VERSION:
-            raise DBError(f"{self.path}: schema version {version} is newer than this fatune's {SCHEMA_VERSION}; "
+            raise DBError(f"{self.label}: schema version {version} is newer than this fatune's {SCHEMA_VERSION}; "
                           f"upgrade fatune to read it")
         if version < SCHEMA_VERSION:
             if self.readonly or any(v not in MIGRATIONS for v in range(version + 1, SCHEMA_VERSION + 1)):
-                raise DBError(f"{self.path}: schema version {version} cannot be migrated to {SCHEMA_VERSION}")
+                raise DBError(f"{self.label}: schema version {version} cannot be migrated to {SCHEMA_VERSION}")
             with self.transaction():
                 for target in range(version + 1, SCHEMA_VERSION + 1):
                     for statement in MIGRATIONS[target]:
                         self.db.execute(statement)
                 self.db["meta"].upsert({"key": "schema_version", "value": str(SCHEMA_VERSION)}, pk="key")
+        missing = [column for column in _COLUMNS if column not in self.db[TABLE].columns_dict]
+        if missing:
+            raise DBError(f"{self.label}: not a fatune tuned DB (table {TABLE} lacks columns {missing})")
 
     def _create(self) -> None:
         with self.transaction():
@@ -203,32 +507,58 @@ class TunedDB:
         return " and ".join(f"[{column}] = ?" for column in values), list(values.values())
 
     def get(self, key: tuple) -> Entry | None:
-        where, args = self._where(dict(zip(KEY_COLUMNS, key)))
-        rows = list(self.db[TABLE].rows_where(where, args))
-        return Entry.from_row(rows[0]) if rows else None
+        return next(self.entries(**dict(zip(KEY_COLUMNS, key))), None)
 
     def upsert(self, entry: Entry, *, keep_faster: bool = True) -> bool:
         """Write `entry` unless an entry with the same key is faster; True if written."""
         if self.readonly:
-            raise DBError(f"{self.path}: opened read-only")
+            raise DBError(f"{self.label}: opened read-only")
         with self.transaction():
             return self.upsert_in_transaction(entry, keep_faster=keep_faster)
 
     def upsert_in_transaction(self, entry: Entry, *, keep_faster: bool = True) -> bool:
-        """upsert() for a caller that holds the write transaction."""
+        """upsert() for a caller that holds the write transaction; InvalidEntry for an entry that is not valid."""
+        entry.check()
         where, args = self._where(dict(zip(KEY_COLUMNS, entry.key())))
         current = self.db.execute(f"select id, fwd_bwd_ms from {TABLE} where {where}", args).fetchone()
         if current is not None:
-            if keep_faster and current[1] is not None and current[1] <= entry.fwd_bwd_ms:
-                return False
+            if keep_faster and _is_time(current[1]) and current[1] <= entry.fwd_bwd_ms:
+                return False  # a row with a bad time never wins
             self.db.execute(f"delete from {TABLE} where id = ?", [current[0]])
         self.db[TABLE].insert(entry.to_row())
         return True
 
-    def entries(self, **filters: Any) -> Iterator[Entry]:
+    def entries(self, on_invalid: Callable[[str], None] | None = None, **filters: Any) -> Iterator[Entry]:
+        """The valid entries matching `filters`. An invalid row raises InvalidEntry, or with `on_invalid`
+        is passed over and reported to it (a message naming the file, the row and the field)."""
         where, args = self._where({key: value for key, value in filters.items() if value is not None})
-        for row in self.db[TABLE].rows_where(where, args, order_by="gpu, dtype, head_dim, mask_variant, seqlen_q_bucket"):
-            yield Entry.from_row(row)
+        try:
+            rows = list(self.db[TABLE].rows_where(where, args, order_by="gpu, dtype, head_dim, mask_variant, "
+                                                                        "seqlen_q_bucket"))
+        except sqlite3.DatabaseError as error:
+            raise DBError(f"{self.label}: cannot be read ({error})") from None
+        for row in rows:
+            try:
+                yield Entry.from_row(row)
+            except InvalidEntry as error:
+                message = f"{self.label}: invalid entry (row {row.get('id')}): {error}"
+                if on_invalid is None:
+                    raise InvalidEntry(message) from None
+                on_invalid(message)
+
+    def match(self, gpu: str, capability: str, key: CallKey, report: Callable[[str], None]) -> tuple[Entry, str] | None:
+        """The usable entry nearest `key` on this GPU, and why; invalid and stale rows are reported, skipped."""
+        filters = {"gpu": gpu, "capability": capability, **asdict(key)}
+        del filters["seqlen_q_bucket"], filters["seqlen_k_bucket"]
+        usable = []
+        for entry in self.entries(on_invalid=report, **filters):
+            stale = is_stale(entry)
+            if stale:
+                report(f"{self.label}: entries tuned with {' and '.join(stale)} are not used; "
+                       f"run `fatune search` again")
+                continue
+            usable.append(entry)
+        return nearest(usable, key)
 
     def delete(self, entries: Iterable[Entry]) -> int:
         count = 0
@@ -251,63 +581,70 @@ class TunedDB:
         self.close()
 
 
-def is_stale(entry: Entry) -> list[str]:
-    """Why `entry` cannot be used by this installation (other Triton version or templates); [] if it can."""
-    import triton
-
-    from fatune import codegen
-
-    reasons = []
-    if entry.triton_version != triton.__version__:
-        reasons.append(f"Triton {entry.triton_version} != {triton.__version__}")
-    if entry.template_hash != codegen.template_hash():
-        reasons.append(f"template hash {entry.template_hash} != {codegen.template_hash()}")
-    return reasons
-
+# -- export and import -----------------------------------------------------------------------
 
 def export_entries(entries: Iterable[Entry], path: str | os.PathLike) -> int:
-    """Write entries to a new file: JSON when the name ends in .json, else a tuned DB (SQLite)."""
-    entries = list(entries)
+    """Write entries to a new file: JSON when the name ends in .json, else a tuned DB (SQLite) in
+    rollback-journal mode, readable from a read-only folder. Nothing is left behind on failure."""
+    entries = [entry.check() for entry in entries]
     path = Path(path)
     if path.exists():
         raise DBError(f"{path}: exists already; export writes a new file")
-    if path.suffix == ".json":
-        payload = {"fatune_tuned_db": SCHEMA_VERSION, "entries": [asdict(entry) for entry in entries]}
-        path.write_text(json.dumps(payload, indent=1, sort_keys=True))
+    if not path.parent.is_dir():
+        raise DBError(f"{path}: folder {path.parent} does not exist")
+    check_writable(path)
+    try:
+        if path.suffix == ".json":
+            payload = {"fatune_tuned_db": SCHEMA_VERSION, "entries": [asdict(entry) for entry in entries]}
+            path.write_text(json.dumps(payload, indent=1, sort_keys=True))
+            return len(entries)
+        with TunedDB(path, wal=False) as out, out.transaction():
+            for entry in entries:
+                out.upsert_in_transaction(entry)
         return len(entries)
-    with TunedDB(path) as out:
-        for entry in entries:
-            out.upsert(entry)
-    return len(entries)
+    except BaseException as error:
+        path.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise DBError(f"{path}: cannot be written ({error.strerror or error})") from None
+        raise
 
 
 def read_entries(path: str | os.PathLike) -> list[Entry]:
-    """Every entry of a tuned DB or of its JSON export; DBError for anything else."""
+    """Every entry of a tuned DB or of its JSON export, each checked; DBError naming the file, the
+    entry and the field for anything else (one invalid entry refuses the whole file)."""
     path = Path(path)
-    if not path.exists():
-        raise DBError(f"{path}: no such file")
-    if path.suffix == ".json":
+    check_readable(path)
+    if path.suffix != ".json":
+        with TunedDB(path, readonly=True) as source:
+            return list(source.entries())
+    try:
+        payload = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:
+        raise DBError(f"{path}: not a fatune tuned-DB export ({type(error).__name__}: {error})") from None
+    except OSError as error:
+        raise DBError(f"{path}: cannot be read ({error.strerror or error})") from None
+    if not isinstance(payload, dict) or set(payload) != {"fatune_tuned_db", "entries"}:
+        raise DBError(f"{path}: not a fatune tuned-DB export (expected an object with fatune_tuned_db and entries)")
+    version, rows = payload["fatune_tuned_db"], payload["entries"]
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise DBError(f"{path}: export schema version {version!r:.40}; this fatune reads {SCHEMA_VERSION}")
+    if not isinstance(rows, list):
+        raise DBError(f"{path}: entries: expected a list, got {type(rows).__name__}")
+    entries = []
+    for index, row in enumerate(rows):
         try:
-            payload = json.loads(path.read_text())
-            version = payload["fatune_tuned_db"]
-            rows = payload["entries"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise DBError(f"{path}: not a fatune tuned-DB export ({type(error).__name__}: {error})") from None
-        if version != SCHEMA_VERSION:
-            raise DBError(f"{path}: export schema version {version}; this fatune reads {SCHEMA_VERSION}")
-        try:
-            return [Entry(**row) for row in rows]
-        except TypeError as error:
-            raise DBError(f"{path}: malformed entry ({error})") from None
-    with TunedDB(path, readonly=True) as source:
-        return list(source.entries())
+            entries.append(Entry.from_json(row))
+        except InvalidEntry as error:
+            raise InvalidEntry(f"{path}: entry {index}: {error}") from None
+    return entries
 
 
 def import_entries(db: TunedDB, path: str | os.PathLike, *, force: bool = False) -> tuple[int, int]:
     """Merge `path` into `db`, keeping the faster entry per key; (written, kept) counts.
 
-    The whole file is read and checked first: an unreadable, foreign or stale file (another
-    Triton version or template hash, unless force) raises DBError and `db` is left untouched.
+    The whole file is read and checked first: an unreadable, foreign or invalid file, or a
+    stale one (another Triton version or template hash, unless force), raises DBError and
+    `db` is left untouched.
     """
     entries = read_entries(path)
     if not force:
@@ -315,8 +652,8 @@ def import_entries(db: TunedDB, path: str | os.PathLike, *, force: bool = False)
         if stale:
             entry, reasons = stale[0]
             raise DBError(f"{path}: {len(stale)} of {len(entries)} entries were tuned for another installation "
-                          f"(e.g. {entry.gpu} {entry.dtype} d{entry.head_dim} {entry.mask_variant}: "
-                          f"{'; '.join(reasons)}); pass force=True (--force) to import them anyway")
+                          f"(e.g. {entry.describe()}: {'; '.join(reasons)}); pass force=True (--force) to import "
+                          f"them anyway")
     written = 0
     with db.transaction():
         for entry in entries:

@@ -2,9 +2,11 @@
 
 Layers, most specific first: the `config` argument; the user's tuned DB ($FATUNE_DB, else
 ~/.cache/fatune/tuned.sqlite); the tuned DBs shipped in fatune/tuned_db for this GPU; a
-built-in heuristic. A DB entry must match the GPU, dtype, head dims, mask variant and GQA
-group; the nearest sequence-length bucket (log scale) wins. Entries measured with another
-Triton version or template hash are skipped, with one log line saying so.
+built-in heuristic. fatune.db owns the key: an entry must match the GPU, dtype, head dims,
+mask variant and GQA group; the nearest sequence-length bucket (log scale) wins. A DB or
+entry that cannot be used (unreadable, corrupt, foreign, stale, invalid) is skipped with
+one log line naming the file and the reason, and the next layer answers; strict mode
+raises DispatchError instead.
 
 The first call for a key reads the DBs; later calls for the same key are a dictionary
 lookup (a per-process memo, filled under a lock).
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, label, problem_key
 from fatune.heuristics import Arch, default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import AttentionConfig
@@ -31,7 +33,7 @@ LAYERS = ("argument", "user-db", "shipped-db", "heuristic")
 
 
 class DispatchError(RuntimeError):
-    """Strict mode: no tuned entry for this call, and falling back to the heuristic is not allowed."""
+    """Strict mode: no usable tuned entry for this call, and falling back is not allowed."""
 
 
 @dataclass(frozen=True)
@@ -85,27 +87,19 @@ def shipped_dbs() -> list[Path]:
     return []
 
 
-def _user_db() -> Path:
-    from fatune.db import default_path
-
-    return default_path()
-
-
 class Dispatcher:
-    """Looks configs up through the layers; one instance per process (see `dispatcher()`)."""
+    """Looks configs up through the layers; one instance per process (see `dispatcher()`).
+
+    A DB problem (unreadable, corrupt, foreign, stale or invalid file or entry) never raises:
+    it is logged once per process and the next layer answers. In strict mode the call raises
+    DispatchError instead of falling past it.
+    """
 
     def __init__(self, user_db: Path | None = None, shipped: list[Path] | None = None):
         self.user_db = user_db
         self.shipped = shipped
-        self._memo: dict[tuple, Decision] = {}
+        self._memo: dict[tuple, tuple[Decision, str | None]] = {}
         self._lock = threading.Lock()
-        self._warned: set[str] = set()
-
-    def _key(self, problem: AttentionProblem, device: torch.device) -> tuple:
-        from fatune.db import seqlen_bucket
-
-        return (device, problem.spec, problem.group_size, seqlen_bucket(problem.max_seqlen_q),
-                seqlen_bucket(problem.max_seqlen_k))
 
     def decide(self, problem: AttentionProblem, device: torch.device, config: AttentionConfig | None = None,
                strict: bool = False) -> Decision:
@@ -113,92 +107,85 @@ class Dispatcher:
             if not isinstance(config, AttentionConfig):
                 raise TypeError(f"config: expected a fatune.AttentionConfig or None, got {type(config).__name__}")
             return Decision(config, "argument", "config passed to fatune.attention")
-        key = self._key(problem, device)
-        decision = self._memo.get(key)
-        if decision is None:
+        key = (device, problem_key(problem))
+        found = self._memo.get(key)
+        if found is None:
             with self._lock:
-                decision = self._memo.get(key)
-                if decision is None:
-                    decision = self.lookup(problem, *device_identity(device), device_arch(device))
-                    self._memo[key] = decision
-        if strict and decision.layer == "heuristic":
-            raise DispatchError(f"no tuned entry for {problem.spec.mask_variant} {problem.spec.dtype} "
-                                f"d{problem.spec.head_dim} on {device_identity(device)[0]} (strict mode: strict=True "
-                                f"or $FATUNE_STRICT); run `fatune search` for this shape\n{decision.describe()}")
+                found = self._memo.get(key)
+                if found is None:
+                    found = self._lookup(problem, *device_identity(device), device_arch(device))
+                    self._memo[key] = found
+        decision, trouble = found
+        if strict and (decision.layer == "heuristic" or trouble):
+            why = f"a tuned DB could not be used ({trouble})" if trouble else "no tuned entry"
+            raise DispatchError(f"{why} for {problem.spec.mask_variant} {problem.spec.dtype} d{problem.spec.head_dim} "
+                                f"on {device_identity(device)[0]} (strict mode: strict=True or $FATUNE_STRICT); "
+                                f"run `fatune search` for this shape or fix the DB\n{decision.describe()}")
         return decision
 
     def lookup(self, problem: AttentionProblem, gpu: str, capability: str, arch: Arch | None) -> Decision:
         """The decision for `problem` on the GPU named `gpu` (no memo; `decide` memoises)."""
+        return self._lookup(problem, gpu, capability, arch)[0]
+
+    def _lookup(self, problem: AttentionProblem, gpu: str, capability: str,
+                arch: Arch | None) -> tuple[Decision, str | None]:
+        """The decision, and the first DB problem met on the way (None if there was none)."""
         skipped: list[str] = []
-        user = self.user_db if self.user_db is not None else _user_db()
-        for layer, paths in (("user-db", [user]), ("shipped-db", self.shipped if self.shipped is not None
-                                                    else shipped_dbs())):
+
+        def report(message: str) -> None:
+            _warn(message)
+            skipped.append(message)
+
+        key = problem_key(problem)
+        for layer, paths in self._layers(report):
             for path in paths:
-                found = self._search_file(path, problem, gpu, capability, skipped)
+                try:
+                    found = self._search_file(path, gpu, capability, key, report)
+                except Exception as error:  # noqa: BLE001 - any DB problem costs speed, never the call
+                    reason = str(error) if isinstance(error, DBError) else f"{label(path)}: {error!r}"
+                    report(f"fatune: ignoring tuned DB {reason}")
+                    continue
                 if found is not None:
                     entry, reason = found
-                    return Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
-                                    tuple(skipped))
-        return Decision(default_config(problem.spec, arch), "heuristic",
-                        f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped))
+                    return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
+                                     tuple(skipped)), skipped[0] if skipped else None)
+        return (Decision(default_config(problem.spec, arch), "heuristic",
+                         f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped)),
+                skipped[0] if skipped else None)
 
-    def _search_file(self, path: Path, problem: AttentionProblem, gpu: str, capability: str, skipped: list[str]):
-        import triton
+    def _layers(self, report) -> list[tuple[str, list[Path]]]:
+        user = self.user_db
+        if user is None:
+            try:
+                user = default_path()
+            except DBError as error:
+                report(f"fatune: ignoring tuned DB {error}")
+        return [("user-db", [user] if user is not None else []),
+                ("shipped-db", self.shipped if self.shipped is not None else shipped_dbs())]
 
-        from fatune import codegen
-        from fatune.db import DBError, TunedDB, seqlen_bucket
-
-        if not path.exists():
-            return None
-        try:
-            db = TunedDB(path, readonly=True)
-        except DBError as error:
-            self._warn(f"fatune: ignoring tuned DB {error}")
-            skipped.append(str(error))
-            return None
-        spec = problem.spec
-        try:
-            candidates = list(db.entries(gpu=gpu, capability=capability, dtype=spec.dtype, head_dim=spec.head_dim,
-                                         head_dim_v=spec.head_dim_v, mask_variant=spec.mask_variant,
-                                         group_size=problem.group_size))
-        finally:
-            db.close()
-        usable = []
-        for entry in candidates:
-            stale = []
-            if entry.triton_version != triton.__version__:
-                stale.append(f"Triton {entry.triton_version} (running {triton.__version__})")
-            if entry.template_hash != codegen.template_hash():
-                stale.append(f"templates {entry.template_hash} (running {codegen.template_hash()})")
-            if stale:
-                message = f"{path}: entries tuned with {' and '.join(stale)} are not used; run `fatune search` again"
-                self._warn(message)
-                skipped.append(message)
-                continue
-            usable.append(entry)
-        if not usable:
-            return None
-        want_q, want_k = seqlen_bucket(problem.max_seqlen_q), seqlen_bucket(problem.max_seqlen_k)
-
-        def distance(entry) -> float:
-            return abs(math.log2(entry.seqlen_q_bucket / want_q)) + abs(math.log2(entry.seqlen_k_bucket / want_k))
-
-        best = min(usable, key=lambda e: (distance(e), e.fwd_bwd_ms))
-        if distance(best) == 0:
-            reason = f"exact bucket Lq<={want_q}, Lk<={want_k}"
-        else:
-            reason = (f"nearest bucket Lq<={best.seqlen_q_bucket}, Lk<={best.seqlen_k_bucket} "
-                      f"(call: Lq<={want_q}, Lk<={want_k})")
-        return best, f"tuned entry, {reason}"
-
-    def _warn(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            log.warning(message)
+    @staticmethod
+    def _search_file(path: Path, gpu: str, capability: str, key: CallKey, report) -> tuple[Entry, str] | None:
+        if not os.path.lexists(path):
+            return None  # no DB there (yet): nothing to say
+        with TunedDB(path, readonly=True) as db:
+            return db.match(gpu, capability, key, report)
 
     def clear(self) -> None:
         with self._lock:
             self._memo.clear()
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn(message: str) -> None:
+    """Log `message` once per process."""
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    log.warning(message)
 
 
 _dispatcher = Dispatcher()

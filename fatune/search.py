@@ -12,22 +12,30 @@ whose quick timing is far behind the best so far is pruned before the full timin
 Each study's first trial is the built-in heuristic config, so a winner is never slower than
 what fatune runs untuned (a short search on an H200 stored configs slower than the
 heuristic before this; BENCHMARKS.md). Studies live in Optuna storage (SQLite by default)
-under a name that encodes the whole key, so an interrupted search resumes where it stopped.
+under a name that encodes the whole tuned-DB key, so an interrupted search resumes where it
+stopped: only finished trials (complete or pruned) count toward the trial budget, so trials
+left failed by Ctrl-C or running by a killed process are run again, and so is the
+heuristic's first trial if it did not finish. Several searches may share one storage: its
+creation is serialised by a file lock beside an SQLite storage, and trials of a killed
+process are marked failed by Optuna's heartbeats.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import optuna
 import torch
 
-from fatune import codegen
-from fatune.db import Entry, TunedDB, seqlen_bucket
+from fatune.db import DBError, Entry, TunedDB, check_writable, key_columns, shape_key
 from fatune.heuristics import default_config
 from fatune.measure import KernelRunner, Shape, bench, make_inputs, tflops, time_training_step
 from fatune.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, lanes
@@ -35,6 +43,8 @@ from fatune.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, lane
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2, "float32": 1e-3}  # max |candidate - torch| / max |torch|
 PRUNE_FACTOR = 1.5  # quick timing this much slower than the best so far: pruned
+HEARTBEAT_S, GRACE_S = 10, 60  # a RUNNING trial without a heartbeat for GRACE_S is marked failed
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 
 
 @dataclass(frozen=True)
@@ -169,13 +179,76 @@ class Checker:
         return worst
 
 
+def default_storage_url(db_path: Path) -> str:
+    """The SQLite Optuna storage beside a tuned DB, as a URL that keeps any '?', '%' or '#' in the name."""
+    from sqlalchemy.engine import URL
+
+    path = Path(os.path.abspath(db_path)).with_suffix(".optuna.sqlite")
+    return URL.create("sqlite", database=str(path)).render_as_string(hide_password=False)
+
+
+def _storage_file(url: str) -> Path | None:
+    """The file an SQLite storage URL names; None for other databases and in-memory SQLite."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:") or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def _creation_lock(url: str) -> contextlib.AbstractContextManager:
+    """A file lock beside an SQLite storage: Optuna's table and study creation race between processes."""
+    from filelock import FileLock
+
+    path = _storage_file(url)
+    return FileLock(f"{path}.lock", timeout=300) if path is not None else contextlib.nullcontext()
+
+
+def check_storage(url: str) -> Path | None:
+    """ValueError naming what is wrong with an Optuna storage URL or its location, checked without
+    creating anything; the SQLite file it names (None for other databases)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url).get_dialect()
+        path = _storage_file(url)
+    except (ArgumentError, ImportError):
+        raise ValueError(f"expected an SQLAlchemy URL such as sqlite:///studies.sqlite or postgresql://host/db "
+                         f"with its driver installed, got {url!r}") from None
+    if path is not None:
+        if not path.parent.is_dir():
+            raise ValueError(f"{url}: folder {path.parent} does not exist")
+        try:
+            check_writable(path)
+        except DBError as error:
+            raise ValueError(f"{url}: {error}") from None
+    return path
+
+
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    """The Optuna storage at `url` (created if new, safely when several searches start at once);
+    ValueError naming what is wrong with the URL or its location."""
+    path = check_storage(url)
+    try:
+        with _creation_lock(url), warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if path else None,
+                                              heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    except Exception as error:  # noqa: BLE001 - unreachable servers, foreign databases
+        raise ValueError(f"{url}: cannot open Optuna storage ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
+
+
 def study_name(target: Target, shape: Shape, kernel: str) -> str:
-    spec = shape.spec
+    """The Optuna study of one kernel of one shape: the tuned-DB key (fatune.db) plus batch and heads."""
+    key = key_columns(target.gpu, target.capability, shape_key(shape))
     return ":".join([
-        "fatune", target.gpu, target.capability, f"triton{__import__('triton').__version__}",
-        f"templates{codegen.template_hash()}", spec.dtype, f"d{spec.head_dim}", f"dv{spec.head_dim_v}",
-        spec.mask_variant, f"g{shape.heads // shape.kv_heads}", f"lq{seqlen_bucket(shape.seqlen_q)}",
-        f"lk{seqlen_bucket(shape.seqlen_k)}", f"b{shape.batch}h{shape.heads}", kernel,
+        "fatune", key["gpu"], key["capability"], f"triton{key['triton_version']}", f"templates{key['template_hash']}",
+        key["dtype"], f"d{key['head_dim']}", f"dv{key['head_dim_v']}", key["mask_variant"], f"g{key['group_size']}",
+        f"lq{key['seqlen_q_bucket']}", f"lk{key['seqlen_k_bucket']}", f"b{shape.batch}h{shape.heads}", kernel,
     ])
 
 
@@ -183,16 +256,25 @@ class KernelSearch:
     """One Optuna study: the fastest correct LaunchConfig for one kernel of one shape."""
 
     def __init__(self, target: Target, shape: Shape, kernel: str, inputs: dict[str, torch.Tensor], checker: Checker,
-                 base: AttentionConfig, space: SearchSpace, storage: str, seed: int):
+                 base: AttentionConfig, space: SearchSpace, storage: optuna.storages.RDBStorage, seed: int):
         self.target, self.shape, self.kernel = target, shape, kernel
         self.inputs, self.checker, self.base, self.space = inputs, checker, base, space
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10, multivariate=True)
-        self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
-                                         sampler=sampler, direction="minimize", load_if_exists=True)
-        start = getattr(base, kernel).to_dict()
-        if not self.study.trials and all(start[axis] in getattr(space, axis) for axis in start):
-            # the heuristic config goes first: the winner is never slower than what fatune runs untuned
-            self.study.enqueue_trial(start)
+        with _creation_lock(storage.url):
+            self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
+                                             sampler=sampler, direction="minimize", load_if_exists=True)
+            self.start = getattr(base, kernel).to_dict()
+            waiting = [t.system_attrs.get("fixed_params") for t in self.study.trials
+                       if t.state == optuna.trial.TrialState.WAITING]
+            if self.heuristic_pending() and self.start not in waiting:
+                # the heuristic config goes first (again, if a killed or interrupted run did not finish
+                # it): the winner is never slower than what fatune runs untuned
+                self.study.enqueue_trial(self.start)
+
+    def heuristic_pending(self) -> bool:
+        """True while the heuristic config (when in the space) has no finished trial in the study."""
+        in_space = all(self.start[axis] in getattr(self.space, axis) for axis in self.start)
+        return in_space and not any(t.state in FINISHED and t.params == self.start for t in self.study.trials)
 
     @property
     def best_ms(self) -> float:
@@ -248,8 +330,10 @@ class KernelSearch:
         raise optuna.TrialPruned(reason)
 
     def run(self, n_trials: int, deadline: float, on_trial: Callable[[], None] | None = None) -> None:
-        finished = [t for t in self.study.trials if t.state != optuna.trial.TrialState.WAITING]
-        remaining = n_trials - len(finished)  # a resumed study keeps its trials; the enqueued one is still to run
+        """Run trials until `n_trials` have finished in the study (failed and dead ones do not count),
+        and at least the heuristic's if it has not finished."""
+        finished = [t for t in self.study.trials if t.state in FINISHED]
+        remaining = max(n_trials - len(finished), 1 if self.heuristic_pending() else 0)
         callbacks = [lambda study, trial: on_trial()] if on_trial else []
         if remaining > 0:
             self.study.optimize(self.objective, n_trials=remaining, timeout=max(1.0, deadline - time.time()),
@@ -284,11 +368,14 @@ def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> 
     return best
 
 
-def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float, storage: str, seed: int,
+def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
+                 storage: str | optuna.storages.RDBStorage, seed: int,
                  space: SearchSpace, on_trial: Callable[[str, float], None] | None = None) -> ShapeResult:
     """Search the three kernels of one shape; measure the winners end to end and SDPA beside them."""
     started = time.time()
     deadline = started + seconds
+    if isinstance(storage, str):
+        storage = open_storage(storage)
     inputs = make_inputs(shape, target.device, seed)
     checker = Checker(shape, inputs)
     base = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability())
@@ -335,22 +422,22 @@ def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, t
 
 
 def to_entry(result: ShapeResult, target: Target) -> Entry:
-    import triton
-
-    spec = result.shape.spec
+    """The tuned-DB entry of a shape's winners; its key is built by fatune.db like the dispatcher's."""
     return Entry(
-        gpu=target.gpu, capability=target.capability, triton_version=triton.__version__,
-        torch_version=torch.__version__.split("+")[0], template_hash=codegen.template_hash(), dtype=spec.dtype,
-        head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, mask_variant=spec.mask_variant,
-        group_size=result.shape.heads // result.shape.kv_heads,
-        seqlen_q_bucket=seqlen_bucket(result.shape.seqlen_q), seqlen_k_bucket=seqlen_bucket(result.shape.seqlen_k),
+        **key_columns(target.gpu, target.capability, shape_key(result.shape)),
         fwd_config=result.config.fwd.to_dict(),
         bwd_config={"dkdv": result.config.dkdv.to_dict(), "dq": result.config.dq.to_dict()},
-        fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms, tflops=result.tflops,
-        sdpa_backend=result.sdpa_backend, sdpa_ms=result.sdpa_ms, speedup=result.speedup,
+        fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms, tflops=_measured(result.tflops),
+        sdpa_backend=result.sdpa_backend, sdpa_ms=_measured(result.sdpa_ms), speedup=_measured(result.speedup),
         batch=result.shape.batch, heads=result.shape.heads, seqlen_q=result.shape.seqlen_q,
         seqlen_k=result.shape.seqlen_k, trials=result.trials, interpreted=target.interpret,
     )
+
+
+def _measured(value: float) -> float:
+    """A measured number as the DB keeps it: NaN (not measured) unless finite and positive (no SDPA
+    backend ran: infinite ms)."""
+    return value if math.isfinite(value) and value > 0 else math.nan
 
 
 def store(db: TunedDB, result: ShapeResult, target: Target) -> bool:

@@ -107,13 +107,19 @@ class KernelSpec:
 
     @property
     def mask_variant(self) -> str:
-        """The mask variant's name, as stored in the tuned DB (e.g. 'causal', 'window+alibi')."""
+        """The mask variant's name, as stored in the tuned DB (e.g. 'causal', 'causal+window-left+bottom-right').
+
+        One name per combination of compile-time switches (every field but dtype and head
+        dims), so the tuned-DB key never mixes two kernels; a plain call is 'none' or 'causal'.
+        """
         parts = []
         if self.causal:
             parts.append("causal")
-        if self.window_left or self.window_right:
-            parts.append("window")
-        if self.bottom_right and parts:
+        if self.window_left:
+            parts.append("window-left")
+        if self.window_right:
+            parts.append("window-right")
+        if self.bottom_right:
             parts.append("bottom-right")
         if self.attn_mask != "none":
             parts.append(f"mask-{self.attn_mask}")

@@ -1,15 +1,21 @@
-"""The `fatune` command line, through click's CliRunner."""
+"""The `fatune` command line, through click's CliRunner: help, codegen, and every user error as one
+line with the right exit code."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from fatune.cli import cli
+from fatune.db import TunedDB
 
 
 def test_codegen_prints_readable_source():
@@ -56,3 +62,129 @@ def test_every_command_has_help_example_and_docs():
         if not isinstance(command, click.Group):
             assert "Example:" in command.help, f"fatune {name}: help has no Example: block"
         assert re.search(rf"fatune {re.escape(name)}\b", readme), f"fatune {name} is not documented in README.md"
+
+
+# -- no traceback for any user error: exit 2 for a bad value, 1 for a failure, one line each -------
+
+SEARCH = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths", "16", "--mask", "none",
+          "--trials", "1"]
+WHICH = ["db", "which", "--head-dim", "64"]
+USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of the error line)
+    ("which-negative-seqlen", [*WHICH, "--seqlen", "-4"], 2, "--seqlen"),
+    ("which-bad-dtype", [*WHICH, "--seqlen", "64", "--dtype", "int8"], 2, "--dtype"),
+    ("which-zero-heads", [*WHICH, "--seqlen", "64", "--heads", "0"], 2, "--heads"),
+    ("which-heads-not-a-multiple", [*WHICH, "--seqlen", "64", "--heads", "4", "--kv-heads", "3"], 2, "--kv-heads"),
+    ("which-bad-capability", [*WHICH, "--seqlen", "64", "--capability", "abc"], 2, "--capability"),
+    ("which-huge-head-dim-v", [*WHICH, "--seqlen", "64", "--head-dim-v", "999"], 2, "--head-dim-v"),
+    ("which-missing-db", [*WHICH, "--seqlen", "64", "--db", "{tmp}/missing.sqlite"], 1, "no such file"),
+    ("search-zero-length", [*SEARCH, "--lengths", "0"], 2, "--lengths"),
+    ("search-empty-lengths", [*SEARCH, "--lengths", ""], 2, "--lengths"),
+    ("search-negative-batch", [*SEARCH, "--batch", "-1"], 2, "--batch"),
+    ("search-negative-window", [*SEARCH, "--mask", "window", "--window", "-5"], 2, "--window"),
+    ("search-valid-keys-2", [*SEARCH, "--mask", "padding", "--valid-keys", "2"], 2, "--valid-keys"),
+    ("search-valid-keys-0", [*SEARCH, "--mask", "padding", "--valid-keys", "0"], 2, "--valid-keys"),
+    ("search-int8", [*SEARCH, "--dtype", "int8"], 2, "--dtype"),
+    ("search-kv-heads", [*SEARCH, "--heads", "4", "--kv-heads", "3"], 2, "--kv-heads"),
+    ("search-zero-trials", [*SEARCH, "--trials", "0"], 2, "--trials"),
+    ("search-bogus-storage", [*SEARCH, "--db", "{tmp}/t.sqlite", "--storage", "bogus://x"], 2, "--storage"),
+    ("search-storage-missing-folder", [*SEARCH, "--db", "{tmp}/t.sqlite", "--storage",
+                                       "sqlite:///{tmp}/missing/s.sqlite"], 2, "does not exist"),
+    ("search-corrupt-db", [*SEARCH, "--db", "{tmp}/garbage.sqlite"], 1, "not a usable SQLite"),
+    ("search-foreign-db", [*SEARCH, "--db", "{tmp}/foreign.sqlite"], 1, "not a fatune tuned DB"),
+    ("search-newer-db", [*SEARCH, "--db", "{tmp}/newer.sqlite"], 1, "newer"),
+    ("search-db-is-a-folder", [*SEARCH, "--db", "{tmp}"], 2, "is a directory"),
+    ("codegen-unwritable-output", ["codegen", "--head-dim", "64", "-o", "{tmp}/file/sub"], 1, "-o"),
+    ("codegen-negative-arch", ["codegen", "--head-dim", "64", "--arch", "-1.-5"], 2, "--arch"),
+    ("export-json-missing-folder", ["db", "export", "--db", "{tmp}/good.sqlite", "{tmp}/missing/x.json"], 1,
+     "does not exist"),
+    ("export-sqlite-missing-folder", ["db", "export", "--db", "{tmp}/good.sqlite", "{tmp}/missing/x.sqlite"], 1,
+     "does not exist"),
+    ("prune-missing-db", ["db", "prune", "--db", "{tmp}/missing.sqlite"], 1, "no such file"),
+    ("list-corrupt-db", ["db", "list", "--db", "{tmp}/garbage.sqlite"], 1, "not a usable SQLite"),
+    ("import-invalid-entry", ["db", "import", "--db", "{tmp}/good.sqlite", "{tmp}/invalid-entry.sqlite"], 1,
+     "fwd_config.block_m"),
+]
+
+
+def _fixtures(tmp_path: Path) -> None:
+    from tests.test_db import make_entry, write_bad_db
+
+    for kind in ("garbage", "foreign", "newer", "invalid-entry"):
+        write_bad_db(tmp_path / f"{kind}.sqlite", kind)
+    with TunedDB(tmp_path / "good.sqlite") as db:
+        db.upsert(make_entry())
+    (tmp_path / "file").write_text("")
+
+
+def _files(folder: Path) -> list[str]:
+    """What a command left in `folder` (but SQLite's -wal/-shm side files, which any reader may create)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.name.endswith(("-wal", "-shm")))
+
+
+def assert_one_line_error(result, code: int, text: str) -> None:
+    assert result.exit_code == code and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert text in line, line
+
+
+@pytest.mark.parametrize("args, code, text", [case[1:] for case in USER_ERRORS], ids=[c[0] for c in USER_ERRORS])
+def test_user_errors_are_one_line_with_the_right_exit_code(tmp_path, args, code, text):
+    _fixtures(tmp_path)
+    before = _files(tmp_path)
+    result = CliRunner().invoke(cli, [arg.replace("{tmp}", str(tmp_path)) for arg in args])
+    assert_one_line_error(result, code, text)
+    assert _files(tmp_path) == before  # refused before any work: no DB, storage or folder created
+
+
+def test_an_unusable_fatune_db_variable_is_named(tmp_path):
+    result = CliRunner(env={"FATUNE_DB": str(tmp_path)}).invoke(cli, ["db", "list"])
+    assert_one_line_error(result, 1, "$FATUNE_DB")
+
+
+@pytest.mark.parametrize("args", [["db", "import", "--db", "{tmp}/good.sqlite", "{tmp}/good.json"],
+                                  ["db", "prune", "--all", "--db", "{tmp}/good.sqlite"],
+                                  [*SEARCH, "--db", "{tmp}/good.sqlite"]], ids=["import", "prune", "search"])
+def test_write_commands_on_a_read_only_db_fail_before_any_work(tmp_path, monkeypatch, args):
+    """os.access says what a read-only file or mount says to a non-root user (root-proof; the real
+    thing runs in tests/test_untrusted.py with root's capabilities dropped)."""
+    _fixtures(tmp_path)
+    (tmp_path / "good.json").write_text("{}")
+    before = _files(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK)
+    result = CliRunner().invoke(cli, [arg.replace("{tmp}", str(tmp_path)) for arg in args])
+    assert_one_line_error(result, 1, "read-only")
+    assert _files(tmp_path) == before
+
+
+def test_db_which_explains_and_lists_an_unusable_db_as_skipped(tmp_path):
+    _fixtures(tmp_path)
+    result = CliRunner().invoke(cli, [*WHICH, "--seqlen", "4096", "--causal", "--dtype", "bf16", "--gpu",
+                                      "NVIDIA H200", "--capability", "9.0", "--db", str(tmp_path / "good.sqlite")])
+    assert result.exit_code == 0, result.output
+    assert "layer: user-db" in result.output and "exact bucket Lq<=4096" in result.output
+    result = CliRunner().invoke(cli, [*WHICH, "--seqlen", "64", "--db", str(tmp_path / "garbage.sqlite")])
+    assert result.exit_code == 0, result.output
+    assert f"skipped: fatune: ignoring tuned DB {tmp_path / 'garbage.sqlite'}" in result.output
+
+
+def test_db_list_names_invalid_rows_and_lists_the_rest(tmp_path):
+    from tests.test_db import raw_insert
+
+    _fixtures(tmp_path)
+    raw_insert(tmp_path / "good.sqlite", fwd_bwd_ms=-1.0, head_dim=128)
+    result = CliRunner().invoke(cli, ["db", "list", "--db", str(tmp_path / "good.sqlite")])
+    assert result.exit_code == 0, result.output
+    assert "1 entries" in result.output
+    (warning,) = [line for line in result.output.splitlines() if line.startswith("warning")]
+    assert "fwd_bwd_ms" in warning and "row 2" in warning
+
+
+def test_interpret_reexec_prints_no_warning(tmp_path):
+    """`--interpret` starts Python again with TRITON_INTERPRET=1, through `python -m fatune.cli`."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _fixtures(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "fatune.cli", *SEARCH, "--db", str(tmp_path / "garbage.sqlite")],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "not a usable SQLite" in result.stderr  # after the re-exec, at the DB
+    assert "Warning" not in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -1,20 +1,27 @@
-"""The tuned DB: keep-the-faster upserts, schema checks, export/import round trips, concurrent writers."""
+"""The tuned DB: keep-the-faster upserts, schema checks, export/import round trips, concurrent writers,
+entry validation, the key, read-only opening and writability checks."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
+import os
+import re
 import shutil
 import sqlite3
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+import sqlite_utils
+import torch
 import triton
 
 from fatune import codegen
-from fatune.db import (SCHEMA_VERSION, DBError, Entry, TunedDB, export_entries, import_entries, read_entries,
-                       seqlen_bucket)
+from fatune.db import (SCHEMA_VERSION, DBError, Entry, InvalidEntry, TunedDB, export_entries, import_entries,
+                       read_entries, seqlen_bucket)
+from fatune.spec import DTYPES, KernelSpec
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -73,36 +80,50 @@ def test_export_import_round_trip_preserves_every_row(tmp_path, suffix):
     assert import_entries(target, exported) == (0, len(rows))
 
 
-@pytest.mark.parametrize("content", ["garbage", "json-garbage", "foreign-sqlite", "newer-schema", "stale"])
+def write_bad_db(path: Path, kind: str, **match) -> Path:
+    """A file at `path` that fatune must refuse (import) or pass over (dispatch); `match` sets the
+    key columns of the one entry the entry-level kinds hold."""
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "garbage":
+        path.write_bytes(b"SQLite format 3\x00" + b"not a database" * 100)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "json-garbage":
+        path.write_text(json.dumps({"something": "else"}))
+    elif kind == "foreign":
+        connection = sqlite3.connect(path)
+        connection.execute("create table users (name text)")
+        connection.commit()
+        connection.close()
+    elif kind in ("newer", "stale"):
+        with TunedDB(path) as db:
+            db.upsert(make_entry(**match, **({"template_hash": "0123456789abcdef"} if kind == "stale" else {})))
+        if kind == "newer":
+            connection = sqlite3.connect(path)
+            connection.execute("update meta set value = ? where key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
+            connection.commit()
+            connection.close()
+    else:  # a row no fatune would write: block_m 7, a missing backward config or a negative time
+        TunedDB(path).close()
+        raw_insert(path, **match, **{
+            "invalid-entry": {"fwd_config": '{"block_m": 7, "block_n": 64, "num_warps": 4, "num_stages": 3}'},
+            "null-config": {"bwd_config": None}, "negative-time": {"fwd_bwd_ms": -1.0}}[kind])
+    return path
+
+
+@pytest.mark.parametrize("content", ["garbage", "json-garbage", "foreign", "newer", "stale", "invalid-entry"])
 def test_import_refuses_bad_files_and_leaves_the_db_untouched(tmp_path, content):
     db = TunedDB(tmp_path / "mine.sqlite")
     db.upsert(make_entry())
     before = [asdict(e) for e in db.entries()]
-    bad = tmp_path / ("bad.json" if content == "json-garbage" else "bad.sqlite")
-    if content == "garbage":
-        bad.write_bytes(b"not a database" * 100)
-    elif content == "json-garbage":
-        bad.write_text(json.dumps({"something": "else"}))
-    elif content == "foreign-sqlite":
-        connection = sqlite3.connect(bad)
-        connection.execute("create table users (name text)")
-        connection.commit()
-        connection.close()
-    elif content == "newer-schema":
-        TunedDB(bad).upsert(make_entry(head_dim=128))
-        connection = sqlite3.connect(bad)
-        connection.execute("update meta set value = ? where key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
-        connection.commit()
-        connection.close()
-    else:
-        other = TunedDB(bad)
-        other.upsert(make_entry(head_dim=128, template_hash="0123456789abcdef"))
-        other.close()
+    bad = write_bad_db(tmp_path / ("bad.json" if content == "json-garbage" else "bad.sqlite"), content, head_dim=128)
     with pytest.raises(DBError) as raised:
         import_entries(db, bad)
     message = str(raised.value)
     expected = {"garbage": "not a usable SQLite", "json-garbage": "not a fatune tuned-DB export",
-                "foreign-sqlite": "not a fatune tuned DB", "newer-schema": "newer", "stale": "template hash"}[content]
+                "foreign": "not a fatune tuned DB", "newer": "newer", "stale": "template hash",
+                "invalid-entry": "fwd_config.block_m"}[content]
     assert expected in message and str(bad) in message
     assert [asdict(e) for e in db.entries()] == before
     if content == "stale":
@@ -123,7 +144,7 @@ def _write_many(path: str, worker: int, count: int) -> None:
     with TunedDB(path) as db:
         for i in range(count):
             db.upsert(make_entry(seqlen_q_bucket=16 << (i % 10), seqlen_k_bucket=16 << (i // 10),
-                                 head_dim=worker + 1, fwd_bwd_ms=float(i)))
+                                 head_dim=worker + 1, fwd_bwd_ms=float(i + 1)))
 
 
 def test_concurrent_writers_lose_nothing(tmp_path):
@@ -142,3 +163,202 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 def test_seqlen_buckets_are_log_scale():
     assert [seqlen_bucket(n) for n in (1, 16, 17, 1000, 1024, 1025, 16384)] == [16, 16, 32, 1024, 1024, 2048, 16384]
+
+
+# -- every entry validated: on upsert, on import and on read ---------------------------------
+
+GOOD_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+INVALID_FIELDS = [  # (field, bad value, what the message must name)
+    ("fwd_config", {**GOOD_CONFIG, "block_m": 7}, "fwd_config.block_m"),
+    ("fwd_config", {**GOOD_CONFIG, "num_warps": 3}, "fwd_config.num_warps"),
+    ("fwd_config", {**GOOD_CONFIG, "num_stages": True}, "fwd_config.num_stages"),
+    ("fwd_config", {**GOOD_CONFIG, "block_n": 64.0}, "fwd_config.block_n"),
+    ("fwd_config", {"block_m": 64, "block_n": 64}, "fwd_config"),
+    ("fwd_config", None, "fwd_config"),
+    ("bwd_config", {}, "bwd_config"),
+    ("bwd_config", None, "bwd_config"),
+    ("bwd_config", {"dkdv": GOOD_CONFIG}, "bwd_config"),
+    ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "block_m": 512}}, "bwd_config.dq.block_m"),
+    ("fwd_bwd_ms", -1.0, "fwd_bwd_ms"),
+    ("fwd_bwd_ms", 0.0, "fwd_bwd_ms"),
+    ("fwd_bwd_ms", float("nan"), "fwd_bwd_ms"),
+    ("fwd_bwd_ms", float("inf"), "fwd_bwd_ms"),
+    ("fwd_ms", -0.5, "fwd_ms"),
+    ("bwd_ms", "fast", "bwd_ms"),
+    ("sdpa_ms", -2.0, "sdpa_ms"),
+    ("dtype", "int8", "dtype"),
+    ("mask_variant", "window", "mask_variant"),  # the ambiguous name of older versions
+    ("mask_variant", "causal+sideways", "mask_variant"),
+    ("seqlen_q_bucket", 1000, "seqlen_q_bucket"),
+    ("seqlen_k_bucket", 8, "seqlen_k_bucket"),
+    ("group_size", 0, "group_size"),
+    ("head_dim", 0, "head_dim"),
+    ("head_dim_v", 999, "head_dim_v"),
+    ("capability", "abc", "capability"),
+    ("gpu", "", "gpu"),
+    ("trials", -3, "trials"),
+    ("interpreted", "yes", "interpreted"),
+]
+
+
+@pytest.mark.parametrize("name, value, named", INVALID_FIELDS, ids=[f"{n}={v!r}" for n, v, _ in INVALID_FIELDS])
+def test_invalid_entries_are_refused_on_upsert_and_import_naming_the_field(tmp_path, name, value, named):
+    db = TunedDB(tmp_path / "mine.sqlite")
+    db.upsert(make_entry(fwd_bwd_ms=5.0))
+    before = [asdict(e) for e in db.entries()]
+    bad = replace(make_entry(), **{name: value})
+    with pytest.raises(InvalidEntry, match=re.escape(named)):
+        db.upsert(bad)
+    export = tmp_path / "bad.json"
+    export.write_text(json.dumps({"fatune_tuned_db": SCHEMA_VERSION, "entries": [asdict(make_entry(head_dim=128)),
+                                                                                  asdict(bad)]}))
+    with pytest.raises(DBError, match=f"entry 1: {re.escape(named)}"):
+        import_entries(db, export)
+    assert [asdict(e) for e in db.entries()] == before
+
+
+def raw_insert(path: Path, **changes) -> None:
+    """Write a row past fatune's checks, as another tool (or a damaged copy) could."""
+    row = {**make_entry().to_row(), **changes}
+    connection = sqlite3.connect(path)
+    columns, marks = ", ".join(row), ", ".join("?" * len(row))
+    connection.execute(f"insert into entries ({columns}) values ({marks})", list(row.values()))
+    connection.commit()
+    connection.close()
+
+
+@pytest.mark.parametrize("column, value", [("fwd_config", "{not json"), ("bwd_config", '{"dkdv": {}}'),
+                                           ("fwd_bwd_ms", -1.0), ("fwd_bwd_ms", None), ("seqlen_q_bucket", 100),
+                                           ("interpreted", 7)])
+def test_invalid_rows_are_skipped_and_reported_on_read(tmp_path, column, value):
+    path = tmp_path / "t.sqlite"
+    TunedDB(path).upsert(make_entry(mask_variant="none"))
+    raw_insert(path, **{column: value})
+    reported = []
+    with TunedDB(path, readonly=True) as db:
+        assert [e.mask_variant for e in db.entries(on_invalid=reported.append)] == ["none"]
+        with pytest.raises(InvalidEntry, match=column):
+            list(db.entries())
+    assert len(reported) == 1 and str(path) in reported[0] and column in reported[0]
+
+
+def test_a_stored_bad_time_never_wins_against_a_real_one(tmp_path):
+    path = tmp_path / "t.sqlite"
+    TunedDB(path).close()
+    raw_insert(path, fwd_bwd_ms=-1.0)
+    with TunedDB(path) as db:
+        assert db.upsert(make_entry(fwd_bwd_ms=9.0))
+        assert db.get(make_entry().key()).fwd_bwd_ms == 9.0
+
+
+# -- the key -----------------------------------------------------------------------------------
+
+def test_mask_variant_names_every_compile_time_switch():
+    """Two specs that render different kernels never share a tuned-DB key; plain calls keep their names."""
+    flags = ("causal", "window_left", "window_right", "bottom_right", "alibi", "dropout")
+    specs = [KernelSpec("float16", 64, attn_mask=mask, seqlens=seqlens, **dict(zip(flags, values)))
+             for values in itertools.product((False, True), repeat=len(flags)) for mask in ("none", "bool", "additive")
+             for seqlens in ("fixed", "seqlens_k", "varlen")]
+    assert len({spec.mask_variant for spec in specs}) == len(specs) == 576  # one name per spec, so per kernel
+    assert KernelSpec("float16", 64).mask_variant == "none" and KernelSpec("float16", 64, causal=True).mask_variant \
+        == "causal"
+    left = KernelSpec("float16", 64, window_left=True, bottom_right=True).mask_variant
+    both = KernelSpec("float16", 64, window_left=True, window_right=True, bottom_right=True).mask_variant
+    assert left != both
+
+
+def test_search_and_dispatch_build_the_same_key():
+    """A searched Shape and the call it stands for map to one key (fatune.db.call_key)."""
+    from fatune.db import problem_key, shape_key
+    from fatune.inputs import check_inputs
+    from fatune.measure import Shape
+
+    for shape in (Shape(2, 8, 1000, 700, 64, "float16", causal=True, kv_heads=2),
+                  Shape(1, 4, 300, 300, 80, "bfloat16", causal=True, window=32, head_dim_v=64),
+                  Shape(2, 4, 64, 128, 32, "float32", valid_keys=0.5)):
+        kwargs = shape.attention_kwargs("cpu")
+        q = torch.empty(shape.batch, shape.heads, shape.seqlen_q, shape.head_dim, dtype=DTYPES[shape.dtype])
+        k = torch.empty(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim, dtype=q.dtype)
+        v = torch.empty(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim_v, dtype=q.dtype)
+        assert shape_key(shape) == problem_key(check_inputs(q, k, v, **kwargs))
+
+
+# -- files: read-only opening, rollback-journal exports, writability checked first ------------
+
+def test_export_is_in_rollback_journal_mode_and_opens_read_only(tmp_path):
+    source = TunedDB(tmp_path / "source.sqlite")  # WAL, as search writes it
+    source.upsert(make_entry())
+    out = tmp_path / "export.sqlite"
+    export_entries(source.entries(), out)
+    connection = sqlite3.connect(f"file:{out}?mode=ro", uri=True)
+    assert connection.execute("pragma journal_mode").fetchone()[0] == "delete"
+    connection.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export.sqlite", "source.sqlite", "source.sqlite-shm",
+                                                          "source.sqlite-wal"]
+    assert len(read_entries(out)) == 1
+
+
+def test_a_wal_file_whose_side_files_cannot_be_created_is_read_immutable(tmp_path, monkeypatch):
+    """mode=ro fails on a WAL file in a read-only folder; the reader falls back to immutable=1."""
+    path = tmp_path / "wal.sqlite"
+    with TunedDB(path) as db:  # closed: its WAL is checkpointed into the file, as in a shipped copy
+        db.upsert(make_entry())
+    uris = []
+    real_connect = sqlite3.connect
+
+    class NoSideFiles:  # what SQLite answers there on the first read: it cannot create the -shm file
+        def execute(self, *args):
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+
+        def close(self):
+            pass
+
+    def connect(database, *args, **kwargs):
+        uris.append(database)
+        return NoSideFiles() if "mode=ro" in database else real_connect(database, *args, **kwargs)
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    with TunedDB(path, readonly=True) as db:
+        assert db.count() == 1
+    assert [uri.rsplit("?", 1)[1] for uri in uris] == ["mode=ro", "immutable=1"]
+
+
+@pytest.mark.parametrize("name", ["a?b.sqlite", "100%.sqlite", "x#y.sqlite", "sp ace.sqlite"])
+def test_names_with_uri_characters_open_the_right_file(tmp_path, name):
+    path = tmp_path / name
+    TunedDB(path).upsert(make_entry())
+    with TunedDB(path, readonly=True) as db:
+        assert db.count() == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm"))) == [name]
+
+
+def test_writability_is_checked_before_any_work(tmp_path, monkeypatch):
+    """Root-proof: a parent that is a file, a missing DB that must not be created, and os.access
+    saying no (what a read-only file or mount gives a non-root user) all fail at once."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(DBError, match="not a directory"):
+        TunedDB(blocker / "sub" / "t.sqlite")
+    with pytest.raises(DBError, match="no such file"):
+        TunedDB(tmp_path / "missing.sqlite", create=False)
+    assert not (tmp_path / "missing.sqlite").exists()
+    with pytest.raises(DBError, match="is a directory"):
+        TunedDB(tmp_path)
+    existing = tmp_path / "t.sqlite"
+    TunedDB(existing).upsert(make_entry())
+    monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK)
+    with pytest.raises(DBError, match="read-only"):
+        TunedDB(existing)
+    with TunedDB(existing, readonly=True) as db:  # reading needs no write access
+        assert db.count() == 1
+
+
+def test_a_read_only_file_fails_when_opened_for_writing(tmp_path):
+    """The write lock is taken on open, so a file SQLite can only read fails before any work."""
+    path = tmp_path / "t.sqlite"
+    TunedDB(path, wal=False).upsert(make_entry())
+    db = TunedDB.__new__(TunedDB)
+    db.path, db.readonly, db.label = path, False, str(path)
+    db.db = sqlite_utils.Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None))
+    with pytest.raises(DBError, match="read-only"):
+        db._check_write_lock()

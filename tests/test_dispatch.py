@@ -1,8 +1,10 @@
-"""The dispatcher's layers, nearest-bucket fallback, stale-entry skipping, explain and strict mode."""
+"""The dispatcher's layers, nearest-bucket fallback, stale-entry skipping, explain and strict mode,
+and bad DBs: logged once, the next layer answers, strict mode raises."""
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 import pytest
@@ -16,7 +18,7 @@ from fatune.heuristics import default_config
 from fatune.inputs import check_inputs
 from fatune.spec import AttentionConfig, LaunchConfig
 from tests.conftest import DEVICE
-from tests.test_db import make_entry
+from tests.test_db import raw_insert, make_entry, write_bad_db
 
 GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
 
@@ -124,3 +126,48 @@ def test_explain_reports_layer_config_and_source(tmp_path, monkeypatch):
     assert fatune.explain(q, q, q, config=forced).decision.layer == "argument"
     with pytest.raises(DispatchError):
         fatune.attention(q, q, q, strict=True)
+
+
+# -- a DB that cannot be used costs speed, never the call ----------------------------------------
+
+BAD_DBS = ["directory", "garbage", "empty", "foreign", "newer", "invalid-entry", "null-config", "negative-time",
+           "stale"]
+
+
+@pytest.mark.parametrize("kind", BAD_DBS)
+def test_a_bad_user_db_is_logged_once_and_the_next_layer_answers(tmp_path, caplog, kind):
+    user = write_bad_db(tmp_path / "user.sqlite", kind, gpu=GPU, capability=CAPABILITY, dtype="float16")
+    shipped = write(tmp_path / "shipped.sqlite", entry(fwd_config={**make_entry().fwd_config, "block_m": 32}))
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        decision = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
+        again = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
+    assert (decision.layer, fwd_block(decision)) == ("shipped-db", 32) and again.layer == "shipped-db"
+    logged = [r.getMessage() for r in caplog.records if str(user) in r.getMessage()]
+    assert len(logged) == 1, logged  # once per process, naming the file
+    assert decision.skipped == (logged[0],)
+    alone = Dispatcher(user_db=user, shipped=[])
+    assert alone.decide(problem(), torch.device(DEVICE)).layer == "heuristic"
+    with pytest.raises(DispatchError, match=re.escape(str(user))):
+        Dispatcher(user_db=user, shipped=[shipped]).decide(problem(), torch.device(DEVICE), strict=True)
+
+
+def test_a_bad_fatune_db_variable_is_named(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("FATUNE_DB", str(tmp_path))  # a directory
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        decision = Dispatcher(shipped=[]).lookup(problem(), GPU, CAPABILITY, None)
+    assert decision.layer == "heuristic" and "$FATUNE_DB" in decision.skipped[0]
+    assert any("$FATUNE_DB" in r.getMessage() for r in caplog.records)
+
+
+def test_a_corrupt_user_db_still_gives_the_right_result(tmp_path, monkeypatch):
+    """Through fatune.attention: the call runs (heuristic config) and matches torch."""
+    user = write_bad_db(tmp_path / "user.sqlite", "invalid-entry")
+    raw_insert(user, gpu=GPU, capability=CAPABILITY, dtype="float32", head_dim=16, head_dim_v=16,
+                seqlen_q_bucket=32, seqlen_k_bucket=32, mask_variant="none", bwd_config='{"dkdv": null}')
+    monkeypatch.setattr(dispatch, "_dispatcher", Dispatcher(user_db=user, shipped=[]))
+    q, k, v = (torch.randn(1, 2, 24, 16, device=DEVICE) for _ in range(3))
+    out = fatune.attention(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(out, expected, atol=1e-5)
+    decision = fatune.explain(q, k, v).decision
+    assert decision.layer == "heuristic" and "bwd_config" in decision.skipped[0]

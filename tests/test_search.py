@@ -1,8 +1,13 @@
-"""Tiny interpreter searches: DB rows, resuming, pruning, rejecting wrong kernels, reproducibility."""
+"""Tiny interpreter searches: DB rows, resuming, pruning, rejecting wrong kernels, reproducibility;
+concurrent searches and resuming after Ctrl-C or a kill (subprocesses)."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import optuna
 import pytest
@@ -112,3 +117,103 @@ def test_the_heuristic_config_is_the_first_trial(tmp_path):
         kernel = summary.study_name.rsplit(":", 1)[1]
         first = optuna.load_study(study_name=summary.study_name, storage=storage).trials[0]
         assert LaunchConfig.from_dict(first.params) == getattr(heuristic, kernel)
+
+
+# -- several searches at once, and resuming after Ctrl-C or a kill (subprocesses) -----------------
+
+CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+
+from fatune import search
+from fatune.cli import cli
+
+barrier, count, kill_in, signal_name, *args = sys.argv[1:]
+if kill_in:  # die the way Ctrl-C or `kill -9` would, in the first trial of this kernel
+    objective = search.KernelSearch.objective
+
+    def dying(self, trial):
+        if self.kernel == kill_in:
+            os.kill(os.getpid(), getattr(signal, signal_name))
+        return objective(self, trial)
+
+    search.KernelSearch.objective = dying
+Path(barrier, str(os.getpid())).touch()  # start together, imports done: storage creation races
+while len(os.listdir(barrier)) < int(count):
+    time.sleep(0.01)
+cli(args, prog_name="fatune")
+"""
+SEARCH = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths", "16", "--batch", "1",
+          "--heads", "1", "--mask", "none"]
+
+
+def start_searches(tmp_path, args: list[str], count: int = 1, kill_in: str = "", signal_name: str = ""):
+    barrier = tmp_path / f"barrier-{time.monotonic_ns()}"
+    barrier.mkdir()
+    return [subprocess.Popen([sys.executable, "-c", CHILD, str(barrier), str(count), kill_in, signal_name, *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(count)]
+
+
+def finish(process) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=300)
+    return process.returncode, out, err
+
+
+def studies(db_path) -> dict[str, list[optuna.trial.FrozenTrial]]:
+    storage = search.default_storage_url(db_path)
+    return {s.study_name.rsplit(":", 1)[1]: optuna.load_study(study_name=s.study_name, storage=storage).trials
+            for s in optuna.get_all_study_summaries(storage)}
+
+
+def test_searches_started_together_on_a_fresh_db_all_succeed(tmp_path):
+    db_path = tmp_path / "fresh" / "tuned.sqlite"
+    db_path.parent.mkdir()
+    results = [finish(p) for p in start_searches(tmp_path, [*SEARCH, "--trials", "1", "--db", str(db_path)], count=3)]
+    assert [rc for rc, _, _ in results] == [0, 0, 0], [err[-2000:] for _, _, err in results]
+    with TunedDB(db_path, readonly=True) as db:
+        assert db.count() == 1
+    assert set(studies(db_path)) == {"fwd", "dkdv", "dq"}
+
+
+@pytest.mark.parametrize("signal_name, trials", [("SIGINT", 1), ("SIGKILL", 2)])
+def test_a_killed_search_resumes_without_counting_dead_trials(tmp_path, signal_name, trials):
+    """Killed in the dK/dV study's first (heuristic) trial; the same command then finishes the job:
+    the dead trial does not count, the heuristic is run again, nothing finished is run twice."""
+    from fatune.heuristics import default_config
+
+    db_path = tmp_path / "tuned.sqlite"
+    args = [*SEARCH, "--trials", str(trials), "--db", str(db_path)]
+    (process,) = start_searches(tmp_path, args, kill_in="dkdv", signal_name=signal_name)
+    rc, _, err = finish(process)
+    if signal_name == "SIGINT":
+        assert rc == 130 and "Traceback" not in err and "interrupted" in err.strip().splitlines()[-1]
+    else:
+        assert rc == -signal.SIGKILL
+    dead = {"SIGINT": optuna.trial.TrialState.FAIL, "SIGKILL": optuna.trial.TrialState.RUNNING}[signal_name]
+    assert [t.state for t in studies(db_path)["dkdv"]] == [dead]
+    with TunedDB(db_path, readonly=True) as db:
+        assert db.count() == 0
+
+    (process,) = start_searches(tmp_path, args)
+    rc, _, err = finish(process)
+    assert rc == 0, err[-2000:]
+    heuristic = default_config(TINY.spec, None)
+    for kernel, trials_of in studies(db_path).items():
+        finished = [t for t in trials_of if t.state in search.FINISHED]
+        assert len(finished) == trials, (kernel, trials_of)
+        first = [t for t in finished if t.params == getattr(heuristic, kernel).to_dict()]
+        assert first and first[0].state == optuna.trial.TrialState.COMPLETE
+    with TunedDB(db_path, readonly=True) as db:
+        (entry,) = db.entries()
+    assert entry.attention_config().dkdv == LaunchConfig.from_dict(
+        min((t for t in studies(db_path)["dkdv"] if t.state == optuna.trial.TrialState.COMPLETE),
+            key=lambda t: t.value).params)
+
+
+def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
+    folder = tmp_path / "a?b%20c#d"
+    folder.mkdir()
+    result = CliRunner().invoke(cli, [*SEARCH, "--trials", "1", "--db", str(folder / "tuned.sqlite")])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in folder.iterdir()} >= {"tuned.sqlite", "tuned.optuna.sqlite"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a?b%20c#d"]

@@ -7,17 +7,9 @@ from pathlib import Path
 import click
 
 from fatune import codegen as generator
-from fatune.cli.options import kernel_spec_options, launch_config_options
+from fatune.cli.options import kernel_spec_options, launch_config_options, parse_capability
 from fatune.heuristics import default_config
 from fatune.spec import KernelSpec, LaunchConfig
-
-
-def _arch(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int]:
-    try:
-        major, minor = (int(part) for part in value.split("."))
-    except ValueError:
-        raise click.BadParameter(f"expected MAJOR.MINOR such as 9.0, got {value!r}") from None
-    return major, minor
 
 
 @click.command()
@@ -25,7 +17,7 @@ def _arch(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, 
 @launch_config_options
 @click.option("--kernel", type=click.Choice(["fwd", "bwd", "all"]), default="all", show_default=True,
               help="Which generated module to show.")
-@click.option("--arch", default="9.0", show_default=True, callback=_arch,
+@click.option("--arch", default="9.0", show_default=True, callback=parse_capability,
               help="Compute capability whose heuristic config fills unset --fwd/--dkdv/--dq.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
               help="Write attn_fwd.py / attn_bwd.py into this folder instead of printing.")
@@ -47,8 +39,11 @@ def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
         source = generator.render(kind, spec, config)
         if output is None:
             click.echo(source, nl=False)
-        else:
+            continue
+        path = output / f"attn_{kind}.py"
+        try:
             output.mkdir(parents=True, exist_ok=True)
-            path = output / f"attn_{kind}.py"
             path.write_text(source)
-            click.echo(f"wrote {path}")
+        except OSError as error:
+            raise click.ClickException(f"-o {output}: cannot write {path.name} ({error.strerror or error})") from None
+        click.echo(f"wrote {path}")

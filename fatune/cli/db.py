@@ -9,6 +9,8 @@ from typing import Callable
 
 import click
 
+from fatune.cli.options import MAX_LENGTH, parse_capability, parse_dtype
+
 
 def db_option(fn: Callable) -> Callable:
     return click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -18,30 +20,27 @@ def db_option(fn: Callable) -> Callable:
 def filter_options(fn: Callable) -> Callable:
     """--gpu, --dtype, --head-dim, --mask: narrow the entries a command works on."""
     fn = click.option("--mask", "mask_variant", default=None, help="Mask variant, e.g. causal.")(fn)
-    fn = click.option("--head-dim", type=int, default=None, help="Query/key head dim.")(fn)
-    fn = click.option("--dtype", default=None, help="fp16, bf16 or fp32.")(fn)
+    fn = click.option("--head-dim", type=click.IntRange(1, 256), default=None, help="Query/key head dim.")(fn)
+    fn = click.option("--dtype", default=None, callback=parse_dtype, help="fp16, bf16 or fp32.")(fn)
     fn = click.option("--gpu", default=None, help="GPU name as recorded, e.g. 'NVIDIA H200'.")(fn)
     return fn
 
 
-def _filters(gpu, dtype, head_dim, mask_variant) -> dict:
-    from fatune.spec import dtype_name
-
-    try:
-        dtype = dtype_name(dtype) if dtype else None
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--dtype") from None
-    return {"gpu": gpu, "dtype": dtype, "head_dim": head_dim, "mask_variant": mask_variant}
-
-
-def _open(db_path: Path | None, readonly: bool = True):
+def _open(db_path: Path | None, readonly: bool = True, create: bool = True):
+    """The tuned DB (checked writable before any work unless readonly); one line if it cannot be used."""
     from fatune.db import DBError, TunedDB, default_path
 
-    path = db_path or default_path()
     try:
-        return TunedDB(path, readonly=readonly)
+        return TunedDB(db_path or default_path(), readonly=readonly, create=create)
     except DBError as error:
         raise click.ClickException(str(error)) from None
+
+
+def _entries(db_path: Path | None, gpu, dtype, head_dim, mask_variant) -> list:
+    """The valid matching entries; invalid rows are named on stderr and passed over."""
+    with _open(db_path) as database:
+        return list(database.entries(on_invalid=lambda message: click.echo(f"warning: {message}", err=True),
+                                     gpu=gpu, dtype=dtype, head_dim=head_dim, mask_variant=mask_variant))
 
 
 @click.group()
@@ -60,8 +59,7 @@ def list_entries(db_path, gpu, dtype, head_dim, mask_variant, as_json) -> None:
 
         fatune db list --dtype bf16 --head-dim 128
     """
-    with _open(db_path) as database:
-        entries = list(database.entries(**_filters(gpu, dtype, head_dim, mask_variant)))
+    entries = _entries(db_path, gpu, dtype, head_dim, mask_variant)
     if as_json:
         click.echo(json.dumps([asdict(entry) for entry in entries], indent=1))
         return
@@ -87,8 +85,7 @@ def show(db_path, gpu, dtype, head_dim, mask_variant) -> None:
 
         fatune db show --head-dim 64 --mask causal
     """
-    with _open(db_path) as database:
-        entries = list(database.entries(**_filters(gpu, dtype, head_dim, mask_variant)))
+    entries = _entries(db_path, gpu, dtype, head_dim, mask_variant)
     if not entries:
         raise click.ClickException("no matching entries")
     click.echo(json.dumps([asdict(entry) for entry in entries], indent=1, sort_keys=True))
@@ -107,8 +104,7 @@ def export_db(db_path, gpu, dtype, head_dim, mask_variant, output) -> None:
     """
     from fatune.db import DBError, export_entries
 
-    with _open(db_path) as database:
-        entries = list(database.entries(**_filters(gpu, dtype, head_dim, mask_variant)))
+    entries = _entries(db_path, gpu, dtype, head_dim, mask_variant)
     try:
         count = export_entries(entries, output)
     except DBError as error:
@@ -123,7 +119,8 @@ def export_db(db_path, gpu, dtype, head_dim, mask_variant, output) -> None:
 def import_db(db_path, source, force) -> None:
     """Merge SOURCE (tuned DB or its JSON export) into the DB, keeping the faster entry per key.
 
-    A corrupt, foreign or stale file is refused and the DB is left untouched.
+    A corrupt, foreign or stale file, or one with any invalid entry, is refused and the DB is
+    left untouched.
 
     Example:
 
@@ -154,9 +151,10 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
     """
     from fatune.db import is_stale
 
-    with _open(db_path, readonly=dry_run) as database:
-        entries = [e for e in database.entries(**_filters(gpu, dtype, head_dim, mask_variant))
-                   if not stale or is_stale(e)]
+    with _open(db_path, readonly=dry_run, create=False) as database:
+        warn = lambda message: click.echo(f"warning: {message}", err=True)  # noqa: E731
+        entries = [e for e in database.entries(on_invalid=warn, gpu=gpu, dtype=dtype, head_dim=head_dim,
+                                               mask_variant=mask_variant) if not stale or is_stale(e)]
         count = len(entries) if dry_run else database.delete(entries)
     click.echo(f"{'would drop' if dry_run else 'dropped'} {count} entries")
 
@@ -164,19 +162,22 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
 @db.command()
 @db_option
 @click.option("--head-dim", type=click.IntRange(1, 256), required=True)
-@click.option("--head-dim-v", type=int, default=0)
-@click.option("--dtype", default="bf16", show_default=True)
-@click.option("--seqlen", type=int, required=True, help="Query length (and key length unless --seqlen-k).")
-@click.option("--seqlen-k", type=int, default=0)
-@click.option("--heads", type=int, default=16, show_default=True)
-@click.option("--kv-heads", type=int, default=0)
+@click.option("--head-dim-v", type=click.IntRange(0, 256), default=0, help="Value head dim (default: --head-dim).")
+@click.option("--dtype", default="bf16", show_default=True, callback=parse_dtype)
+@click.option("--seqlen", type=click.IntRange(1, MAX_LENGTH), required=True,
+              help="Query length (and key length unless --seqlen-k).")
+@click.option("--seqlen-k", type=click.IntRange(0, MAX_LENGTH), default=0)
+@click.option("--heads", type=click.IntRange(1, 65536), default=16, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(0, 65536), default=0, help="Key/value heads (default: --heads).")
 @click.option("--causal", is_flag=True)
-@click.option("--window", type=int, default=-1, help="Causal sliding window (left size).")
+@click.option("--window", type=click.IntRange(-1), default=-1, help="Causal sliding window (left size).")
 @click.option("--gpu", default=None, help="GPU name (default: this machine's GPU).")
-@click.option("--capability", default=None, help="Compute capability of --gpu, e.g. 9.0.")
+@click.option("--capability", default=None, callback=parse_capability, help="Compute capability of --gpu, e.g. 9.0.")
 def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, heads, kv_heads, causal, window, gpu,
           capability) -> None:
     """Say which tuned entry (or heuristic) fatune.attention would use for a call, and why.
+
+    A DB that cannot be used is listed as skipped, as fatune.attention would skip it.
 
     Example:
 
@@ -184,30 +185,35 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, heads, kv_head
     """
     import torch
 
+    from fatune import codegen
+    from fatune.db import check_readable
     from fatune.dispatch import Dispatcher, device_arch, device_identity
+    from fatune.inputs import check_inputs
     from fatune.measure import Shape
-    from fatune.spec import DTYPES, dtype_name
+    from fatune.spec import DTYPES
 
+    if heads % (kv_heads or heads):
+        raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}", param_hint="--kv-heads")
+    if db_path is not None:
+        check_readable(db_path)  # a DB named on the command line must exist
     shape = Shape(batch=1, heads=heads, seqlen_q=seqlen, seqlen_k=seqlen_k or seqlen, head_dim=head_dim,
-                  dtype=dtype_name(dtype), causal=causal or window >= 0, kv_heads=kv_heads or heads,
-                  head_dim_v=head_dim_v, window=window)
+                  dtype=dtype, causal=causal or window >= 0, kv_heads=kv_heads or heads, head_dim_v=head_dim_v,
+                  window=window)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name, cap = device_identity(device)
+    arch = device_arch(device)
     if gpu:
-        name, cap = gpu, capability or cap
-    arch = tuple(int(x) for x in cap.split(".")) if cap != "cpu" else device_arch(device)
-    from fatune.inputs import check_inputs
-
+        name = gpu
+    if capability:
+        cap, arch = f"{capability[0]}.{capability[1]}", capability
+    # one-row stand-ins expanded by strides: the call's sizes without its memory
     element = DTYPES[shape.dtype]
-    q = torch.empty(1, shape.heads, shape.seqlen_q, head_dim, dtype=element, device="meta")
-    k = torch.empty(1, shape.kv_heads, shape.seqlen_k, head_dim, dtype=element, device="meta")
-    v = torch.empty(1, shape.kv_heads, shape.seqlen_k, shape.head_dim_v, dtype=element, device="meta")
-    problem = check_inputs(q, k, v, **shape.attention_kwargs("meta"))
-    dispatcher = Dispatcher(user_db=db_path) if db_path else Dispatcher()
-    decision = dispatcher.lookup(problem, name, cap, arch)
+    q, k, v = (torch.empty(1, h, 1, d, dtype=element).expand(1, h, length, d)
+               for h, length, d in ((shape.heads, shape.seqlen_q, head_dim), (shape.kv_heads, shape.seqlen_k, head_dim),
+                                    (shape.kv_heads, shape.seqlen_k, shape.head_dim_v)))
+    problem = check_inputs(q, k, v, **shape.attention_kwargs("cpu"))
+    decision = Dispatcher(user_db=db_path).lookup(problem, name, cap, arch)
     click.echo(f"call: {shape.label()} on {name} (sm {cap})")
     click.echo(decision.describe())
-    from fatune import codegen
-
     for kind in ("fwd", "bwd"):
         click.echo(f"source ({kind}): {codegen.source_path(kind, problem.spec, decision.config)}")

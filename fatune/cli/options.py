@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import click
@@ -9,7 +10,10 @@ import click
 from fatune.spec import LaunchConfig, dtype_name
 
 
-def _dtype(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def parse_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Parse fp16 / bf16 / fp32 (or a full name) into the canonical dtype name; None stays None."""
+    if value is None:
+        return None
     try:
         return dtype_name(value)
     except ValueError as error:
@@ -28,7 +32,7 @@ def _launch_config(ctx: click.Context, param: click.Parameter, value: str | None
 def kernel_spec_options(fn: Callable) -> Callable:
     """--head-dim, --head-dim-v, --dtype, --causal: what the kernel computes."""
     fn = click.option("--causal/--no-causal", default=False, show_default=True, help="Causal mask (top-left aligned).")(fn)
-    fn = click.option("--dtype", default="bf16", show_default=True, callback=_dtype,
+    fn = click.option("--dtype", default="bf16", show_default=True, callback=parse_dtype,
                       help="fp16, bf16 or fp32.")(fn)
     fn = click.option("--head-dim-v", type=click.IntRange(0, 256), default=0,
                       help="Head dim of value/output (default: same as --head-dim).")(fn)
@@ -44,14 +48,39 @@ def launch_config_options(fn: Callable) -> Callable:
     return fn
 
 
-def int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
-    """Parse '64,128' into [64, 128]."""
+MAX_LENGTH = 2**31 - 1  # sequence lengths are int32 in the kernels
+
+
+def _ints(value: str, allow_empty: bool) -> list[int]:
     try:
-        return [int(part) for part in value.split(",") if part.strip()]
+        numbers = [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers such as 64,128, got {value!r}") from None
+        numbers = []
+    if not (numbers or allow_empty and not value.strip()) or any(not 1 <= n <= MAX_LENGTH for n in numbers):
+        raise click.BadParameter(f"expected comma-separated positive integers such as 64,128, got {value!r}")
+    return numbers
+
+
+def int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """Parse '64,128' into [64, 128]: at least one number, each positive."""
+    return _ints(value, allow_empty=False)
+
+
+def optional_int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """int_list, where '' (the option's default) means none given."""
+    return _ints(value, allow_empty=True)
 
 
 def name_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
     """Parse 'a,b' into ['a', 'b']."""
     return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def parse_capability(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    """Parse a compute capability 'MAJOR.MINOR' such as 9.0 into (9, 0)."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*(\d{1,3})\.(\d{1,3})\s*", value)
+    if not match:
+        raise click.BadParameter(f"expected MAJOR.MINOR such as 9.0, got {value!r}")
+    return int(match.group(1)), int(match.group(2))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from fatune.cli.options import int_list
+from fatune.cli.options import int_list, optional_int_list, parse_dtype
 
 
 def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
@@ -24,20 +24,24 @@ def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
 
 @click.command()
 @click.option("--head-dim", type=click.IntRange(1, 256), required=True, help="Head dim of query/key (and value).")
-@click.option("--dtype", default="bf16", show_default=True, help="fp16, bf16 or fp32.")
+@click.option("--dtype", default="bf16", show_default=True, callback=parse_dtype, help="fp16, bf16 or fp32.")
 @click.option("--lengths", callback=int_list, default="512,1024,2048,4096,8192,16384", show_default=True,
               help="Comma-separated query lengths.")
-@click.option("--lengths-k", callback=int_list, default="", help="Key lengths (default: same as --lengths).")
-@click.option("--batch", type=int, default=0, help="Batch size (default: 16384 tokens / L).")
-@click.option("--heads", type=int, default=0, help="Query heads (default: 2048 / head dim).")
-@click.option("--kv-heads", type=int, default=0, help="Key/value heads for GQA (default: same as --heads).")
+@click.option("--lengths-k", callback=optional_int_list, default="", help="Key lengths (default: same as --lengths).")
+@click.option("--batch", type=click.IntRange(0), default=0, help="Batch size (default: 16384 tokens / L).")
+@click.option("--heads", type=click.IntRange(0), default=0, help="Query heads (default: 2048 / head dim).")
+@click.option("--kv-heads", type=click.IntRange(0), default=0,
+              help="Key/value heads for GQA (default: same as --heads).")
 @click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding"]), default="both",
               show_default=True, help="Mask variant(s): both = none and causal.")
-@click.option("--window", type=int, default=256, show_default=True, help="Left window size for --mask window.")
-@click.option("--valid-keys", type=float, default=0.25, show_default=True,
-              help="Fraction of keys kept per sequence for --mask padding.")
-@click.option("--trials", type=int, default=30, show_default=True, help="Optuna trials per kernel per shape.")
-@click.option("--time-budget", type=float, default=600.0, show_default=True, help="Seconds per shape.")
+@click.option("--window", type=click.IntRange(0), default=256, show_default=True,
+              help="Left window size for --mask window.")
+@click.option("--valid-keys", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.25,
+              show_default=True, help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")
+@click.option("--trials", type=click.IntRange(1), default=30, show_default=True,
+              help="Optuna trials per kernel per shape.")
+@click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
+              help="Seconds per shape.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (same seed, same trial sequence).")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Tuned DB file (default: $FATUNE_DB or ~/.cache/fatune/tuned.sqlite).")
@@ -51,7 +55,8 @@ def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, wi
 
     Each kernel (forward, dK/dV, dQ) gets its own Optuna study; winners are checked
     against torch, re-timed end to end and compared with torch's best SDPA backend in
-    the same run. An interrupted search resumes from its Optuna storage.
+    the same run. An interrupted (Ctrl-C) or killed search resumes from its Optuna storage
+    when the same command runs again; several searches may share a DB and a storage.
 
     Example:
 
@@ -61,59 +66,85 @@ def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, wi
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         # triton.language decides interpreted vs compiled when first imported: start again with it set
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli.main", *sys.argv[1:]], env)
+        os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli", *sys.argv[1:]], env)
     from fatune import db as tuned_db
     from fatune import search as tuner
     from fatune.measure import Shape
-    from fatune.spec import dtype_name
 
-    try:
-        dtype = dtype_name(dtype)
-        target = tuner.Target.detect(interpret)
-    except (ValueError, RuntimeError) as error:
-        raise click.ClickException(str(error)) from None
-    if interpret and lengths == [512, 1024, 2048, 4096, 8192, 16384]:
-        lengths = [64, 128]  # the interpreter runs tiles as numpy arrays: keep it small
-    lengths_k = lengths_k or lengths
-    if len(lengths_k) != len(lengths):
+    if len(lengths_k or lengths) != len(lengths):
         raise click.BadParameter("give as many key lengths as query lengths", param_hint="--lengths-k")
     tokens, model_dim = (256, 64) if interpret else (16384, 2048)
     heads = heads or max(1, model_dim // head_dim)
+    if heads % (kv_heads or heads):
+        raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}", param_hint="--kv-heads")
+    if interpret and lengths == [512, 1024, 2048, 4096, 8192, 16384]:
+        lengths = [64, 128]  # the interpreter runs tiles as numpy arrays: keep it small
+    lengths_k = lengths_k or lengths
     causal_values = {"both": (False, True), "none": (False,), "causal": (True,), "window": (True,),
                      "padding": (False, True)}[mask]
     shapes = [Shape(batch=batch or max(1, tokens // lq), heads=heads, seqlen_q=lq, seqlen_k=lk, head_dim=head_dim,
                     dtype=dtype, causal=c, kv_heads=kv_heads or heads)
               for c in causal_values for lq, lk in zip(lengths, lengths_k)]
     shapes = _mask_shapes(shapes, mask, window, valid_keys)
-    if heads % (kv_heads or heads):
-        raise click.BadParameter(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}", param_hint="--kv-heads")
 
-    db_path = db_path or tuned_db.default_path()
-    storage = storage or f"sqlite:///{db_path.with_suffix('.optuna.sqlite')}"
-    space = tuner.INTERPRETER_SPACE if interpret else tuner.GPU_SPACE
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    results = []
-    with tuned_db.TunedDB(db_path) as database:
-        with click.progressbar(length=len(shapes) * trials * 3, label="search", file=click.get_text_stream("stderr"),
-                               show_pos=True) as bar:
-            for shape in shapes:
-                def on_trial(kernel, best_ms, shape=shape):
-                    bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
-                    bar.update(1)
-
-                try:
-                    result = tuner.search_shape(shape, target, trials=trials, seconds=time_budget, storage=storage,
-                                                seed=seed, space=space, on_trial=on_trial)
-                except RuntimeError as error:
-                    raise click.ClickException(str(error)) from None
-                stored = tuner.store(database, result, target)
-                results.append((result, stored))
+    # everything that can fail for a reason other than the search itself fails here, before any trial
+    try:
+        db_path = db_path or tuned_db.default_path()
+        tuned_db.check_writable(db_path)
+    except tuned_db.DBError as error:
+        raise click.ClickException(str(error)) from None
+    try:
+        storage = storage or tuner.default_storage_url(db_path)
+        tuner.check_storage(storage)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--storage") from None
+    try:
+        database = tuned_db.TunedDB(db_path)
+    except tuned_db.DBError as error:
+        raise click.ClickException(str(error)) from None
+    with database:
+        try:
+            storage = tuner.open_storage(storage)
+        except ValueError as error:
+            raise click.ClickException(f"--storage {error}") from None
+        try:
+            target = tuner.Target.detect(interpret)
+        except RuntimeError as error:
+            raise click.ClickException(str(error)) from None
+        try:
+            results = _search(shapes, target, trials, time_budget, storage, seed, database)
+        except KeyboardInterrupt:
+            click.echo("\nfatune search: interrupted; finished shapes are stored, and running the same command "
+                       "again resumes from the Optuna storage", err=True)
+            sys.exit(130)
     if as_json:
         click.echo(json.dumps([_result_json(r, stored, target) for r, stored in results], indent=1))
         return
-    _print_table(results, target, db_path)
+    _print_table(results, target, database.path)
+
+
+def _search(shapes, target, trials, time_budget, storage, seed, database) -> list:
+    """Search each shape with a progress bar on stderr and store its winners; [(result, stored)]."""
+    import optuna
+
+    from fatune import search as tuner
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a Ctrl-C'd trial's traceback is not the user's business
+    space = tuner.INTERPRETER_SPACE if target.interpret else tuner.GPU_SPACE
+    results = []
+    with click.progressbar(length=len(shapes) * trials * 3, label="search", file=sys.stderr, show_pos=True) as bar:
+        for shape in shapes:
+            def on_trial(kernel, best_ms, shape=shape):
+                bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
+                bar.update(1)
+
+            try:
+                result = tuner.search_shape(shape, target, trials=trials, seconds=time_budget, storage=storage,
+                                            seed=seed, space=space, on_trial=on_trial)
+            except RuntimeError as error:
+                raise click.ClickException(str(error)) from None
+            results.append((result, tuner.store(database, result, target)))
+    return results
 
 
 def _result_json(result, stored: bool, target) -> dict:
