@@ -51,17 +51,16 @@ class Shape:
 
     @property
     def spec(self) -> KernelSpec:
-        """The kernel spec fatune.attention derives for this shape (from one-row stand-in tensors)."""
+        """The kernel spec fatune.attention derives for this shape (from stand-in tensors of its sizes)."""
         from fatune.inputs import check_inputs
 
-        dtype = DTYPES[self.dtype]
-        q = torch.empty(self.batch, self.heads, 1, self.head_dim, dtype=dtype)
-        k = torch.empty(self.batch, self.kv_heads, 1, self.head_dim, dtype=dtype)
-        v = torch.empty(self.batch, self.kv_heads, 1, self.head_dim_v, dtype=dtype)
-        kwargs = self.attention_kwargs("cpu")
-        if "seqlens_k" in kwargs:
-            kwargs["seqlens_k"] = torch.ones(self.batch, dtype=torch.int32)
-        return check_inputs(q, k, v, **kwargs).spec
+        def stand_in(*shape):  # the right sizes and dtype, one element of memory
+            return torch.empty((), dtype=DTYPES[self.dtype]).expand(*shape)
+
+        q = stand_in(self.batch, self.heads, self.seqlen_q, self.head_dim)
+        k = stand_in(self.batch, self.kv_heads, self.seqlen_k, self.head_dim)
+        v = stand_in(self.batch, self.kv_heads, self.seqlen_k, self.head_dim_v)
+        return check_inputs(q, k, v, **self.attention_kwargs("cpu")).spec
 
     def with_(self, **changes) -> Shape:
         return replace(self, **changes)
