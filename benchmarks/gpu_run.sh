@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU runs of a session, as the device tool runs them (repo root, .whl carried):
 #   bash benchmarks/gpu_run.sh STAGE [STAGE ...]
-# Stages write their logs under $OUT (the device tool's result folder) and keep going after a failure.
+# Stages write their logs under $RUN and keep going after a failure; after each stage everything is packed
+# into $OUT/run.tar.gz (the device tool returns at most 8 files from $OUT).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/fatune-out}
-mkdir -p "$OUT"
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+FINAL=${OUT:-/tmp/fatune-out}
+OUT=/tmp/fatune-run
+mkdir -p "$OUT" "$FINAL"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/gpu.txt"
 
@@ -24,8 +27,20 @@ for stage in "$@"; do
         > "$OUT/core.log" 2>&1; tail -n 30 "$OUT/core.log" ;;
     serial)  # timing and memory measurements, alone on the GPU
       python3 -m pytest -m "gpu and serial" -q -s -p no:cacheprovider > "$OUT/serial.log" 2>&1; tail -n 30 "$OUT/serial.log" ;;
+    inference)  # decode and chunked prefill against a KV cache, forward only (issue 15's shapes)
+      python3 -m fatune.cli.main bench --inference -o "$OUT/inference" > "$OUT/inference.log" 2>&1
+      tail -n 12 "$OUT/inference.log" ;;
+    gqa)  # GQA 8:1 causal, d128, L=8192: dispatched, heuristic, no structure, competitors
+      python3 -m fatune.cli.main bench --head-dims 128 --lengths 8192 --causal yes --gqa 8 \
+        --impls fatune,fatune-plain,sdpa-cudnn,sdpa-flash,flex -o "$OUT/gqa" > "$OUT/gqa.log" 2>&1
+      head -n 8 "$OUT/gqa/bench.md" ;;
+    grid4k)  # the plain grid at L=4096, bf16, d64/d128, causal and not
+      python3 -m fatune.cli.main bench --lengths 4096 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
+        -o "$OUT/grid4k" > "$OUT/grid4k.log" 2>&1
+      head -n 12 "$OUT/grid4k/bench.md" ;;
     *)
       echo "unknown stage $stage" ;;
   esac
+  tar -czf "$FINAL/run.tar.gz" -C "$OUT" .
 done
 echo "=== done $(date -u +%H:%M:%S)"

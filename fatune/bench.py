@@ -8,17 +8,22 @@ fatune's forward+backward TFLOP/s to the best competitor's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 
 from fatune.competitors import Attention, competitors, sdpa_default
-from fatune.measure import Shape, make_inputs, tflops, time_training_step
+from fatune.measure import Shape, bench, make_inputs, tflops, time_training_step
+from fatune.spec import DTYPES, KernelSpec
 
-FATUNE_IMPLS = ("fatune", "fatune-heuristic")
+# fatune: dispatched (tuned DB or heuristic); -heuristic: the built-in heuristic; -plain: the heuristic's tiles
+# without forward structure (no split-KV, no GQA packing), to show what the structure variants change
+FATUNE_IMPLS = ("fatune", "fatune-heuristic", "fatune-plain")
 
 
 @dataclass
@@ -59,8 +64,10 @@ def fatune_impl(name: str, shape: Shape) -> Attention:
     from fatune.heuristics import default_config
 
     config = None
-    if name == "fatune-heuristic":
+    if name in ("fatune-heuristic", "fatune-plain"):
         config = default_config(shape.spec, device_arch(torch.device("cuda")))
+    if name == "fatune-plain":
+        config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
     kwargs = shape.attention_kwargs("cuda")
     return lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs)
 
@@ -111,11 +118,11 @@ def bench_shape(shape: Shape, impls: Iterable[str], warmup_ms: float = 25, rep_m
 
 
 def default_shapes(head_dims=(64, 128), lengths=(1024, 2048, 4096, 8192, 16384), causal=(False, True),
-                   dtypes=("bfloat16",), tokens: int = 16384, model_dim: int = 2048) -> list[Shape]:
-    """The issue-6 grid: B*L = tokens, H*D = model_dim."""
+                   dtypes=("bfloat16",), tokens: int = 16384, model_dim: int = 2048, gqa: int = 1) -> list[Shape]:
+    """The standard grid: B*L = tokens, H*D = model_dim; `gqa` query heads per K/V head."""
     return [
         Shape(batch=max(1, tokens // length), heads=model_dim // d, seqlen_q=length, seqlen_k=length, head_dim=d,
-              dtype=dtype, causal=c)
+              dtype=dtype, causal=c, kv_heads=max(1, model_dim // d // gqa))
         for dtype in dtypes for d in head_dims for c in causal for length in lengths
     ]
 
@@ -297,3 +304,114 @@ def overhead_lines(results: dict[str, dict[str, float]], shape_label: str = "1x8
         lines.append(f"  {mode:8} fatune {row['fatune']:7.1f} us   torch SDPA {row['sdpa']:7.1f} us   "
                      f"ratio {row['ratio']:.2f}")
     return lines
+
+
+@dataclass(frozen=True)
+class InferenceShape:
+    """A forward-only inference call: `seqlen_q` new queries (1: decode) against a cache of `seqlen_k` keys."""
+
+    label: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    @property
+    def causal(self) -> bool:
+        return self.seqlen_q > 1  # a chunk of new queries attends causally, aligned to the cache's end
+
+    def cache_bytes(self) -> int:
+        """K and V bytes: what a decode step must read from memory at least."""
+        return 2 * self.batch * self.kv_heads * self.seqlen_k * self.head_dim * torch.finfo(DTYPES[self.dtype]).bits // 8
+
+
+INFERENCE_SHAPES = (
+    InferenceShape("decode B=8 Lk=8192", 8, 1, 8192),
+    InferenceShape("decode B=1 Lk=32768", 1, 1, 32768),
+    InferenceShape("decode B=64 Lk=2048", 64, 1, 2048),
+    InferenceShape("chunk Lq=128 B=4 Lk=8192", 4, 128, 8192),
+)
+
+
+def copy_bandwidth(gigabytes: float = 2.0) -> float:
+    """Measured device-to-device copy rate in TB/s (bytes read + written), the memory-bound ceiling."""
+    source = torch.empty(int(gigabytes * 2**30) // 2, dtype=torch.float16, device="cuda").normal_()
+    target = torch.empty_like(source)
+    ms = bench(lambda: target.copy_(source), 25, 100)
+    return 2 * source.numel() * 2 / (ms * 1e-3) / 1e12
+
+
+def inference_implementations(shape: InferenceShape) -> dict[str, Callable]:
+    """fatune (dispatched, and forced to one program per query tile as before split-KV) and SDPA backends."""
+    import fatune
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from fatune.dispatch import device_arch
+    from fatune.heuristics import default_config
+
+    kwargs = {"enable_gqa": True, "is_causal": shape.causal, "causal_alignment": "bottom_right"}
+    plain = default_config(KernelSpec(shape.dtype, shape.head_dim), device_arch(torch.device("cuda")))
+    plain = plain.replace(fwd=dataclasses.replace(plain.fwd, num_splits=1, pack_gqa=0))
+    mask = causal_lower_right(shape.seqlen_q, shape.seqlen_k) if shape.causal else None
+    impls: dict[str, Callable] = {
+        "fatune": lambda q, k, v: fatune.attention(q, k, v, **kwargs),
+        "fatune-unsplit": lambda q, k, v: fatune.attention(q, k, v, config=plain, **kwargs),
+    }
+    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def run(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        impls[name] = run
+    return impls
+
+
+def bench_inference(shapes=INFERENCE_SHAPES, warmup_ms: float = 25, rep_ms: float = 100) -> list[dict]:
+    """Forward-only median microseconds of every implementation per shape, same inputs; K/V read rate."""
+    rows = []
+    for shape in shapes:
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        dtype = DTYPES[shape.dtype]
+        q, k, v = (torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", generator=generator).to(dtype)
+                   for h, n in ((shape.heads, shape.seqlen_q), (shape.kv_heads, shape.seqlen_k),
+                                (shape.kv_heads, shape.seqlen_k)))
+        reference = None
+        for name, impl in inference_implementations(shape).items():
+            row = {"shape": shape.label, "impl": name}
+            try:
+                with torch.no_grad():
+                    out = impl(q, k, v)
+                    reference = out.float() if reference is None else reference
+                    row["max_abs_diff"] = (out.float() - reference).abs().max().item()
+                    row["us"] = bench(lambda: impl(q, k, v), warmup_ms, rep_ms) * 1e3
+                row["kv_tb_s"] = shape.cache_bytes() / (row["us"] * 1e-6) / 1e12
+            except Exception as error:  # a backend that cannot take the shape is reported, not fatal
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+            rows.append(row)
+    return rows
+
+
+def inference_table(rows: list[dict], ceiling_tb_s: float) -> str:
+    """Markdown: microseconds per implementation, fatune / best SDPA, fatune's K/V read rate."""
+    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    by = {(row["shape"], row["impl"]): row for row in rows}
+    header = ["shape"] + [f"{name} us" for name in impls] + ["fatune / best SDPA", "fatune K/V TB/s",
+                                                              f"% of copy ({ceiling_tb_s:.2f} TB/s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for shape in shapes:
+        cells = [shape]
+        for name in impls:
+            row = by.get((shape, name), {})
+            cells.append(f"{row['us']:.1f}" if "us" in row else "n/a")
+        mine = by.get((shape, "fatune"), {})
+        sdpa = [by[(shape, n)]["us"] for n in impls if n.startswith("sdpa") and "us" in by.get((shape, n), {})]
+        cells.append(f"{min(sdpa) / mine['us']:.2f}" if sdpa and "us" in mine else "n/a")
+        cells.append(f"{mine.get('kv_tb_s', 0):.2f}")
+        cells.append(f"{100 * mine.get('kv_tb_s', 0) / ceiling_tb_s:.0f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -35,6 +35,7 @@ TEMPLATE_FILES: dict[str, str] = {
     "dropout_mask": "attn_dropout_mask.py.jinja",
 }
 CACHE_ENV = "FATUNE_CACHE_DIR"
+COMBINE_M = 16  # rows per program of the split-KV combine kernel
 log = logging.getLogger("fatune")
 
 _TITLES = {
@@ -81,8 +82,12 @@ def template_hash() -> str:
 def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
+    structure = {"PACK_GQA": False, "SPLIT_KV": False}
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
+        structure = {"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1}
+        if structure["SPLIT_KV"]:
+            constants["COMBINE_M"] = COMBINE_M
         used = {"fwd": config.fwd.to_dict()}
     elif kind == "dropout_mask":
         used = {}
@@ -102,6 +107,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         "constants": constants,
         "signature": {name: signature.render(name) for name in signature.PARAMS},
         **spec.switches(),
+        **structure,
     }
 
 

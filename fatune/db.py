@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import sqlite_utils
 
-from fatune.spec import DTYPES, MASK_KINDS, MAX_HEAD_DIM, SEQLEN_MODES, AttentionConfig, KernelSpec, LaunchConfig
+from fatune.spec import (DTYPES, MASK_KINDS, MAX_HEAD_DIM, SEQLEN_MODES, STRUCTURE_FIELDS, AttentionConfig, KernelSpec,
+                         LaunchConfig)
 
 if TYPE_CHECKING:
     from fatune.inputs import AttentionProblem
@@ -217,7 +218,8 @@ class Entry:
             raise InvalidEntry(f"bwd_config: expected an object with exactly 'dkdv' and 'dq' launch configs, "
                                f"got {self.bwd_config!r:.80}")
         for kernel in ("dkdv", "dq"):
-            _launch_config(f"bwd_config.{kernel}", self.bwd_config[kernel])
+            if _launch_config(f"bwd_config.{kernel}", self.bwd_config[kernel]).structure:
+                raise InvalidEntry(f"bwd_config.{kernel}: {sorted(STRUCTURE_FIELDS)} apply to the forward kernel only")
         return self
 
     def attention_config(self) -> AttentionConfig:
@@ -320,9 +322,11 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 def _launch_config(name: str, data: Any) -> LaunchConfig:
     """The LaunchConfig `data` holds (every field an int the kernels accept); InvalidEntry naming the field."""
     fields = [f.name for f in dataclasses.fields(LaunchConfig)]
-    if not isinstance(data, dict) or sorted(data) != sorted(fields):
-        raise InvalidEntry(f"{name}: expected an object with exactly {fields}, got {data!r:.80}")
-    for key in fields:
+    required = [field for field in fields if field not in STRUCTURE_FIELDS]  # older entries lack the others
+    if not isinstance(data, dict) or not set(required) <= set(data) <= set(fields):
+        raise InvalidEntry(f"{name}: expected an object with {required} (and optionally {sorted(STRUCTURE_FIELDS)}), "
+                           f"got {data!r:.80}")
+    for key in data:
         if type(data[key]) is not int:
             raise InvalidEntry(f"{name}.{key}: expected an int, got {data[key]!r:.80}")
     try:

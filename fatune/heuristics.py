@@ -7,6 +7,8 @@ other architectures get conservative tiles that fit their shared memory.
 
 from __future__ import annotations
 
+import dataclasses
+
 from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig, lanes
 
 Arch = tuple[int, int]
@@ -56,11 +58,17 @@ INTERPRETER_CONFIG = AttentionConfig(
 )
 
 
+def with_forward_structure(config: AttentionConfig) -> AttentionConfig:
+    """The forward's structure choices made at launch: split the keys when the grid leaves
+    multiprocessors idle (decode, short batches), pack GQA groups into one tile."""
+    return config.replace(fwd=dataclasses.replace(config.fwd, num_splits=0, pack_gqa=1))
+
+
 def default_config(spec: KernelSpec, arch: Arch | None) -> AttentionConfig:
     """Heuristic config for `spec` on a GPU of compute capability `arch` (None: interpreter)."""
     if arch is None:
-        return INTERPRETER_CONFIG
+        return with_forward_structure(INTERPRETER_CONFIG)
     block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
     if arch[0] >= 9:
-        return _hopper(block_d, spec.dtype)
-    return _generic(block_d if spec.dtype != "float32" else 2 * block_d)
+        return with_forward_structure(_hopper(block_d, spec.dtype))
+    return with_forward_structure(_generic(block_d if spec.dtype != "float32" else 2 * block_d))

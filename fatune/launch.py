@@ -15,6 +15,8 @@ launch through here.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import operator
 from typing import Any, Callable, Sequence
 
@@ -25,11 +27,11 @@ from triton.compiler import CompiledKernel
 
 from fatune import codegen, signature
 from fatune.inputs import AttentionProblem
-from fatune.spec import AttentionConfig, LaunchConfig
+from fatune.spec import MAX_SPLITS, AttentionConfig, LaunchConfig
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
-SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "DO", "DELTA", "DQ", "DK",
-         "DV")
+SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
+         "DO", "DELTA", "DQ", "DK", "DV")
 EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")  # order of a call's extras
 NO_EXTRAS = (None,) * len(EXTRAS)
 
@@ -58,6 +60,14 @@ def layout_like(shape: Sequence[int], strides: Sequence[int], last_dim: int | No
         out_strides[dim] = step
         step *= max(shape[dim], 1)
     return tuple(shape), tuple(out_strides)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def bhld_strides(strides: Sequence[int], packed: bool) -> tuple[int, ...]:
@@ -91,11 +101,13 @@ class KernelLaunch:
     __slots__ = ("fn", "grid", "num_warps", "num_stages", "pick", "tail", "binary", "direct", "middle")
 
     def __init__(self, fn: Any, kernel: str, grid: tuple[int, int, int], config: LaunchConfig,
-                 values: dict[str, Any]):
+                 values: dict[str, Any], slot_of: dict[str, str] | None = None):
+        """`slot_of` binds pointer parameters to other slots (split-KV: the forward's O is O_PART)."""
         self.fn = fn
         self.grid = grid
         self.num_warps, self.num_stages = config.num_warps, config.num_stages
-        self.pick = operator.itemgetter(*(SLOTS.index(name) for name in signature.pointers(kernel)))
+        slot_of = slot_of or {}
+        self.pick = operator.itemgetter(*(SLOTS.index(slot_of.get(name, name)) for name in signature.pointers(kernel)))
         self.tail = tuple(values[name] for name in signature.values(kernel))
         self.binary: CompiledKernel | None = None
         self.direct: Callable | None = None
@@ -117,6 +129,37 @@ class KernelLaunch:
             self.direct, self.middle = _direct_launcher(kernel) or (None, ())
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (4 for the interpreter, so that CPU tests can split)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
+    """Split-KV runs when the grid leaves multiprocessors idle: about two programs per
+    multiprocessor, each with at least two key tiles."""
+    if programs >= sms:
+        return 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, programs), key_tiles // 2))
+
+
+def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.device) -> AttentionConfig:
+    """`config` with its launch-time choices made: GQA packing only where groups exist, and the
+    number of key splits when it is 0 (auto)."""
+    fwd = config.fwd
+    pack = fwd.pack_gqa if problem.group_size > 1 else 0
+    splits = fwd.num_splits
+    if splits == 0:
+        rows = problem.max_seqlen_q * (problem.group_size if pack else 1)
+        programs = triton.cdiv(rows, fwd.block_m) * (problem.kv_heads if pack else problem.heads) * problem.batch
+        splits = choose_splits(programs, triton.cdiv(problem.max_seqlen_k, fwd.block_n), sm_count(device))
+    if (pack, splits) == (fwd.pack_gqa, fwd.num_splits):
+        return config
+    return config.replace(fwd=dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits))
+
+
 def current_stream(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -134,12 +177,13 @@ class Plan:
     def __init__(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device,
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         spec, packed = problem.spec, problem.packed
+        config = resolve(config, problem, device)
         self.spec, self.config, self.device, self.packed = spec, config, device, packed
         self.dtype = q.dtype
         self.out_layout = layout_like(q.shape, q.stride(), spec.head_dim_v)
         self.grad_layouts = tuple(layout_like(t.shape, t.stride()) for t in (q, k, v))
         rows = (1, problem.heads, problem.seqlen_q) if packed else (problem.batch, problem.heads, problem.seqlen_q)
-        self.lse_layout = (rows, (rows[1] * rows[2], rows[2], 1))
+        self.lse_layout = (rows, contiguous_strides(rows))
         mask, alibi = problem.attn_mask, problem.alibi_slopes
         self.values: dict[str, Any] = {
             "sm_scale": problem.scale, "window_left": problem.window_left, "window_right": problem.window_right,
@@ -158,7 +202,21 @@ class Plan:
         self.values.update(zip(("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah"),
                                mask_strides + alibi_strides))
         self.uses_seed = spec.dropout
-        self.fwd_grid = (triton.cdiv(problem.max_seqlen_q, config.fwd.block_m), problem.heads, problem.batch)
+        self.splits = config.fwd.num_splits
+        fwd_rows = problem.max_seqlen_q * (problem.group_size if config.fwd.pack_gqa else 1)
+        self.fwd_grid = (triton.cdiv(fwd_rows, config.fwd.block_m),
+                         problem.kv_heads if config.fwd.pack_gqa else problem.heads, problem.batch * self.splits)
+        self.values.update(num_splits=self.splits, stride_os=0, stride_ls=0)
+        if self.splits > 1:  # partial results: (split, batch, head, row[, dv]) in float32
+            parts = (self.splits, *rows)
+            self.lse_part_layout = (parts, contiguous_strides(parts))
+            self.o_part_layout = ((*parts, spec.head_dim_v), contiguous_strides((*parts, spec.head_dim_v)))
+            self.combine_grid = (triton.cdiv(problem.seqlen_q, codegen.COMBINE_M), problem.heads, rows[0])
+            shared = (lambda strides: (strides[0], 0, *strides[2:])) if packed else tuple  # one batch of rows
+            self.part_values = {
+                **dict(zip(signature.strides("op", dims="sbhld"), shared(self.o_part_layout[1]))),
+                **dict(zip(signature.strides("lp", dims="sbh"), shared(self.lse_part_layout[1]))),
+            }
         self.dq_grid = (triton.cdiv(problem.max_seqlen_q, config.dq.block_m), problem.heads, problem.batch)
         self.dkdv_grid = (triton.cdiv(problem.max_seqlen_k, config.dkdv.block_n), problem.kv_heads, problem.batch)
         self._fwd: KernelLaunch | None = None
@@ -169,10 +227,21 @@ class Plan:
 
     # -- forward -----------------------------------------------------------------------------
 
-    def fwd_launch(self) -> KernelLaunch:
+    def fwd_launches(self) -> tuple[KernelLaunch, ...]:
+        """The forward kernel, and with split-KV the kernel that combines its partial results."""
         if self._fwd is None:
             module = codegen.load("fwd", self.spec, self.config)
-            self._fwd = KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, self.values)
+            if self.splits == 1:
+                self._fwd = (KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, self.values),)
+            else:
+                part = self.part_values
+                split_values = {**self.values, **{f"stride_o{d}": part[f"stride_op{d}"] for d in "sbhld"},
+                                **{f"stride_l{d}": part[f"stride_lp{d}"] for d in "sbh"}}
+                combine_config = LaunchConfig(codegen.COMBINE_M, 16, num_warps=4, num_stages=1)
+                self._fwd = (KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, split_values,
+                                          slot_of={"O": "O_PART", "LSE": "LSE_PART"}),
+                             KernelLaunch(module.attn_fwd_combine, "attn_fwd_combine", self.combine_grid,
+                                          combine_config, {**self.values, **part}))
         return self._fwd
 
     def allocate_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +255,13 @@ class Plan:
         return out, lse
 
     def run_forward(self, slots: tuple) -> None:
-        self.fwd_launch()(slots, current_stream(self.device))
+        stream = current_stream(self.device)
+        if self.splits > 1:
+            o_part = new_buffer(*self.o_part_layout, torch.float32, self.device)
+            lse_part = new_buffer(*self.lse_part_layout, torch.float32, self.device)
+            slots = slots[:11] + (o_part, lse_part) + slots[13:]
+        for launch in self.fwd_launches():
+            launch(slots, stream)
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -223,7 +298,7 @@ class Plan:
     # -- arguments ---------------------------------------------------------------------------
 
     def slots(self, q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None) -> tuple:
-        """The forward slots (SLOTS up to SEED); optional tensors the kernels do not read are None."""
+        """The forward slots (SLOTS up to LSE_PART); tensors the kernels do not read are None."""
         if extras is NO_EXTRAS:
-            return (q, k, v, out, lse, None, None, None, None, None, seed)
-        return (q, k, v, out, lse, *extras, seed)
+            return (q, k, v, out, lse, None, None, None, None, None, seed, None, None)
+        return (q, k, v, out, lse, *extras, seed, None, None)

@@ -138,10 +138,9 @@ class KernelRunner:
         """A no-argument callable launching 'fwd', 'dq' (which also writes Delta) or 'dkdv'."""
         from fatune.launch import current_stream
 
-        if kernel == "fwd":
-            launch = self.plan.fwd_launch()
-        else:
-            launch = dict(zip(("dq", "dkdv"), self.plan.bwd_launches(self.args.grad_out)))[kernel]
+        if kernel == "fwd":  # with split-KV: the split kernel and the combine kernel
+            return lambda: self.plan.run_forward(self.slots)
+        launch = dict(zip(("dq", "dkdv"), self.plan.bwd_launches(self.args.grad_out)))[kernel]
         return lambda: launch(self.slots, current_stream(self.plan.device))
 
     def prepare(self) -> None:

@@ -56,14 +56,28 @@ class SearchSpace:
     num_warps: tuple[int, ...] = (2, 4, 8)
     num_stages: tuple[int, ...] = (1, 2, 3, 4, 5)
 
-    def grid(self) -> list[LaunchConfig]:
-        return [LaunchConfig(*values) for values in itertools.product(self.block_m, self.block_n, self.num_warps,
-                                                                      self.num_stages)]
+    num_splits: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)  # forward only; 0 = chosen at launch
+    pack_gqa: tuple[int, ...] = (0, 1)  # forward only, GQA shapes only
+
+    def axes(self, kernel: str, shape: Shape) -> dict[str, tuple[int, ...]]:
+        """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the forward's structure."""
+        axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
+        if kernel == "fwd":
+            axes["num_splits"] = self.num_splits
+            if shape.kv_heads != shape.heads:
+                axes["pack_gqa"] = self.pack_gqa
+        return axes
+
+    def grid(self, kernel: str, shape: Shape) -> list[LaunchConfig]:
+        axes = self.axes(kernel, shape)
+        return [LaunchConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
 
 
 GPU_SPACE = SearchSpace()
 # The interpreter runs tiles as numpy arrays: a small space keeps CPU searches short.
-INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,))
+INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2),
+                                pack_gqa=(1,))
 
 
 def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> int:
@@ -263,7 +277,8 @@ class KernelSearch:
         with _creation_lock(storage.url):
             self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
                                              sampler=sampler, direction="minimize", load_if_exists=True)
-            self.start = getattr(base, kernel).to_dict()
+            axes = space.axes(kernel, shape)
+            self.start = {axis: value for axis, value in getattr(base, kernel).to_dict().items() if axis in axes}
             waiting = [t.system_attrs.get("fixed_params") for t in self.study.trials
                        if t.state == optuna.trial.TrialState.WAITING]
             if self.heuristic_pending() and self.start not in waiting:
@@ -273,7 +288,8 @@ class KernelSearch:
 
     def heuristic_pending(self) -> bool:
         """True while the heuristic config (when in the space) has no finished trial in the study."""
-        in_space = all(self.start[axis] in getattr(self.space, axis) for axis in self.start)
+        axes = self.space.axes(self.kernel, self.shape)
+        in_space = all(self.start[axis] in axes[axis] for axis in self.start)
         return in_space and not any(t.state in FINISHED and t.params == self.start for t in self.study.trials)
 
     @property
@@ -288,12 +304,8 @@ class KernelSearch:
         return LaunchConfig.from_dict(min(done, key=lambda t: t.value).params)
 
     def suggest(self, trial: optuna.Trial) -> LaunchConfig:
-        return LaunchConfig(
-            block_m=trial.suggest_categorical("block_m", list(self.space.block_m)),
-            block_n=trial.suggest_categorical("block_n", list(self.space.block_n)),
-            num_warps=trial.suggest_categorical("num_warps", list(self.space.num_warps)),
-            num_stages=trial.suggest_categorical("num_stages", list(self.space.num_stages)),
-        )
+        return LaunchConfig(**{axis: trial.suggest_categorical(axis, list(values))
+                               for axis, values in self.space.axes(self.kernel, self.shape).items()})
 
     def objective(self, trial: optuna.Trial) -> float:
         config = self.suggest(trial)

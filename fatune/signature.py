@@ -22,7 +22,7 @@ POINTERS: dict[str, str] = {
     "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "fp32",
     "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64",
     "DO": "io", "DELTA": "fp32", "DQ": "io", "DK": "io", "DV": "io",
-    "OUT": "i8",
+    "O_PART": "fp32", "LSE_PART": "fp32", "OUT": "i8",
 }
 FLOAT_SCALARS = frozenset({"sm_scale", "dropout_p"})
 
@@ -38,8 +38,11 @@ STAT_STRIDES = ("stride_lb", "stride_lh")  # LSE and Delta: (B, H, L) with conti
 MASK_AND_ALIBI_STRIDES = ("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah")
 
 PARAMS: dict[str, tuple[str, ...]] = {
-    "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, *RUN_TIME, *strides("q", "k", "v", "o"),
-                 *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
+    # split-KV: O and LSE are the partial results' buffers, one more dim (s) per split
+    "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, *RUN_TIME, "num_splits",
+                 *strides("q", "k", "v", "o"), "stride_os", *STAT_STRIDES, "stride_ls", *MASK_AND_ALIBI_STRIDES),
+    "attn_fwd_combine": ("O", "LSE", "O_PART", "LSE_PART", "num_splits", "L_Q", *strides("o"), *STAT_STRIDES,
+                         *strides("op", dims="sbhld"), *strides("lp", dims="sbh")),
     "attn_bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", *OPTIONAL_INPUTS, *RUN_TIME,
                       *strides("q", "k", "v", "do", "dk", "dv"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
     "attn_bwd_dq": ("Q", "K", "V", "O", "DO", "LSE", "DELTA", "DQ", *OPTIONAL_INPUTS, *RUN_TIME,

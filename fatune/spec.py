@@ -32,7 +32,8 @@ _DTYPE_ALIASES = {
     "f32": "float32",
 }
 MAX_HEAD_DIM = 256
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?")
+MAX_SPLITS = 128
 _POW2_TILES = (16, 32, 64, 128, 256)
 
 
@@ -162,6 +163,8 @@ class KernelSpec:
             "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,
             # 16-bit dS is split into hi + lo parts in masked tiles (see attn_bwd.py.jinja)
             "SPLIT_DS": self.dtype != "float32",
+            # float32 gradients are summed with Kahan compensation (see _common.py.jinja)
+            "COMPENSATED": self.dtype == "float32",
             "PAD_D": lanes(self.head_dim) != self.head_dim,
             "PAD_DV": lanes(self.head_dim_v) != self.head_dim_v,
         }
@@ -177,15 +180,23 @@ class KernelSpec:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and launch parameters of one kernel.
+    """Tile sizes, launch parameters and code-structure choices of one kernel.
 
     block_m: query rows per tile (B_r); block_n: key/value rows per tile (B_c).
+    Forward only:
+    num_splits: the keys of each query tile are cut into this many runs, each a program of
+        its own, and a combine kernel merges their partial results by log-sum-exp (split-KV,
+        flash-decoding); 0 = chosen when launching, from the grid and the GPU's SM count.
+    pack_gqa: 1 = one program serves all query heads that share a K/V head (their rows are
+        packed into the tile), so each K/V tile is loaded once per group.
     """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    num_splits: int = 1
+    pack_gqa: int = 0
 
     def __post_init__(self) -> None:
         for field in ("block_m", "block_n"):
@@ -194,8 +205,13 @@ class LaunchConfig:
                 raise ValueError(f"{field}: expected one of {_POW2_TILES}, got {value!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+        if not _is_int(self.num_stages) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages: expected an int in 1..8, got {self.num_stages!r}")
+        if not _is_int(self.num_splits) or not 0 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0 = chosen at launch), "
+                             f"got {self.num_splits!r}")
+        if self.pack_gqa not in (0, 1) or not _is_int(self.pack_gqa):
+            raise ValueError(f"pack_gqa: expected 0 or 1, got {self.pack_gqa!r}")
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -204,17 +220,34 @@ class LaunchConfig:
     def from_dict(cls, data: dict[str, Any]) -> LaunchConfig:
         return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls) if f.name in data})
 
+    @property
+    def structure(self) -> dict[str, int]:
+        """The code-structure fields that differ from the plain kernel's."""
+        return {name: getattr(self, name) for name in STRUCTURE_FIELDS if getattr(self, name) != STRUCTURE_FIELDS[name]}
+
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+        text = f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+        if self.num_splits != 1:
+            text += f"/k{self.num_splits}"
+        return text + ("/g" if self.pack_gqa else "")
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """Read the `str()` form back: 'BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES]', e.g. '128x64/w4/s3'."""
+        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g]', e.g. '128x64/w4/s3' or '64x64/w4/s2/k8/g'."""
         match = _CONFIG_RE.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES] such as 128x64/w4/s3, got {text!r}")
-        block_m, block_n, warps, stages = match.groups()
-        return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2))
+            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g] such as 128x64/w4/s3, "
+                             f"got {text!r}")
+        block_m, block_n, warps, stages, splits, pack = match.groups()
+        return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# the code-structure fields and their plain-kernel values; only the forward kernel has them
+STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0}
 
 
 KERNELS = ("fwd", "dkdv", "dq")
@@ -227,6 +260,11 @@ class AttentionConfig:
     fwd: LaunchConfig
     dkdv: LaunchConfig
     dq: LaunchConfig
+
+    def __post_init__(self) -> None:
+        for name in ("dkdv", "dq"):
+            if getattr(self, name).structure:
+                raise ValueError(f"{name}: {sorted(getattr(self, name).structure)} apply to the forward kernel only")
 
     def replace(self, **changes: LaunchConfig) -> AttentionConfig:
         return dataclasses.replace(self, **changes)

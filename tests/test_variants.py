@@ -171,8 +171,9 @@ def test_tile_ranges_are_safe_and_tight():
     globals().update(key_range=module.key_range, query_range=module.query_range)
 
     @triton.jit
-    def ranges(OUT, start_m, start_n, seqlen_q, seqlen_k, offset, left, right, TM: tl.constexpr, TN: tl.constexpr):
-        lo, a, b, hi = key_range(start_m, seqlen_k, offset, left, right, TM, TN)
+    def ranges(OUT, first_row, last_row, start_n, seqlen_q, seqlen_k, offset, left, right, TM: tl.constexpr,
+               TN: tl.constexpr):
+        lo, a, b, hi = key_range(first_row, last_row, seqlen_k, offset, left, right, TN)
         tl.store(OUT + 0, lo)
         tl.store(OUT + 1, a)
         tl.store(OUT + 2, b)
@@ -193,19 +194,20 @@ def test_tile_ranges_are_safe_and_tight():
         rows = torch.arange(seqlen_q)[:, None]
         cols = torch.arange(seqlen_k)[None, :]
         sees = (cols >= rows + offset - left) & (cols <= rows + offset + right)
-        start_m = rng.randrange(0, seqlen_q, tm)
+        # query rows first .. last: a tile's (start_m .. start_m + tm - 1), or the positions of a GQA-packed tile
+        first = rng.randrange(0, seqlen_q, tm) if rng.random() < 0.5 else rng.randrange(0, seqlen_q)
+        last = first + (tm - 1 if rng.random() < 0.5 else rng.randint(0, 40))
         start_n = rng.randrange(0, seqlen_k, tn)
-        ranges[(1,)](out, start_m, start_n, seqlen_q, seqlen_k, offset, left, right, tm, tn)
-        # key tiles for query rows start_m .. start_m + tm - 1 (rows inside the sequence)
+        ranges[(1,)](out, first, last, start_n, seqlen_q, seqlen_k, offset, left, right, tm, tn)
         lo, a, b, hi = out[:4].tolist()
-        block = sees[start_m:start_m + tm]
+        block = sees[first:last + 1]
         visible_cols = block.any(0).nonzero().flatten().tolist()
         assert lo <= a <= b <= hi <= seqlen_k and lo % tn == 0 and (a % tn == 0 or a == hi)
         if visible_cols:
             assert lo <= visible_cols[0] and visible_cols[-1] < hi, (lo, hi, visible_cols)
             assert lo // tn == visible_cols[0] // tn and (hi - 1) // tn == visible_cols[-1] // tn  # tight
         for tile in range(a, b, tn):
-            assert block[:, tile:tile + tn].all() or start_m + tm > seqlen_q, "an unmasked tile hides masked keys"
+            assert block[:, tile:tile + tn].all() or last >= seqlen_q, "an unmasked tile hides masked keys"
         # query tiles for key columns start_n .. start_n + tn - 1
         lo, a, b, hi = out[4:].tolist()
         block = sees[:, start_n:start_n + tn]
@@ -242,6 +244,64 @@ def test_alibi(slopes_shape, causal, poison_outputs):
     shape = (2,) if slopes_shape == "H" else (2, 2)
     slopes = torch.rand(shape, device=DEVICE, dtype=torch.float32) * 0.5
     run_and_compare(q, k, v, alibi_slopes=slopes, is_causal=causal, causal_alignment="bottom_right")
+
+
+# ------------------------------------------------------------------ split-KV and GQA packing (forward structure)
+
+def _structure(splits: int, pack: int):
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    return INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig(16, 16, num_splits=splits, pack_gqa=pack))
+
+
+# (case id, factory -> (q, k, v, kwargs)): inference shapes (1 or a few queries against a long cache) and the
+# variants whose per-row values (mask, ALiBi slope, dropout counters) differ between the packed heads
+STRUCTURE_CASES = [
+    ("decode-gqa", lambda: (*_qkv(b=3, h=8, hkv=2, lq=1, lk=117, seed=1), {"enable_gqa": True})),
+    ("chunk-causal-cache", lambda: (*_qkv(b=2, h=4, hkv=2, lq=7, lk=90, seed=2),
+                                    {"enable_gqa": True, "is_causal": True, "causal_alignment": "bottom_right",
+                                     "seqlens_k": torch.tensor([61, 90], dtype=torch.int32, device=DEVICE)})),
+    ("prefill-window", lambda: (*_qkv(b=1, h=6, hkv=2, lq=45, lk=60, seed=3),
+                                {"enable_gqa": True, "window_size": (9, 4)})),
+    ("mask-alibi", lambda: (*_qkv(b=2, h=4, hkv=2, lq=9, lk=70, seed=4),
+                            {"enable_gqa": True, "attn_mask": torch.rand(2, 4, 9, 70, device=DEVICE) < 0.7,
+                             "alibi_slopes": torch.rand(2, 4, device=DEVICE) * 0.3})),
+    ("no-gqa", lambda: (*_qkv(b=2, h=2, hkv=2, lq=3, lk=50, seed=5), {"is_causal": True})),
+]
+
+
+@pytest.mark.parametrize("splits, pack", [(1, 1), (3, 0), (3, 1), (16, 1), (0, 1)],
+                         ids=["pack", "split3", "split3-pack", "split16-pack", "auto-pack"])
+@pytest.mark.parametrize("make", [case[1] for case in STRUCTURE_CASES], ids=[case[0] for case in STRUCTURE_CASES])
+def test_split_kv_and_gqa_packing(make, splits, pack, poison_outputs):
+    """Forward structure variants give the same attention (and the LSE the backward needs: gradients too).
+
+    16 splits of these short caches leave some splits without a key tile: they must weigh nothing."""
+    q, k, v, kwargs = make()
+    run_and_compare(q, k, v, config=_structure(splits, pack), **kwargs)
+
+
+@pytest.mark.parametrize("splits, pack", [(3, 1), (5, 0)])
+def test_split_kv_packed_varlen(splits, pack, poison_outputs):
+    q, k, v, cu_q, cu_k = _packed([1, 6, 2, 1], [40, 75, 3, 61], 4, 2, 32, 32, seed=splits)
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=75,
+                    is_causal=True, enable_gqa=True, config=_structure(splits, pack))
+
+
+def test_gqa_packing_with_dropout_regenerates_each_heads_mask(monkeypatch, poison_outputs):
+    seed, p = 77, 0.3
+    monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
+    q, k, v = _qkv(b=2, h=4, hkv=2, lq=5, lk=48, seed=6)
+    keep = dropout.keep_mask(seed, p, 2, 4, 5, 48, DEVICE)
+    run_and_compare(q, k, v, dropout_p=p, enable_gqa=True, dropout_keep=keep, config=_structure(2, 1))
+
+
+def test_auto_splits_follow_the_grid():
+    from fatune.launch import choose_splits
+
+    assert choose_splits(programs=8, key_tiles=512, sms=132) == 33  # decode: ~2 programs per SM
+    assert choose_splits(programs=8, key_tiles=10, sms=132) == 5  # short cache: at least 2 key tiles each
+    assert choose_splits(programs=200, key_tiles=512, sms=132) == 1  # the grid already fills the GPU
 
 
 # ------------------------------------------------------------------ dropout
@@ -361,3 +421,33 @@ def test_gpu_skipped_work_is_not_paid_for(case):
     # 256/8192 = 3% of the keys, but each query tile also walks ~4 masked edge tiles; 25% of the keys
     limit = 0.25 if case == "window-256" else 0.4
     assert sparse < limit * dense, f"{case}: {sparse:.3f} ms is not well under dense {dense:.3f} ms"
+
+
+# (case id, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, num_splits, pack_gqa, seqlens_k or None):
+# inference shapes on a long cache, odd split counts, caches filled less than their length, GQA and not
+GPU_INFERENCE_CASES = [
+    ("decode-7-splits", 4, 32, 8, 1, 4099, 128, 7, 1, None),
+    ("decode-cache-fill-auto", 3, 16, 4, 1, 3000, 128, 0, 1, [3000, 17, 1999]),
+    ("chunk-causal-5-splits", 2, 16, 4, 77, 2500, 64, 5, 1, [2500, 1200]),
+    ("decode-no-gqa-auto", 2, 8, 8, 1, 5000, 64, 0, 0, None),
+    ("decode-unpacked-3-splits", 2, 8, 2, 3, 1500, 128, 3, 0, [1500, 1]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GPU_INFERENCE_CASES, ids=lambda c: c[0])
+def test_gpu_split_kv(case, dtype, poison_outputs, record_gpu_errors):
+    from fatune.dispatch import device_arch
+    from fatune.heuristics import default_config
+
+    name, b, h, hkv, lq, lk, d, splits, pack, seqlens = case
+    torch.manual_seed(stable_seed(name, dtype))
+    q, k, v = random_qkv(b, h, hkv, lq, lk, d, d, dtype=dtype, device="cuda")
+    kwargs = {"enable_gqa": h != hkv, "is_causal": lq > 1, "causal_alignment": "bottom_right"}
+    if seqlens is not None:
+        kwargs["seqlens_k"] = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], d), device_arch(q.device))
+    config = base.replace(fwd=fatune.LaunchConfig(base.fwd.block_m, base.fwd.block_n, base.fwd.num_warps,
+                                                  base.fwd.num_stages, num_splits=splits, pack_gqa=pack))
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -17,21 +18,29 @@ from fatune.cli.options import int_list, name_list
 @click.option("--dtypes", default="bf16", show_default=True, callback=name_list, help="Comma-separated: bf16, fp16.")
 @click.option("--impls", default="fatune,fatune-heuristic,sdpa-cudnn,sdpa-flash,sdpa-efficient,sdpa-math,flex",
               show_default=True, callback=name_list, help="Implementations to compare.")
+@click.option("--gqa", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Query heads per key/value head (grouped-query attention).")
 @click.option("--tokens", default=16384, show_default=True, help="B * L per shape.")
 @click.option("--model-dim", default=2048, show_default=True, help="H * D per shape.")
 @click.option("--warmup-ms", default=25.0, show_default=True)
 @click.option("--rep-ms", default=100.0, show_default=True)
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
               show_default=True, help="Folder for bench.md, bench.json and bench.png.")
+@click.option("--inference", is_flag=True,
+              help="Only time inference shapes (decode, chunked prefill against a KV cache; GQA 32/8, d128), "
+                   "forward only, against SDPA's backends.")
 @click.option("--overhead", is_flag=True,
               help="Only measure host cost per call on a tiny problem (1x8x128x64): forward and training step.")
-def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_ms, rep_ms, output, overhead) -> None:
+def bench(head_dims, lengths, causal, dtypes, impls, gqa, tokens, model_dim, warmup_ms, rep_ms, output, inference,
+          overhead) -> None:
     """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
 
     Example:
 
+    \b
         fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
         fatune bench --overhead
+        fatune bench --inference -o results/
     """
     import torch
 
@@ -40,12 +49,25 @@ def bench(head_dims, lengths, causal, dtypes, impls, tokens, model_dim, warmup_m
 
     if not torch.cuda.is_available():
         raise click.ClickException("fatune bench times CUDA kernels and needs a CUDA GPU; none is visible")
+    if inference:
+        ceiling = runner.copy_bandwidth()
+        rows = runner.bench_inference(warmup_ms=warmup_ms, rep_ms=rep_ms)
+        meta = runner.environment()
+        lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}; forward only, "
+                 f"median of triton.testing.do_bench; device copy {ceiling:.2f} TB/s", "",
+                 runner.inference_table(rows, ceiling)]
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "inference.md").write_text("\n".join(lines) + "\n")
+        (output / "inference.json").write_text(json.dumps({"meta": meta, "copy_tb_s": ceiling, "rows": rows},
+                                                          indent=1))
+        click.echo("\n".join(lines))
+        return
     if overhead:
         click.echo("\n".join(runner.overhead_lines(runner.host_overhead())))
         return
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
     shapes = runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,
-                                   tuple(dtype_name(d) for d in dtypes), tokens, model_dim)
+                                   tuple(dtype_name(d) for d in dtypes), tokens, model_dim, gqa)
     rows = []
     with click.progressbar(shapes, label="bench", item_show_func=lambda s: s.label() if s else "") as bar:
         for shape in bar:
