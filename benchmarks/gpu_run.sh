@@ -16,7 +16,7 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     overhead)  # host cost per call: forward and training step, fatune vs SDPA
-      python3 -m fatune.cli.main bench --overhead 2>&1 | tee "$OUT/overhead.txt" ;;
+      python3 -m fatune.cli bench --overhead 2>&1 | tee "$OUT/overhead.txt" ;;
     compile)  # torch.compile modes from fresh processes, CUDA-graph capture
       python3 -m pytest tests/test_custom_op.py -m gpu -n 6 -q -p no:cacheprovider > "$OUT/compile.log" 2>&1; tail -n 30 "$OUT/compile.log" ;;
     accuracy)  # every gpu-marked test but the serial timing/memory ones
@@ -28,14 +28,14 @@ for stage in "$@"; do
     serial)  # timing and memory measurements, alone on the GPU
       python3 -m pytest -m "gpu and serial" -q -s -p no:cacheprovider > "$OUT/serial.log" 2>&1; tail -n 30 "$OUT/serial.log" ;;
     inference)  # decode and chunked prefill against a KV cache, forward only (issue 15's shapes)
-      python3 -m fatune.cli.main bench --inference -o "$OUT/inference" > "$OUT/inference.log" 2>&1
+      python3 -m fatune.cli bench --inference -o "$OUT/inference" > "$OUT/inference.log" 2>&1
       tail -n 12 "$OUT/inference.log" ;;
     gqa)  # GQA 8:1 causal, d128, L=8192: dispatched, heuristic, no structure, competitors
-      python3 -m fatune.cli.main bench --head-dims 128 --lengths 8192 --causal yes --gqa 8 \
+      python3 -m fatune.cli bench --head-dims 128 --lengths 8192 --causal yes --gqa 8 \
         --impls fatune,fatune-plain,sdpa-cudnn,sdpa-flash,flex -o "$OUT/gqa" > "$OUT/gqa.log" 2>&1
       head -n 8 "$OUT/gqa/bench.md" ;;
     grid4k)  # the plain grid at L=4096, bf16, d64/d128, causal and not
-      python3 -m fatune.cli.main bench --lengths 4096 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
+      python3 -m fatune.cli bench --lengths 4096 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
         -o "$OUT/grid4k" > "$OUT/grid4k.log" 2>&1
       head -n 12 "$OUT/grid4k/bench.md" ;;
     *)
