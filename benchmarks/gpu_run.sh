@@ -25,6 +25,9 @@ for stage in "$@"; do
     core)  # the core accuracy tests only (forward and gradients of the plain and causal kernels)
       python3 -m pytest tests/test_flash_attention.py -m "gpu and not serial" -n 16 -q -p no:cacheprovider \
         > "$OUT/core.log" 2>&1; tail -n 30 "$OUT/core.log" ;;
+    inference-accuracy)  # split-KV, GQA packing and the dispatched decode config against the accuracy rule
+      python3 -m pytest tests/test_variants.py -k gpu_split_kv -m gpu -n 8 -q -p no:cacheprovider \
+        > "$OUT/inference-accuracy.log" 2>&1; tail -n 5 "$OUT/inference-accuracy.log" ;;
     serial)  # timing and memory measurements, alone on the GPU
       python3 -m pytest -m "gpu and serial" -q -s -p no:cacheprovider > "$OUT/serial.log" 2>&1; tail -n 30 "$OUT/serial.log" ;;
     inference)  # decode and chunked prefill against a KV cache, forward only (issue 15's shapes)
@@ -38,6 +41,9 @@ for stage in "$@"; do
       python3 -m fatune.cli bench --lengths 4096 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
         -o "$OUT/grid4k" > "$OUT/grid4k.log" 2>&1
       head -n 12 "$OUT/grid4k/bench.md" ;;
+    decode-sweep)  # forward configs on the decode shapes (evidence for the decode heuristic)
+      python3 benchmarks/decode_sweep.py "$OUT/decode-sweep.json" > "$OUT/decode-sweep.log" 2>&1
+      tail -n 20 "$OUT/decode-sweep.log" ;;
     *)
       echo "unknown stage $stage" ;;
   esac

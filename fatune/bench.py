@@ -60,12 +60,14 @@ class BenchRow:
 
 def fatune_impl(name: str, shape: Shape) -> Attention:
     import fatune
+    from fatune.db import seqlen_bucket
     from fatune.dispatch import device_arch
-    from fatune.heuristics import default_config
+    from fatune.heuristics import DECODE_QUERIES, default_config
 
     config = None
     if name in ("fatune-heuristic", "fatune-plain"):
-        config = default_config(shape.spec, device_arch(torch.device("cuda")))
+        decode = seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
+        config = default_config(shape.spec, device_arch(torch.device("cuda")), decode)
     if name == "fatune-plain":
         config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
     kwargs = shape.attention_kwargs("cuda")

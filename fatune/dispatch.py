@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, label, problem_key
-from fatune.heuristics import Arch, default_config
+from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, label, problem_key, seqlen_bucket
+from fatune.heuristics import DECODE_QUERIES, Arch, default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import AttentionConfig
 
@@ -149,7 +149,8 @@ class Dispatcher:
                     entry, reason = found
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
                                      tuple(skipped)), skipped[0] if skipped else None)
-        return (Decision(default_config(problem.spec, arch), "heuristic",
+        decode = seqlen_bucket(problem.max_seqlen_q) <= DECODE_QUERIES
+        return (Decision(default_config(problem.spec, arch, decode), "heuristic",
                          f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped)),
                 skipped[0] if skipped else None)
 

@@ -27,16 +27,16 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, plan: Plan, extras: tuple):
         seed = dropout.draw_seed(query.device) if plan.uses_seed else None
         out, lse = plan.forward(query, key, value, extras, seed)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan, ctx.extras, ctx.seed = plan, extras, seed
+        ctx.save_for_backward(query, key, value, out)
+        ctx.lse, ctx.plan, ctx.extras, ctx.seed = lse, plan, extras, seed  # LSE: not an input or output
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():
             raise RuntimeError("fatune.attention: double backward (create_graph=True) is not supported")
-        query, key, value, out, lse = ctx.saved_tensors
-        grad_query, grad_key, grad_value = ctx.plan.backward(grad_out, query, key, value, out, lse, ctx.extras,
+        query, key, value, out = ctx.saved_tensors
+        grad_query, grad_key, grad_value = ctx.plan.backward(grad_out, query, key, value, out, ctx.lse, ctx.extras,
                                                              ctx.seed)
         return grad_query, grad_key, grad_value, None, None
 

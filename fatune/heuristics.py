@@ -58,17 +58,31 @@ INTERPRETER_CONFIG = AttentionConfig(
 )
 
 
+DECODE_QUERIES = 16  # calls with at most this many queries per sequence read K/V at memory speed
+
+
 def with_forward_structure(config: AttentionConfig) -> AttentionConfig:
     """The forward's structure choices made at launch: split the keys when the grid leaves
     multiprocessors idle (decode, short batches), pack GQA groups into one tile."""
     return config.replace(fwd=dataclasses.replace(config.fwd, num_splits=0, pack_gqa=1))
 
 
-def default_config(spec: KernelSpec, arch: Arch | None) -> AttentionConfig:
-    """Heuristic config for `spec` on a GPU of compute capability `arch` (None: interpreter)."""
+def _decode_forward(block_d: int) -> LaunchConfig:
+    """Few queries against a long cache: a 16-row tile (packed GQA rows fill it) and long key
+    tiles streamed deep, split across the GPU (benchmarks/decode_sweep.py on an H200)."""
+    return LaunchConfig(16, 128 if block_d <= 128 else 64, num_warps=4, num_stages=3)
+
+
+def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False) -> AttentionConfig:
+    """Heuristic config for `spec` on a GPU of compute capability `arch` (None: interpreter);
+    `decode`: the call has at most DECODE_QUERIES queries per sequence."""
     if arch is None:
         return with_forward_structure(INTERPRETER_CONFIG)
     block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
     if arch[0] >= 9:
-        return with_forward_structure(_hopper(block_d, spec.dtype))
-    return with_forward_structure(_generic(block_d if spec.dtype != "float32" else 2 * block_d))
+        config = _hopper(block_d, spec.dtype)
+    else:
+        config = _generic(block_d if spec.dtype != "float32" else 2 * block_d)
+    if decode and spec.dtype != "float32":
+        config = config.replace(fwd=_decode_forward(block_d))
+    return with_forward_structure(config)

@@ -75,8 +75,11 @@ def bhld_strides(strides: Sequence[int], packed: bool) -> tuple[int, ...]:
     return (0, strides[1], strides[0], strides[2]) if packed else tuple(strides)
 
 
+_RUNTIME = knobs.runtime
+
+
 def _launch_hooks_active() -> bool:
-    return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
+    return bool(_RUNTIME.launch_enter_hook.calls or _RUNTIME.launch_exit_hook.calls)
 
 
 def _direct_launcher(binary: CompiledKernel) -> tuple[Callable, tuple] | None:

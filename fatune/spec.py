@@ -161,9 +161,8 @@ class KernelSpec:
             # Rows can end with every key masked (and -inf scores) in any tile, not just band tiles.
             "ANY_TILE_MASKS": self.attn_mask != "none",
             "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,
-            # In masked tiles, where rows that see few keys live, the 16-bit MMA operands made from
-            # float32 values (P in the forward, dS in the backward) are split into hi + lo parts
-            "SPLIT_MASKED": self.dtype != "float32",
+            # 16-bit dS is split into hi + lo parts in masked tiles (see attn_bwd.py.jinja)
+            "SPLIT_DS": self.dtype != "float32",
             # float32 gradients are summed with Kahan compensation (see _common.py.jinja)
             "COMPENSATED": self.dtype == "float32",
             "PAD_D": lanes(self.head_dim) != self.head_dim,

@@ -431,6 +431,8 @@ GPU_INFERENCE_CASES = [
     ("chunk-causal-5-splits", 2, 16, 4, 77, 2500, 64, 5, 1, [2500, 1200]),
     ("decode-no-gqa-auto", 2, 8, 8, 1, 5000, 64, 0, 0, None),
     ("decode-unpacked-3-splits", 2, 8, 2, 3, 1500, 128, 3, 0, [1500, 1]),
+    ("decode-dispatched", 5, 32, 8, 1, 8200, 128, None, None, [8200, 1, 4097, 7000, 8199]),
+    ("decode-dispatched-d64", 3, 16, 2, 4, 3001, 64, None, None, None),
 ]
 
 
@@ -447,7 +449,9 @@ def test_gpu_split_kv(case, dtype, poison_outputs, record_gpu_errors):
     kwargs = {"enable_gqa": h != hkv, "is_causal": lq > 1, "causal_alignment": "bottom_right"}
     if seqlens is not None:
         kwargs["seqlens_k"] = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
-    base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], d), device_arch(q.device))
-    config = base.replace(fwd=fatune.LaunchConfig(base.fwd.block_m, base.fwd.block_n, base.fwd.num_warps,
-                                                  base.fwd.num_stages, num_splits=splits, pack_gqa=pack))
+    config = None  # dispatched: the decode heuristic
+    if splits is not None:
+        base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], d), device_arch(q.device))
+        config = base.replace(fwd=fatune.LaunchConfig(base.fwd.block_m, base.fwd.block_n, base.fwd.num_warps,
+                                                      base.fwd.num_stages, num_splits=splits, pack_gqa=pack))
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))

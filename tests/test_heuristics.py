@@ -1,0 +1,25 @@
+"""The built-in heuristic: a config for every head dim and dtype, decode tiles for few queries."""
+
+from __future__ import annotations
+
+import pytest
+
+from fatune.heuristics import default_config
+from fatune.spec import KernelSpec
+
+
+@pytest.mark.parametrize("arch", [(9, 0), (8, 0), None], ids=["hopper", "ampere", "interpreter"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 192, 256])
+def test_every_head_dim_and_dtype_has_a_config(head_dim, dtype, arch):
+    for decode in (False, True):
+        config = default_config(KernelSpec(dtype, head_dim), arch, decode)
+        assert config.fwd.num_splits == 0 and config.fwd.pack_gqa == 1  # chosen at launch from the grid
+        assert not config.dkdv.structure and not config.dq.structure
+
+
+def test_decode_calls_get_small_query_tiles_on_gpus():
+    spec = KernelSpec("bfloat16", 128)
+    assert default_config(spec, (9, 0), decode=True).fwd.block_m == 16
+    assert default_config(spec, (9, 0), decode=False).fwd.block_m == 64
+    assert default_config(spec, (9, 0), decode=True).dkdv == default_config(spec, (9, 0)).dkdv
