@@ -60,3 +60,23 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"broken-{kind}")
     error = precompile.compile_trial(BASE, default_config(BASE.spec, None), "fwd", "cpu")
     assert error is not None and error.startswith("SyntaxError")
+
+
+@pytest.mark.gpu
+def test_gpu_a_candidate_compiled_in_the_pool_is_a_cache_hit(tmp_path, monkeypatch):
+    """On a GPU: after a pool process compiled a trial, its first real launch compiles nothing."""
+    import triton
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))  # empty: only the pool can fill it
+    monkeypatch.setattr(codegen, "_modules", {})
+    shape = Shape(batch=4, heads=8, seqlen_q=1024, seqlen_k=1024, head_dim=64, dtype="bfloat16", causal=True)
+    config = default_config(shape.spec, torch.cuda.get_device_capability())
+    with precompile.CompilePool(1, "cuda") as pool:
+        assert precompile.compile_error(pool.submit(shape, config, "dkdv")) is None
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **info: hits.append(info["cache_hit"]))
+    runner = KernelRunner(shape, config, make_inputs(shape, "cuda"))
+    runner.prepare()
+    runner.run("dkdv")()
+    torch.cuda.synchronize()
+    assert hits == [True, True, True]  # forward, dQ (prepare), dK/dV
