@@ -71,7 +71,8 @@ def compile_worker_count(requested: int | None, workers: int, interpret: bool) -
         return requested
     if interpret:
         return 0
-    return max(1, min(MAX_COMPILE_WORKERS, (os.cpu_count() or 2) // workers - 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, min(MAX_COMPILE_WORKERS, cores // workers - 1))
 
 
 def _interrupt(signum, frame) -> None:
