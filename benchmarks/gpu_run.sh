@@ -44,6 +44,15 @@ for stage in "$@"; do
     decode-sweep)  # forward configs on the decode shapes (evidence for the decode heuristic)
       python3 benchmarks/decode_sweep.py "$OUT/decode-sweep.json" > "$OUT/decode-sweep.log" 2>&1
       tail -n 20 "$OUT/decode-sweep.log" ;;
+    precompile)  # the compile pool's binaries are Triton cache hits for the timed launches
+      python3 -m pytest tests/test_precompile.py -m gpu -q -p no:cacheprovider > "$OUT/precompile.log" 2>&1
+      tail -n 3 "$OUT/precompile.log" ;;
+    search-time)  # wall time per shape, 30 trials per kernel, with and without the compile pool
+      for cw in 8 0; do
+        TRITON_CACHE_DIR=$(mktemp -d) python3 -m fatune.cli search --head-dim 64 --dtype bf16 --lengths 4096 \
+          --mask causal --trials 30 --compile-workers $cw --db /tmp/cw$cw.sqlite > "$OUT/search-cw$cw.log" 2>&1
+        tail -n 6 "$OUT/search-cw$cw.log"
+      done ;;
     *)
       echo "unknown stage $stage" ;;
   esac

@@ -70,7 +70,7 @@ def with_forward_structure(config: AttentionConfig) -> AttentionConfig:
 def _decode_forward(block_d: int) -> LaunchConfig:
     """Few queries against a long cache: a 16-row tile (packed GQA rows fill it) and long key
     tiles streamed deep, split across the GPU (benchmarks/decode_sweep.py on an H200)."""
-    return LaunchConfig(16, 128 if block_d <= 128 else 64, num_warps=4, num_stages=3)
+    return LaunchConfig(16, 64, num_warps=4, num_stages=4 if block_d <= 128 else 2)
 
 
 def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False) -> AttentionConfig:

@@ -141,11 +141,12 @@ def sm_count(device: torch.device) -> int:
 
 
 def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
-    """Split-KV runs when the grid leaves multiprocessors idle: about two programs per
-    multiprocessor, each with at least two key tiles."""
+    """Split-KV runs when the grid leaves multiprocessors idle: about one program per
+    multiprocessor (measured best on decode shapes, benchmarks/decode_sweep.py), each with at
+    least two key tiles."""
     if programs >= sms:
         return 1
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, programs), key_tiles // 2))
+    return max(1, min(MAX_SPLITS, triton.cdiv(sms, programs), key_tiles // 2))
 
 
 def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.device) -> AttentionConfig:

@@ -1,7 +1,7 @@
 """`fatune search`: find the fastest correct launch configs per shape with Optuna, store the winners.
 
 The forward, dK/dV and dQ kernels are independent launches, so each gets its own Optuna
-study (TPE sampler, fixed seed) minimising its own median time; a training step's
+study (multivariate TPE, fixed seed) minimising its own median time; a training step's
 forward+backward time is their sum plus the small Delta pre-pass, and is measured again
 end to end with the winners before anything is stored.
 
@@ -9,15 +9,21 @@ A trial is rejected before compiling when its tiles cannot fit (shared-memory es
 too many warps for the tile); a compile error or OutOfResources prunes it; its output is
 checked against torch before its time counts (a fast wrong kernel never wins); a trial
 whose quick timing is far behind the best so far is pruned before the full timing.
-Each study's first trial is the built-in heuristic config, so a winner is never slower than
-what fatune runs untuned (a short search on an H200 stored configs slower than the
-heuristic before this; BENCHMARKS.md). Studies live in Optuna storage (SQLite by default)
-under a name that encodes the whole tuned-DB key, so an interrupted search resumes where it
-stopped: only finished trials (complete or pruned) count toward the trial budget, so trials
-left failed by Ctrl-C or running by a killed process are run again, and so is the
-heuristic's first trial if it did not finish. Several searches may share one storage: its
-creation is serialised by a file lock beside an SQLite storage, and trials of a killed
-process are marked failed by Optuna's heartbeats.
+Each study runs the built-in heuristic config first, once however many processes share it,
+so a winner is never slower than what fatune runs untuned (a short search on an H200 stored
+configs slower than the heuristic before this; BENCHMARKS.md).
+
+Studies live in Optuna storage (fatune.storage) under a name that encodes the whole
+tuned-DB key, so any number of processes, on any number of hosts, work on the same studies
+and an interrupted search resumes where it stopped. `--trials` is the total of finished
+trials (complete or pruned) per study: a process starts a trial only while the finished
+ones plus those that live processes hold are fewer, so the studies end with at most one
+extra trial per process that raced for the last one. Trials of dead processes (no
+heartbeat) are failed, do not count, and are queued again; so is the heuristic's trial if
+it did not finish. A process keeps a few trials in flight (asked, compiling ahead in a
+fatune.precompile pool, being timed) and tells each one's end to its study, failed on errors
+and Ctrl-C. The process that owns a tuned DB waits for a shape's studies to finish, then
+re-times the winners end to end and stores them.
 """
 
 from __future__ import annotations
@@ -26,25 +32,30 @@ import contextlib
 import itertools
 import math
 import os
+import socket
 import time
 import warnings
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import optuna
 import torch
 
-from fatune.db import DBError, Entry, TunedDB, check_writable, key_columns, shape_key
-from fatune.heuristics import default_config
+from fatune.db import Entry, TunedDB, key_columns, seqlen_bucket, shape_key
+from fatune.heuristics import DECODE_QUERIES, default_config
 from fatune.measure import KernelRunner, Shape, bench, make_inputs, tflops, time_training_step
+from fatune.precompile import CompilePool, compile_error
 from fatune.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, lanes
+from fatune.storage import Heartbeat, open_storage, storage_lock
 
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2, "float32": 1e-3}  # max |candidate - torch| / max |torch|
 PRUNE_FACTOR = 1.5  # quick timing this much slower than the best so far: pruned
-HEARTBEAT_S, GRACE_S = 10, 60  # a RUNNING trial without a heartbeat for GRACE_S is marked failed
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+RUNNING, WAITING = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING
+POLL_S = 0.5  # how often a process waiting for others' trials of a shape looks again
 
 
 @dataclass(frozen=True)
@@ -150,11 +161,15 @@ class ShapeResult:
     fwd_ms: float
     bwd_ms: float
     fwd_bwd_ms: float
-    trials: int
+    trials: int  # finished trials of the three studies, by every process
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
     sdpa_backend: str = ""
     sdpa_ms: float = math.nan
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time from this process's start on the shape to the winners' re-timing
+
+    @property
+    def trials_per_s(self) -> float:
+        return self.trials / self.seconds if self.seconds > 0 else math.nan
 
     @property
     def tflops(self) -> float:
@@ -193,69 +208,6 @@ class Checker:
         return worst
 
 
-def default_storage_url(db_path: Path) -> str:
-    """The SQLite Optuna storage beside a tuned DB, as a URL that keeps any '?', '%' or '#' in the name."""
-    from sqlalchemy.engine import URL
-
-    path = Path(os.path.abspath(db_path)).with_suffix(".optuna.sqlite")
-    return URL.create("sqlite", database=str(path)).render_as_string(hide_password=False)
-
-
-def _storage_file(url: str) -> Path | None:
-    """The file an SQLite storage URL names; None for other databases and in-memory SQLite."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    database = parsed.database or ""
-    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:") or database.startswith("file:"):
-        return None
-    return Path(database)
-
-
-def _creation_lock(url: str) -> contextlib.AbstractContextManager:
-    """A file lock beside an SQLite storage: Optuna's table and study creation race between processes."""
-    from filelock import FileLock
-
-    path = _storage_file(url)
-    return FileLock(f"{path}.lock", timeout=300) if path is not None else contextlib.nullcontext()
-
-
-def check_storage(url: str) -> Path | None:
-    """ValueError naming what is wrong with an Optuna storage URL or its location, checked without
-    creating anything; the SQLite file it names (None for other databases)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        make_url(url).get_dialect()
-        path = _storage_file(url)
-    except (ArgumentError, ImportError):
-        raise ValueError(f"expected an SQLAlchemy URL such as sqlite:///studies.sqlite or postgresql://host/db "
-                         f"with its driver installed, got {url!r}") from None
-    if path is not None:
-        if not path.parent.is_dir():
-            raise ValueError(f"{url}: folder {path.parent} does not exist")
-        try:
-            check_writable(path)
-        except DBError as error:
-            raise ValueError(f"{url}: {error}") from None
-    return path
-
-
-def open_storage(url: str) -> optuna.storages.RDBStorage:
-    """The Optuna storage at `url` (created if new, safely when several searches start at once);
-    ValueError naming what is wrong with the URL or its location."""
-    path = check_storage(url)
-    try:
-        with _creation_lock(url), warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if path else None,
-                                              heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
-    except Exception as error:  # noqa: BLE001 - unreachable servers, foreign databases
-        raise ValueError(f"{url}: cannot open Optuna storage ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
-
-
 def study_name(target: Target, shape: Shape, kernel: str) -> str:
     """The Optuna study of one kernel of one shape: the tuned-DB key (fatune.db) plus batch and heads."""
     key = key_columns(target.gpu, target.capability, shape_key(shape))
@@ -266,55 +218,178 @@ def study_name(target: Target, shape: Shape, kernel: str) -> str:
     ])
 
 
+class TrialSeededSampler(optuna.samplers.BaseSampler):
+    """Multivariate TPE whose random draws for trial n come from (seed, n): the same seed gives the
+    same trials, and processes sharing a study do not all draw the same startup trials."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._by_trial: dict[int, optuna.samplers.TPESampler] = {}
+
+    def _tpe(self, trial: optuna.trial.FrozenTrial) -> optuna.samplers.TPESampler:
+        sampler = self._by_trial.get(trial.number)
+        if sampler is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                sampler = optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + trial.number) % 2**32,
+                                                     n_startup_trials=10, multivariate=True, constant_liar=True)
+            self._by_trial[trial.number] = sampler
+        return sampler
+
+    def infer_relative_search_space(self, study, trial):
+        return self._tpe(trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self._tpe(trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self._tpe(trial).sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial) -> None:
+        self._tpe(trial).before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self._tpe(trial).after_trial(study, trial, state, values)
+        self._by_trial.pop(trial.number, None)
+
+
+@contextlib.contextmanager
+def _quiet_optuna():
+    """Without Optuna's warnings that heartbeats are meant for Study.optimize (fatune records them for
+    its trials in flight itself) and that fail_stale_trials is experimental."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+def _worker_name() -> str:
+    """host:pid of this process, kept on each trial it runs (shown by optuna-dashboard)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class Candidate:
+    """A trial in flight: asked, its kernels compiling ahead (`compiled`), waiting to be timed."""
+
+    search: KernelSearch
+    trial: optuna.Trial
+    config: LaunchConfig
+    compiled: Future | None
+
+
 class KernelSearch:
-    """One Optuna study: the fastest correct LaunchConfig for one kernel of one shape."""
+    """One kernel of one shape: its Optuna study, shared by every process that searches the shape on
+    this storage, and this process's trials of it."""
 
-    def __init__(self, target: Target, shape: Shape, kernel: str, inputs: dict[str, torch.Tensor], checker: Checker,
-                 base: AttentionConfig, space: SearchSpace, storage: optuna.storages.RDBStorage, seed: int):
-        self.target, self.shape, self.kernel = target, shape, kernel
-        self.inputs, self.checker, self.base, self.space = inputs, checker, base, space
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10, multivariate=True)
-        with _creation_lock(storage.url):
+    def __init__(self, target: Target, shape: Shape, kernel: str, heuristic: AttentionConfig, space: SearchSpace,
+                 storage: optuna.storages.RDBStorage, seed: int, trials: int, deadline: float):
+        self.target, self.shape, self.kernel, self.space = target, shape, kernel, space
+        self.storage, self.trials, self.deadline = storage, trials, deadline
+        self.axes = space.axes(kernel, shape)
+        self.start = {axis: value for axis, value in getattr(heuristic, kernel).to_dict().items() if axis in self.axes}
+        with storage_lock(storage.url):
             self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
-                                             sampler=sampler, direction="minimize", load_if_exists=True)
-            axes = space.axes(kernel, shape)
-            self.start = {axis: value for axis, value in getattr(base, kernel).to_dict().items() if axis in axes}
-            waiting = [t.system_attrs.get("fixed_params") for t in self.study.trials
-                       if t.state == optuna.trial.TrialState.WAITING]
-            if self.heuristic_pending() and self.start not in waiting:
-                # the heuristic config goes first (again, if a killed or interrupted run did not finish
-                # it): the winner is never slower than what fatune runs untuned
-                self.study.enqueue_trial(self.start)
+                                             sampler=TrialSeededSampler(seed), direction="minimize",
+                                             load_if_exists=True)
+        self.ensure_heuristic()
 
-    def heuristic_pending(self) -> bool:
-        """True while the heuristic config (when in the space) has no finished trial in the study."""
-        axes = self.space.axes(self.kernel, self.shape)
-        in_space = all(self.start[axis] in axes[axis] for axis in self.start)
-        return in_space and not any(t.state in FINISHED and t.params == self.start for t in self.study.trials)
+    def _holds_heuristic(self, trial: optuna.trial.FrozenTrial) -> bool:
+        return self.start in (trial.params, trial.system_attrs.get("fixed_params"))
+
+    def ensure_heuristic(self) -> bool:
+        """Queue the heuristic config (when in the space) unless a trial of it has finished, waits or
+        runs; True if it queued one. The winner is then never slower than what fatune runs untuned."""
+        if not all(self.start[axis] in values for axis, values in self.axes.items()):
+            return False
+        with storage_lock(self.storage.url):
+            trials = self.study.get_trials(deepcopy=False, states=(*FINISHED, WAITING, RUNNING))
+            if any(self._holds_heuristic(trial) for trial in trials):
+                return False
+            self.study.enqueue_trial(self.start)
+            return True
+
+    def census(self) -> tuple[int, int, bool]:
+        """(finished trials, trials live processes hold, whether the heuristic waits in the queue), after
+        failing the trials of dead processes."""
+        with _quiet_optuna():
+            optuna.storages.fail_stale_trials(self.study)
+        finished = running = 0
+        heuristic_waits = False
+        for trial in self.study.get_trials(deepcopy=False, states=(*FINISHED, WAITING, RUNNING)):
+            finished += trial.state in FINISHED
+            running += trial.state == RUNNING
+            heuristic_waits |= trial.state == WAITING and self._holds_heuristic(trial)
+        return finished, running, heuristic_waits
+
+    def wants_trial(self) -> bool:
+        """Whether this process should start one more trial: a queued heuristic always runs; others
+        while the finished and held trials are fewer than the budget and the time lasts."""
+        finished, running, heuristic_waits = self.census()
+        return heuristic_waits or (time.time() < self.deadline and finished + running < self.trials)
 
     @property
     def best_ms(self) -> float:
-        done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         return min((t.value for t in done), default=math.inf)
 
     def best_config(self) -> LaunchConfig | None:
-        done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         if not done:
             return None
         return LaunchConfig.from_dict(min(done, key=lambda t: t.value).params)
 
     def suggest(self, trial: optuna.Trial) -> LaunchConfig:
-        return LaunchConfig(**{axis: trial.suggest_categorical(axis, list(values))
-                               for axis, values in self.space.axes(self.kernel, self.shape).items()})
+        return LaunchConfig.from_dict({axis: trial.suggest_categorical(axis, list(values))
+                                       for axis, values in self.axes.items()})
 
-    def objective(self, trial: optuna.Trial) -> float:
-        config = self.suggest(trial)
-        reason = infeasible(self.kernel, self.shape.spec, config, self.target.shared_limit)
-        if reason:
-            return self._reject(trial, "infeasible", reason)
-        attention_config = self.base.replace(**{self.kernel: config})
+    def ask(self, base: AttentionConfig, heartbeat: Heartbeat, pool: CompilePool | None) -> Candidate | None:
+        """Start a trial and its compile in `pool`; None if it was rejected at once (infeasible)."""
+        with _quiet_optuna():
+            trial = self.study.ask()
         try:
-            runner = KernelRunner(self.shape, attention_config, self.inputs)
+            heartbeat.hold(trial)
+            trial.set_user_attr("worker", _worker_name())
+            config = self.suggest(trial)
+            reason = infeasible(self.kernel, self.shape.spec, config, self.target.shared_limit)
+        except BaseException:
+            self._tell(trial, heartbeat, None)
+            raise
+        if reason:
+            self._tell(trial, heartbeat, lambda: self._reject(trial, "infeasible", reason))
+            return None
+        compiled = pool.submit(self.shape, base.replace(**{self.kernel: config}), self.kernel) if pool else None
+        return Candidate(self, trial, config, compiled)
+
+    def finish(self, candidate: Candidate, base: AttentionConfig, inputs: dict[str, torch.Tensor], checker: Checker,
+               heartbeat: Heartbeat) -> None:
+        """Time the candidate (after its compile) and tell the study how it ended."""
+        self._tell(candidate.trial, heartbeat, lambda: self.evaluate(
+            candidate.trial, candidate.config, base, inputs, checker, compile_error(candidate.compiled)))
+
+    def _tell(self, trial: optuna.Trial, heartbeat: Heartbeat, run: Callable[[], float] | None) -> None:
+        """Tell the study how `run` ended: its value, pruned, or failed (re-raising); None: failed."""
+        state, value = optuna.trial.TrialState.FAIL, None
+        try:
+            if run is not None:
+                value, state = run(), optuna.trial.TrialState.COMPLETE
+        except optuna.TrialPruned:
+            state = optuna.trial.TrialState.PRUNED
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another process failed it as dead (no heartbeat for GRACE_S): nothing left to tell
+        finally:
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                self.study.tell(trial, value, state=state, skip_if_finished=True)
+            heartbeat.release(trial)
+
+    def evaluate(self, trial: optuna.Trial, config: LaunchConfig, base: AttentionConfig,
+                 inputs: dict[str, torch.Tensor], checker: Checker, compile_failure: str | None = None) -> float:
+        """The candidate's time; TrialPruned if it does not compile or launch, is wrong, or is slow."""
+        if compile_failure:
+            return self._reject(trial, "compile_error", compile_failure)
+        attention_config = base.replace(**{self.kernel: config})
+        try:
+            runner = KernelRunner(self.shape, attention_config, inputs)
             runner.prepare()
             for name in Checker.KERNEL_OUTPUTS[self.kernel]:
                 getattr(runner.args, name).fill_(float("nan"))  # poison: an unwritten element fails the check
@@ -325,14 +400,15 @@ class KernelSearch:
         except Exception as error:  # compile errors, OutOfResources, launch failures
             kind = "out_of_resources" if "OutOfResources" in type(error).__name__ else "compile_error"
             return self._reject(trial, kind, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
-        error = self.checker.error(self.kernel, runner)
-        if not error <= self.checker.tolerance:
-            return self._reject(trial, "wrong_result", f"relative error {error:.3g} > {self.checker.tolerance}")
+        error = checker.error(self.kernel, runner)
+        if not error <= checker.tolerance:
+            return self._reject(trial, "wrong_result", f"relative error {error:.3g} > {checker.tolerance}")
         quick = self.target.time_ms(run, quick=True)
         trial.report(quick, step=0)
-        if quick > PRUNE_FACTOR * self.best_ms:
+        best_ms = self.best_ms
+        if quick > PRUNE_FACTOR * best_ms and trial.params != self.start:  # the heuristic is always timed
             trial.set_user_attr("rejected", "slow")
-            raise optuna.TrialPruned(f"quick timing {quick:.3f} ms > {PRUNE_FACTOR} x best {self.best_ms:.3f} ms")
+            raise optuna.TrialPruned(f"quick timing {quick:.3f} ms > {PRUNE_FACTOR} x best {best_ms:.3f} ms")
         return quick if self.target.interpret else self.target.time_ms(run)
 
     @staticmethod
@@ -341,23 +417,96 @@ class KernelSearch:
         trial.set_user_attr("reason", reason)
         raise optuna.TrialPruned(reason)
 
-    def run(self, n_trials: int, deadline: float, on_trial: Callable[[], None] | None = None) -> None:
-        """Run trials until `n_trials` have finished in the study (failed and dead ones do not count),
-        and at least the heuristic's if it has not finished."""
-        finished = [t for t in self.study.trials if t.state in FINISHED]
-        remaining = max(n_trials - len(finished), 1 if self.heuristic_pending() else 0)
-        callbacks = [lambda study, trial: on_trial()] if on_trial else []
-        if remaining > 0:
-            self.study.optimize(self.objective, n_trials=remaining, timeout=max(1.0, deadline - time.time()),
-                                callbacks=callbacks, gc_after_trial=False)
+    def finished(self) -> int:
+        return len(self.study.get_trials(deepcopy=False, states=FINISHED))
 
     def rejected(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for trial in self.study.trials:
+        for trial in self.study.get_trials(deepcopy=False):
             kind = trial.user_attrs.get("rejected")
             if kind:
                 counts[kind] = counts.get(kind, 0) + 1
         return counts
+
+
+def base_config(searches: list[KernelSearch], heuristic: AttentionConfig, kernel: str) -> AttentionConfig:
+    """What a trial of `kernel` runs besides its candidate: the best so far of the kernels searched before
+    it (the backward reads the forward's LSE), the heuristic for the others."""
+    base = heuristic
+    for search in searches[:KERNELS.index(kernel)]:
+        best = search.best_config()
+        base = base.replace(**{search.kernel: best}) if best else base
+    return base
+
+
+def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, inputs: dict[str, torch.Tensor],
+               checker: Checker, *, pool: CompilePool | None = None, wait: bool = True,
+               on_trial: Callable[[KernelSearch], None] | None = None) -> None:
+    """This process's trials of one shape's studies, kernel after kernel, while they want trials.
+
+    With a compile pool, up to one trial per pool process plus the one being timed are in flight
+    (asked and compiling), so the GPU never waits for a compile; they are told in the order asked.
+    With `wait`, it then waits for the trials other processes hold, runs those that died again,
+    and the heuristic's if it did not finish. Trials still in flight on an error or Ctrl-C are
+    told failed.
+    """
+    depth = 1 + (pool.processes if pool else 0)
+    pending: deque[Candidate] = deque()
+    with Heartbeat(searches[0].storage) as heartbeat:
+        try:
+            while True:
+                while len(pending) < depth:
+                    search = next((s for s in searches if s.wants_trial()), None)
+                    if search is None:
+                        break
+                    candidate = search.ask(base_config(searches, heuristic, search.kernel), heartbeat, pool)
+                    if candidate:
+                        pending.append(candidate)
+                    elif on_trial:
+                        on_trial(search)
+                if pending:
+                    candidate = pending.popleft()
+                    search = candidate.search
+                    search.finish(candidate, base_config(searches, heuristic, search.kernel), inputs, checker,
+                                  heartbeat)
+                    if on_trial:
+                        on_trial(search)
+                elif wait and any(search.census()[1] for search in searches):
+                    time.sleep(POLL_S)
+                elif not (wait and any([search.ensure_heuristic() for search in searches])):
+                    break
+        finally:
+            for candidate in pending:
+                if candidate.compiled is not None:
+                    candidate.compiled.cancel()
+                with contextlib.suppress(Exception):  # a lost connection: the heartbeats stop, the trial goes stale
+                    candidate.search._tell(candidate.trial, heartbeat, None)
+
+
+def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float,
+                    storage: optuna.storages.RDBStorage, seed: int, space: SearchSpace
+                    ) -> tuple[AttentionConfig, list[KernelSearch]]:
+    """(the heuristic config, the shape's three studies); each kernel may start trials until its share
+    of `seconds` from now has passed."""
+    started = time.time()
+    decode = seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
+    heuristic = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode)
+    searches = [KernelSearch(target, shape, kernel, heuristic, space, storage, seed, trials,
+                             deadline=started + seconds * (index + 1) / len(KERNELS))
+                for index, kernel in enumerate(KERNELS)]
+    return heuristic, searches
+
+
+def help_search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
+                      storage: optuna.storages.RDBStorage, seed: int, space: SearchSpace,
+                      pool: CompilePool | None = None) -> None:
+    """A helper process's share of a shape's trials: it runs trials while the studies want them and
+    leaves waiting for the others, re-timing and storing to the process that owns the tuned DB."""
+    heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage, seed=seed,
+                                          space=space)
+    if any(search.wants_trial() for search in searches):
+        inputs = make_inputs(shape, target.device, seed)
+        run_trials(searches, heuristic, inputs, Checker(shape, inputs), pool=pool, wait=False)
 
 
 def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> tuple[str, float]:
@@ -381,32 +530,28 @@ def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> 
 
 
 def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
-                 storage: str | optuna.storages.RDBStorage, seed: int,
-                 space: SearchSpace, on_trial: Callable[[str, float], None] | None = None) -> ShapeResult:
-    """Search the three kernels of one shape; measure the winners end to end and SDPA beside them."""
+                 storage: str | optuna.storages.RDBStorage, seed: int, space: SearchSpace,
+                 pool: CompilePool | None = None, on_trial: Callable[[str, float], None] | None = None
+                 ) -> ShapeResult:
+    """Search the three kernels of one shape (with whatever other processes share its studies), wait
+    until the studies are done, then measure the winners end to end and SDPA beside them."""
     started = time.time()
-    deadline = started + seconds
     if isinstance(storage, str):
         storage = open_storage(storage)
+    heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage, seed=seed,
+                                          space=space)
     inputs = make_inputs(shape, target.device, seed)
-    checker = Checker(shape, inputs)
-    base = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability())
+    run_trials(searches, heuristic, inputs, Checker(shape, inputs), pool=pool, wait=True,
+               on_trial=(lambda search: on_trial(search.kernel, search.best_ms)) if on_trial else None)
     chosen: dict[str, LaunchConfig] = {}
     kernel_ms: dict[str, float] = {}
     rejected: dict[str, int] = {}
-    total_trials = 0
-    for index, kernel in enumerate(KERNELS):
-        search = KernelSearch(target, shape, kernel, inputs, checker, base, space, storage, seed)
-        share = (deadline - time.time()) / (len(KERNELS) - index)
-        search.run(trials, time.time() + share,
-                   (lambda s=search, k=kernel: on_trial(k, s.best_ms)) if on_trial else None)
+    for search in searches:
         best = search.best_config()
         if best is None:
-            raise RuntimeError(f"{shape.label()}: no {kernel} config passed the checks in {len(search.study.trials)} "
-                               f"trials ({search.rejected()}); give more trials or time")
-        chosen[kernel], kernel_ms[kernel] = best, search.best_ms
-        base = base.replace(**{kernel: best})  # later kernels run after this winner (the backward reads its LSE)
-        total_trials += len(search.study.trials)
+            raise RuntimeError(f"{shape.label()}: no {search.kernel} config passed the checks in "
+                               f"{len(search.study.trials)} trials ({search.rejected()}); give more trials or time")
+        chosen[search.kernel], kernel_ms[search.kernel] = best, search.best_ms
         for kind, count in search.rejected().items():
             rejected[kind] = rejected.get(kind, 0) + count
     config = AttentionConfig(**chosen)
@@ -417,8 +562,22 @@ def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
     step = time_training_step(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
         if not target.interpret else _interpreted_step(shape, config, inputs)
     backend, sdpa_ms = sdpa_best(shape, inputs, target)
-    return ShapeResult(shape, config, kernel_ms, step["fwd_ms"], step["bwd_ms"], step["fwd_bwd_ms"], total_trials,
-                       rejected, backend, sdpa_ms, time.time() - started)
+    return ShapeResult(shape, config, kernel_ms, step["fwd_ms"], step["bwd_ms"], step["fwd_bwd_ms"],
+                       sum(search.finished() for search in searches), rejected, backend, sdpa_ms,
+                       time.time() - started)
+
+
+def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: optuna.storages.RDBStorage) -> int:
+    """Trials finished so far in the studies of `shapes`, by every process and host (each study counted up
+    to `trials`): a search's progress."""
+    done = 0
+    for shape, kernel in itertools.product(shapes, KERNELS):
+        try:
+            study_id = storage.get_study_id_from_name(study_name(target, shape, kernel))
+        except KeyError:  # not created yet
+            continue
+        done += min(trials, storage.get_n_trials(study_id, state=FINISHED))
+    return done
 
 
 def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -18,8 +18,10 @@ from fatune import codegen, search
 from fatune.cli import cli
 from fatune.db import TunedDB
 from fatune.measure import Shape
+from fatune.precompile import CompilePool
 from fatune.search import INTERPRETER_SPACE, SearchSpace, Target, infeasible, search_shape
 from fatune.spec import KernelSpec, LaunchConfig
+from fatune.storage import default_storage_url
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only")
 TINY = Shape(batch=2, heads=2, seqlen_q=48, seqlen_k=48, head_dim=16, dtype="float16", causal=True)
@@ -101,6 +103,21 @@ def test_same_seed_same_trial_sequence(tmp_path):
     assert params(1) == params(2)
 
 
+def test_trials_in_flight_are_all_told_and_the_budget_holds(tmp_path):
+    """With a compile pool of 2, a trial is asked while earlier ones compile and are timed; every
+    trial is told, in the order asked, and a lone search runs exactly --trials per study."""
+    storage = f"sqlite:///{tmp_path / 's.sqlite'}"
+    with CompilePool(2, "cpu") as pool:
+        result = search_shape(TINY, interpreter_target(), trials=4, seconds=600, storage=storage, seed=0,
+                              space=INTERPRETER_SPACE, pool=pool)
+    assert result.trials == 12 and result.trials_per_s > 0
+    for summary in optuna.get_all_study_summaries(storage):
+        trials = optuna.load_study(study_name=summary.study_name, storage=storage).trials
+        assert [t.state in search.FINISHED for t in trials] == [True] * 4
+        assert any(later.datetime_start < earlier.datetime_complete for earlier, later in zip(trials, trials[1:]))
+        assert [t.datetime_complete for t in trials] == sorted(t.datetime_complete for t in trials)
+
+
 def test_search_without_gpu_or_interpreter_says_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="--interpret"):
@@ -126,19 +143,20 @@ CHILD = """
 import os, signal, sys, time
 from pathlib import Path
 
-from fatune import search
+from fatune import search, storage
 from fatune.cli import cli
 
+storage.HEARTBEAT_S, storage.GRACE_S = 1, 5  # a killed search's trials are found dead in seconds
 barrier, count, kill_in, signal_name, *args = sys.argv[1:]
 if kill_in:  # die the way Ctrl-C or `kill -9` would, in the first trial of this kernel
-    objective = search.KernelSearch.objective
+    evaluate = search.KernelSearch.evaluate
 
-    def dying(self, trial):
+    def dying(self, trial, *args):
         if self.kernel == kill_in:
             os.kill(os.getpid(), getattr(signal, signal_name))
-        return objective(self, trial)
+        return evaluate(self, trial, *args)
 
-    search.KernelSearch.objective = dying
+    search.KernelSearch.evaluate = dying
 Path(barrier, str(os.getpid())).touch()  # start together, imports done: storage creation races
 while len(os.listdir(barrier)) < int(count):
     time.sleep(0.01)
@@ -161,7 +179,7 @@ def finish(process) -> tuple[int, str, str]:
 
 
 def studies(db_path) -> dict[str, list[optuna.trial.FrozenTrial]]:
-    storage = search.default_storage_url(db_path)
+    storage = default_storage_url(db_path)
     return {s.study_name.rsplit(":", 1)[1]: optuna.load_study(study_name=s.study_name, storage=storage).trials
             for s in optuna.get_all_study_summaries(storage)}
 

@@ -299,7 +299,7 @@ def test_gqa_packing_with_dropout_regenerates_each_heads_mask(monkeypatch, poiso
 def test_auto_splits_follow_the_grid():
     from fatune.launch import choose_splits
 
-    assert choose_splits(programs=8, key_tiles=512, sms=132) == 33  # decode: ~2 programs per SM
+    assert choose_splits(programs=8, key_tiles=512, sms=132) == 17  # decode: ~1 program per SM
     assert choose_splits(programs=8, key_tiles=10, sms=132) == 5  # short cache: at least 2 key tiles each
     assert choose_splits(programs=200, key_tiles=512, sms=132) == 1  # the grid already fills the GPU
 

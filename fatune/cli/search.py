@@ -6,11 +6,14 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from fatune.cli.options import int_list, optional_int_list, parse_dtype
+
+PROGRESS_S = 0.5  # the progress bar counts the storage's finished trials at most this often
 
 
 def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
@@ -39,36 +42,46 @@ def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
 @click.option("--valid-keys", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.25,
               show_default=True, help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")
 @click.option("--trials", type=click.IntRange(1), default=30, show_default=True,
-              help="Optuna trials per kernel per shape.")
+              help="Optuna trials per kernel per shape, in all (every worker and host together).")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
               help="Seconds per shape.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (same seed, same trial sequence).")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Tuned DB file (default: $FATUNE_DB or ~/.cache/fatune/tuned.sqlite).")
 @click.option("--storage", default=None,
-              help="Optuna storage URL, e.g. postgresql://host/db (default: SQLite file beside the DB).")
+              help="Optuna storage URL; the same PostgreSQL URL on several hosts puts them on one search, e.g. "
+                   "postgresql://user@host/db (default: SQLite file beside the DB).")
+@click.option("--workers", type=click.IntRange(1), default=None,
+              help="Worker processes on this host (default: one per visible GPU; 1 with --interpret).")
+@click.option("--compile-workers", type=click.IntRange(0), default=None,
+              help="Processes per worker compiling the next candidates ahead (default: the CPU cores per worker "
+                   "less one, at most 8; 0 with --interpret).")
 @click.option("--interpret", is_flag=True, help="Run in Triton's CPU interpreter: tiny shapes, timings not meaningful.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, window, valid_keys, trials,
-           time_budget, seed, db_path, storage, interpret, as_json) -> None:
+           time_budget, seed, db_path, storage, workers, compile_workers, interpret, as_json) -> None:
     """Search launch configs for each shape, timing forward+backward, and store the winners.
 
     Each kernel (forward, dK/dV, dQ) gets its own Optuna study; winners are checked
     against torch, re-timed end to end and compared with torch's best SDPA backend in
     the same run. An interrupted (Ctrl-C) or killed search resumes from its Optuna storage
-    when the same command runs again; several searches may share a DB and a storage.
+    when the same command runs again. Workers on this host (one per GPU) and the same command
+    on other hosts sharing a --storage work on the same studies; each host stores the winners
+    in its own DB.
 
     Example:
 
         fatune search --head-dim 64 --dtype bf16
         fatune search --head-dim 128 --dtype fp16 --lengths 4096 --mask causal --trials 40
+        fatune search --head-dim 64 --dtype bf16 --storage postgresql://tuner@db-host/fatune
     """
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         # triton.language decides interpreted vs compiled when first imported: start again with it set
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli", *sys.argv[1:]], env)
     from fatune import db as tuned_db
-    from fatune import search as tuner
+    from fatune import storage as studies
+    from fatune import workers as hosts
     from fatune.measure import Shape
 
     if len(lengths_k or lengths) != len(lengths):
@@ -94,56 +107,80 @@ def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, wi
     except tuned_db.DBError as error:
         raise click.ClickException(str(error)) from None
     try:
-        storage = storage or tuner.default_storage_url(db_path)
-        tuner.check_storage(storage)
+        storage = studies.normalise_url(storage or studies.default_storage_url(db_path))
+        studies.check_storage(storage)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--storage") from None
+    try:
+        workers = hosts.worker_count(workers, interpret)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--workers") from None
+    from fatune import search as tuner
+
+    job = hosts.Job(tuple(shapes), trials, time_budget, storage, seed,
+                    tuner.INTERPRETER_SPACE if interpret else tuner.GPU_SPACE, interpret,
+                    hosts.compile_worker_count(compile_workers, workers, interpret))
     try:
         database = tuned_db.TunedDB(db_path)
     except tuned_db.DBError as error:
         raise click.ClickException(str(error)) from None
     with database:
         try:
-            storage = tuner.open_storage(storage)
+            storage = studies.open_storage(storage)
         except ValueError as error:
             raise click.ClickException(f"--storage {error}") from None
         try:
             target = tuner.Target.detect(interpret)
         except RuntimeError as error:
             raise click.ClickException(str(error)) from None
+        started = time.time()
         try:
-            results = _search(shapes, target, trials, time_budget, storage, seed, database)
+            with hosts.Helpers(job, workers) as helpers:
+                results = _search(job, target, storage, database)
         except KeyboardInterrupt:
             click.echo("\nfatune search: interrupted; finished shapes are stored, and running the same command "
                        "again resumes from the Optuna storage", err=True)
             sys.exit(130)
+        for failure in helpers.failures():
+            click.echo(f"fatune search: {failure}; the other workers finished its share", err=True)
     if as_json:
         click.echo(json.dumps([_result_json(r, stored, target) for r, stored in results], indent=1))
         return
-    _print_table(results, target, database.path)
+    _print_table(results, target, database.path, time.time() - started, workers)
 
 
-def _search(shapes, target, trials, time_budget, storage, seed, database) -> list:
-    """Search each shape with a progress bar on stderr and store its winners; [(result, stored)]."""
+def _search(job, target, storage, database) -> list:
+    """Search each shape with a progress bar on stderr (trials finished by every worker and host, and an
+    ETA) and store its winners; [(result, stored)]."""
     import optuna
 
     from fatune import search as tuner
+    from fatune.precompile import CompilePool
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a Ctrl-C'd trial's traceback is not the user's business
-    space = tuner.INTERPRETER_SPACE if target.interpret else tuner.GPU_SPACE
+    shapes = list(job.shapes)
     results = []
-    with click.progressbar(length=len(shapes) * trials * 3, label="search", file=sys.stderr, show_pos=True) as bar:
+    with click.progressbar(length=len(shapes) * job.trials * 3, label="search", file=sys.stderr, show_pos=True,
+                           show_eta=True) as bar, CompilePool(job.compile_workers, target.device.type) as pool:
+        refreshed = [0.0]
+
+        def refresh(force: bool = False) -> None:
+            if force or time.monotonic() - refreshed[0] > PROGRESS_S:
+                refreshed[0] = time.monotonic()
+                bar.update(tuner.finished_trials(shapes, target, job.trials, storage) - bar.pos)
+
         for shape in shapes:
             def on_trial(kernel, best_ms, shape=shape):
                 bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
-                bar.update(1)
+                refresh()
 
             try:
-                result = tuner.search_shape(shape, target, trials=trials, seconds=time_budget, storage=storage,
-                                            seed=seed, space=space, on_trial=on_trial)
+                result = tuner.search_shape(shape, target, trials=job.trials, seconds=job.seconds, storage=storage,
+                                            seed=job.seed, space=job.space, pool=pool, on_trial=on_trial)
             except RuntimeError as error:
                 raise click.ClickException(str(error)) from None
             results.append((result, tuner.store(database, result, target)))
+            refresh(force=True)
     return results
 
 
@@ -153,17 +190,18 @@ def _result_json(result, stored: bool, target) -> dict:
         "fwd_ms": result.fwd_ms, "bwd_ms": result.bwd_ms, "fwd_bwd_ms": result.fwd_bwd_ms, "tflops": result.tflops,
         "sdpa_backend": result.sdpa_backend, "sdpa_ms": None if math.isnan(result.sdpa_ms) else result.sdpa_ms,
         "speedup": None if math.isnan(result.speedup) else result.speedup, "trials": result.trials,
-        "rejected": result.rejected, "seconds": result.seconds, "stored": stored,
+        "rejected": result.rejected, "seconds": result.seconds, "trials_per_s": result.trials_per_s,
+        "stored": stored,
         "interpreted": target.interpret, "gpu": target.gpu,
     }
 
 
-def _print_table(results, target, db_path) -> None:
+def _print_table(results, target, db_path, seconds: float, workers: int) -> None:
     click.echo(f"\n{target.gpu} (sm {target.capability}); tuned DB {db_path}")
     if target.interpret:
         click.echo("Triton interpreter: the timings below are NOT meaningful (CPU emulation).")
     header = f"{'shape':44} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'SDPA best':>16} {'speedup':>7} " \
-             f"{'trials':>6}  configs fwd | dkdv | dq"
+             f"{'trials':>6} {'wall s':>7} {'trials/s':>8}  configs fwd | dkdv | dq"
     click.echo(header)
     click.echo("-" * len(header))
     for result, stored in results:
@@ -171,5 +209,8 @@ def _print_table(results, target, db_path) -> None:
         speed = f"{result.speedup:.2f}x" if not math.isnan(result.speedup) else "n/a"
         configs = f"{result.config.fwd} | {result.config.dkdv} | {result.config.dq}"
         click.echo(f"{result.shape.label():44} {result.fwd_ms:8.3f} {result.bwd_ms:8.3f} {result.fwd_bwd_ms:8.3f} "
-                   f"{result.tflops:8.1f} {sdpa:>16} {speed:>7} {result.trials:6d}  {configs}"
-                   f"{'' if stored else '  (DB kept a faster entry)'}")
+                   f"{result.tflops:8.1f} {sdpa:>16} {speed:>7} {result.trials:6d} {result.seconds:7.1f} "
+                   f"{result.trials_per_s:8.2f}  {configs}{'' if stored else '  (DB kept a faster entry)'}")
+    trials = sum(result.trials for result, _ in results)
+    click.echo(f"{len(results)} shapes, {trials} trials in {seconds:.1f} s wall ({trials / seconds:.2f} trials/s) "
+               f"with {workers} worker{'s' if workers > 1 else ''} on this host")

@@ -1,0 +1,104 @@
+"""Compiling a search's next candidates ahead on the CPU cores while the GPU times the current one.
+
+Compiling a candidate is the first launch of its kernels. Triton's `JITFunction.warmup`
+compiles without launching and writes the binary into Triton's on-disk cache
+(TRITON_CACHE_DIR, default ~/.triton/cache), so the timing process's first launch of the
+candidate is a cache hit. A hit needs the identical specialisation: argument dtypes, integer
+values (Triton specialises them on == 1 and % 16), pointer alignment (16 bytes), constexprs
+and options. So a pool process runs the trial exactly as the timing process does --
+`KernelRunner` on inputs of the same sizes, strides, dtype and device (allocated, never
+written), `prepare()`, then the kernel -- with every `launch.KernelLaunch` call turned into a
+`warmup` of the same function with the same arguments, grid and options.
+
+In Triton's interpreter nothing is compiled; the pool then only renders and imports the modules.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from concurrent.futures import Future, ProcessPoolExecutor
+
+import torch
+
+from fatune.measure import KernelRunner, Shape
+from fatune.spec import DTYPES, AttentionConfig
+
+
+def stand_in_inputs(shape: Shape, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """q, k, v and dO with the sizes, strides, dtype and device of measure.make_inputs', never written."""
+    dtype = DTYPES[shape.dtype]
+    sizes = {"q": (shape.heads, shape.seqlen_q, shape.head_dim), "k": (shape.kv_heads, shape.seqlen_k, shape.head_dim),
+             "v": (shape.kv_heads, shape.seqlen_k, shape.head_dim_v), "do": (shape.heads, shape.seqlen_q, shape.head_dim_v)}
+    return {name: torch.empty((shape.batch, *size), dtype=dtype, device=device) for name, size in sizes.items()}
+
+
+def _warmup(launch, slots: tuple, stream) -> None:
+    """KernelLaunch.__call__ in a pool process: compile what the launch would run, launch nothing."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        launch.fn.warmup(*(launch.pick(slots) + launch.tail), grid=launch.grid, num_warps=launch.num_warps,
+                         num_stages=launch.num_stages)
+
+
+def compile_trial(shape: Shape, config: AttentionConfig, kernel: str, device: str) -> str | None:
+    """Compile, without launching, what a trial of `kernel` with `config` launches; None, or why it does
+    not compile (the trial is then rejected without compiling it again)."""
+    try:
+        runner = KernelRunner(shape, config, stand_in_inputs(shape, device))
+        runner.prepare()
+        runner.run(kernel)()
+    except Exception as error:  # noqa: BLE001 - Triton's compile errors have many types
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the stand-ins' memory goes back to the GPU the timing process uses
+    return None
+
+
+def _start_compiler() -> None:
+    """A pool process: launches compile instead (the pool does nothing else); Ctrl-C is the timing
+    process's to handle (it fails its trials, then shuts the pool down)."""
+    from fatune import launch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    launch.KernelLaunch.__call__ = _warmup
+
+
+class CompilePool:
+    """`processes` spawned processes compiling candidates; once the pool breaks, `submit` returns None
+    and the timing process compiles as it would alone."""
+
+    def __init__(self, processes: int, device: str = "cuda"):
+        self.processes, self.device = processes, device
+        self._executor: ProcessPoolExecutor | None = None
+        if processes > 0:
+            self._executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_start_compiler)
+
+    def submit(self, shape: Shape, config: AttentionConfig, kernel: str) -> Future | None:
+        if self._executor is None:
+            return None
+        try:
+            return self._executor.submit(compile_trial, shape, config, kernel, self.device)
+        except RuntimeError:  # BrokenProcessPool, or shut down
+            self._executor = None
+            return None
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=exc_type is None, cancel_futures=True)
+
+
+def compile_error(future: Future | None) -> str | None:
+    """What a precompile found (waiting for it): the compile error, or None when it compiled or did not
+    run (a broken pool, a stand-in it could not build: the timing process compiles as usual)."""
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001
+        return None

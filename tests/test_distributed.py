@@ -1,0 +1,127 @@
+"""Many workers and hosts on one search, against a real PostgreSQL (pgserver), in the interpreter:
+`--workers 2` on one host, two `fatune search` commands sharing one storage (two hosts, each
+with its own DB), and a worker killed mid-trial while the other finishes the studies."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import uuid
+
+import optuna
+import pytest
+import torch
+
+from fatune.db import TunedDB
+from fatune.heuristics import default_config
+from fatune.measure import Shape
+from fatune.search import FINISHED
+from fatune.storage import normalise_url
+from tests.test_search import finish, start_searches
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only")
+TRIALS = 4
+SEARCH = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--batch", "1", "--heads", "1",
+          "--mask", "causal", "--trials", str(TRIALS)]
+SHAPE = Shape(batch=1, heads=1, seqlen_q=32, seqlen_k=32, head_dim=16, dtype="float16", causal=True)
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory):
+    """A PostgreSQL server for the session (pgserver runs it as its own user when we are root)."""
+    import pgserver
+
+    server = pgserver.get_server(tmp_path_factory.mktemp("postgres"), cleanup_mode="stop")
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def postgres_url(postgres) -> str:
+    """A fresh database on the session's server, as the plain postgresql:// URL a user would give."""
+    name = f"fatune_{uuid.uuid4().hex[:12]}"
+    postgres.psql(f"CREATE DATABASE {name};")
+    return postgres.get_uri(name)
+
+
+def trials_by_study(url: str) -> dict[str, list[optuna.trial.FrozenTrial]]:
+    """Each study's trials, by 'lq<seqlen_q bucket>:<kernel>'."""
+    url = normalise_url(url)
+    return {":".join(s.study_name.split(":")[-4::3]): optuna.load_study(study_name=s.study_name, storage=url).trials
+            for s in optuna.get_all_study_summaries(url)}
+
+
+def check_studies(url: str, lengths: int, processes: int) -> dict[str, list[optuna.trial.FrozenTrial]]:
+    """Every study has its trials, over-shooting by at most one per process, and ran the heuristic to
+    the end exactly once (a trial of it that died is failed and retried)."""
+    heuristic = default_config(SHAPE.spec, None)
+    studies = trials_by_study(url)
+    assert len(studies) == 3 * lengths
+    for name, trials in studies.items():
+        finished = [t for t in trials if t.state in FINISHED]
+        assert TRIALS <= len(finished) <= TRIALS + processes, (name, [t.state for t in trials])
+        start = getattr(heuristic, name.split(":")[1]).to_dict()
+        queued = [t.state for t in trials if t.system_attrs.get("fixed_params") == start]
+        assert [state for state in queued if state != optuna.trial.TrialState.FAIL] == \
+            [optuna.trial.TrialState.COMPLETE], name
+    return studies
+
+
+def entries(db_path) -> dict[int, dict]:
+    with TunedDB(db_path, readonly=True) as db:
+        return {entry.seqlen_q_bucket: entry.attention_config().to_dict() for entry in db.entries()}
+
+
+def test_workers_on_one_host_share_its_studies(tmp_path, postgres_url):
+    db_path = tmp_path / "tuned.sqlite"
+    run = subprocess.run([sys.executable, "-m", "fatune.cli", *SEARCH, "--lengths", "32,48", "--workers", "2",
+                          "--storage", postgres_url, "--db", str(db_path), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout)
+    assert [row["trials"] >= 3 * TRIALS and row["trials_per_s"] > 0 for row in rows] == [True, True]
+    studies = check_studies(postgres_url, lengths=2, processes=2)
+    workers = collections.Counter(t.user_attrs["worker"] for trials in studies.values() for t in trials)
+    assert len(workers) == 2, workers  # both processes ran trials
+    assert entries(db_path) == {32: rows[0]["config"], 64: rows[1]["config"]}
+
+
+def test_two_hosts_on_one_storage_both_store_the_winners(tmp_path, postgres_url):
+    args = [*SEARCH, "--lengths", "32", "--storage", postgres_url]
+    processes = [start_searches(tmp_path, [*args, "--db", str(tmp_path / f"host{i}.sqlite")])[0] for i in (1, 2)]
+    results = [finish(process) for process in processes]
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    check_studies(postgres_url, lengths=1, processes=2)
+    winners = entries(tmp_path / "host1.sqlite")
+    assert list(winners) == [32] and entries(tmp_path / "host2.sqlite") == winners
+
+
+def test_a_killed_worker_does_not_block_the_others(tmp_path, postgres_url):
+    """One search dies (SIGKILL) in a dK/dV trial; the other finishes every study: the dead trial is
+    failed once its heartbeat stops, and its config is run again."""
+    args = [*SEARCH, "--lengths", "32", "--storage", postgres_url]
+    (killed,) = start_searches(tmp_path, [*args, "--db", str(tmp_path / "killed.sqlite")], kill_in="dkdv",
+                               signal_name="SIGKILL")
+    (survivor,) = start_searches(tmp_path, [*args, "--db", str(tmp_path / "survivor.sqlite")])
+    assert finish(killed)[0] == -signal.SIGKILL
+    rc, _, err = finish(survivor)
+    assert rc == 0, err[-2000:]
+    studies = check_studies(postgres_url, lengths=1, processes=2)
+    (dead,) = [t for t in studies["lq32:dkdv"] if t.state == optuna.trial.TrialState.FAIL]
+    (retried,) = [t for t in studies["lq32:dkdv"] if t.system_attrs.get("failed_trial") == dead.number]
+    assert retried.state in FINISHED and retried.params == dead.params
+    assert list(entries(tmp_path / "survivor.sqlite")) == [32]
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--workers", "0"], 2, "--workers"),
+    (["--compile-workers", "-1"], 2, "--compile-workers"),
+    (["--storage", "postgresql://nobody@127.0.0.1:1/none"], 1, "cannot open Optuna storage"),
+], ids=["no-workers", "negative-compile-workers", "unreachable-server"])
+def test_bad_distributed_options_are_one_line(tmp_path, args, code, message):
+    run = subprocess.run([sys.executable, "-m", "fatune.cli", *SEARCH, "--lengths", "32", "--db",
+                          str(tmp_path / "t.sqlite"), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == code and message in run.stderr and "Traceback" not in run.stderr, run.stderr
