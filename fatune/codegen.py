@@ -182,7 +182,8 @@ def _write_source(path: Path, source: str) -> Path:
         return fallback
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -191,7 +192,7 @@ def load(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> ModuleType:
 
     After the first call for a key this is one dictionary lookup (it sits on every call's path).
     """
-    memo_key = (kind, spec, config, _interpreting())  # interpreted and compiled kernels are different objects
+    memo_key = (kind, spec, config, interpreting())  # interpreted and compiled kernels are different objects
     module = _modules.get(memo_key)
     if module is not None:
         return module

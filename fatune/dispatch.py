@@ -73,11 +73,6 @@ def device_identity(device: torch.device) -> tuple[str, str]:
     return props.name, f"{props.major}.{props.minor}"
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def shipped_dbs() -> list[Path]:
     """The tuned DBs installed with the package (fatune/tuned_db, or tuned_db/ in a checkout)."""
     here = Path(__file__).resolve().parent

@@ -118,6 +118,9 @@ class KernelLaunch:
 
     def __call__(self, slots: tuple, stream: int | None) -> None:
         args = self.pick(slots) + self.tail
+        if _compile_only:
+            self.warmup(args)
+            return
         if self.direct is not None and not _launch_hooks_active():
             self.direct(*self.grid, stream, *self.middle, *args)
             return
@@ -130,6 +133,11 @@ class KernelLaunch:
         if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
             self.binary = kernel
             self.direct, self.middle = _direct_launcher(kernel) or (None, ())
+
+    def warmup(self, args: tuple) -> None:
+        """Compile what this launch runs (into Triton's cache), launching nothing."""
+        if not codegen.interpreting():
+            self.fn.warmup(*args, grid=self.grid, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,6 +170,16 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     if (pack, splits) == (fwd.pack_gqa, fwd.num_splits):
         return config
     return config.replace(fwd=dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits))
+
+
+_compile_only = False
+
+
+def compile_only() -> None:
+    """From now on, launches in this process compile their kernels and launch nothing (the search's
+    compile-pool processes run a trial's real launch path this way)."""
+    global _compile_only
+    _compile_only = True
 
 
 def current_stream(device: torch.device) -> int | None:
@@ -252,8 +270,15 @@ class Plan:
         out = new_buffer(*self.out_layout, self.dtype, self.device)
         return out, new_buffer(*self.lse_layout, torch.float32, self.device)
 
+    def on_device(self) -> bool:
+        """Whether the current CUDA device is the tensors' (a kernel launches on the current one)."""
+        return self.device.type != "cuda" or torch._C._cuda_getDevice() == self.device.index
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.on_device():
+            with torch.cuda.device(self.device):
+                return self.forward(q, k, v, extras, seed)
         out, lse = self.allocate_forward()
         self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
         return out, lse
@@ -291,6 +316,9 @@ class Plan:
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, extras: tuple = NO_EXTRAS,
                  seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.on_device():
+            with torch.cuda.device(self.device):
+                return self.backward(grad_out, q, k, v, out, lse, extras, seed)
         launches = self.bwd_launches(grad_out)
         delta, dq, dk, dv = self.allocate_backward()
         slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, delta, dq, dk, dv)

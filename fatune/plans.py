@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fatune import reference
-from fatune.dispatch import Decision, dispatcher, interpreting
+from fatune.codegen import interpreting
+from fatune.dispatch import Decision, dispatcher
 from fatune.inputs import AttentionProblem, check_contents, check_inputs
 from fatune.launch import NO_EXTRAS, Plan, layout_like, new_buffer
 from fatune.spec import AttentionConfig

@@ -16,7 +16,6 @@ In Triton's interpreter nothing is compiled; the pool then only renders and impo
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 
@@ -32,13 +31,6 @@ def stand_in_inputs(shape: Shape, device: torch.device | str) -> dict[str, torch
     sizes = {"q": (shape.heads, shape.seqlen_q, shape.head_dim), "k": (shape.kv_heads, shape.seqlen_k, shape.head_dim),
              "v": (shape.kv_heads, shape.seqlen_k, shape.head_dim_v), "do": (shape.heads, shape.seqlen_q, shape.head_dim_v)}
     return {name: torch.empty((shape.batch, *size), dtype=dtype, device=device) for name, size in sizes.items()}
-
-
-def _warmup(launch, slots: tuple, stream) -> None:
-    """KernelLaunch.__call__ in a pool process: compile what the launch would run, launch nothing."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        launch.fn.warmup(*(launch.pick(slots) + launch.tail), grid=launch.grid, num_warps=launch.num_warps,
-                         num_stages=launch.num_stages)
 
 
 def compile_trial(shape: Shape, config: AttentionConfig, kernel: str, device: str) -> str | None:
@@ -62,7 +54,7 @@ def _start_compiler() -> None:
     from fatune import launch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    launch.KernelLaunch.__call__ = _warmup
+    launch.compile_only()
 
 
 class CompilePool:

@@ -1,9 +1,9 @@
 """`fatune search`: find the fastest correct launch configs per shape with Optuna, store the winners.
 
 The forward, dK/dV and dQ kernels are independent launches, so each gets its own Optuna
-study (multivariate TPE, fixed seed) minimising its own median time; a training step's
-forward+backward time is their sum plus the small Delta pre-pass, and is measured again
-end to end with the winners before anything is stored.
+study (multivariate TPE, fixed seed) minimising its own median time (the dQ kernel also
+writes Delta, which the dK/dV kernel reads); a training step's forward+backward time is
+their sum, and is measured again end to end with the winners before anything is stored.
 
 A trial is rejected before compiling when its tiles cannot fit (shared-memory estimate,
 too many warps for the tile); a compile error or OutOfResources prunes it; its output is

@@ -14,7 +14,7 @@ from fatune.heuristics import default_config
 from fatune.measure import KernelRunner, Shape, make_inputs
 from fatune.spec import KERNELS
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
 CUDA = make_backend(GPUTarget("cuda", 90, 32))
 BASE = Shape(batch=2, heads=4, seqlen_q=48, seqlen_k=40, head_dim=16, dtype="float16")
 SHAPES = {
@@ -45,6 +45,7 @@ def launched(shape: Shape, kernel: str, inputs: dict[str, torch.Tensor], monkeyp
     return calls
 
 
+@cpu_only
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name", SHAPES)
 def test_stand_ins_specialise_like_the_real_inputs(name, kernel, monkeypatch):
@@ -54,6 +55,7 @@ def test_stand_ins_specialise_like_the_real_inputs(name, kernel, monkeypatch):
     assert launched(shape, kernel, precompile.stand_in_inputs(shape, "cpu"), monkeypatch) == real
 
 
+@cpu_only
 def test_a_compile_error_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(codegen, "render", lambda kind, spec, config: "def broken(:\n")
     monkeypatch.setattr(codegen, "_modules", {})
