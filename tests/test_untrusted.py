@@ -11,11 +11,9 @@ import logging
 import math
 import os
 import random
-import sqlite3
 import subprocess
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from click.testing import CliRunner
 import fatune
 from fatune import dispatch
 from fatune.cli import cli
-from fatune.db import SCHEMA_VERSION, Entry, TunedDB, export_entries
+from fatune.db import SCHEMA_VERSION, TunedDB, export_entries
 from fatune.dispatch import Dispatcher
 from fatune.inputs import check_inputs
 from tests.conftest import DEVICE
