@@ -473,6 +473,8 @@ def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, inputs:
                         on_trial(search)
                 elif wait and any(search.census()[1] for search in searches):
                     time.sleep(POLL_S)
+                elif wait and any(search.wants_trial() for search in searches):
+                    continue  # a census just failed a dead trial and queued its retry
                 elif not (wait and any([search.ensure_heuristic() for search in searches])):
                     break
         finally:
