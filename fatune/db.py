@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import sqlite_utils
 
 from fatune.spec import (DTYPES, MASK_KINDS, MAX_HEAD_DIM, SEQLEN_MODES, STRUCTURE_FIELDS, AttentionConfig, KernelSpec,
-                         LaunchConfig)
+                         LaunchConfig, misplaced_structure)
 
 if TYPE_CHECKING:
     from fatune.inputs import AttentionProblem
@@ -213,13 +213,14 @@ class Entry:
             value = getattr(self, name)
             if not valid(value):
                 raise InvalidEntry(f"{name}: expected {expected}, got {value!r:.80}")
-        _launch_config("fwd_config", self.fwd_config)
         if not isinstance(self.bwd_config, dict) or set(self.bwd_config) != {"dkdv", "dq"}:
             raise InvalidEntry(f"bwd_config: expected an object with exactly 'dkdv' and 'dq' launch configs, "
                                f"got {self.bwd_config!r:.80}")
-        for kernel in ("dkdv", "dq"):
-            if _launch_config(f"bwd_config.{kernel}", self.bwd_config[kernel]).structure:
-                raise InvalidEntry(f"bwd_config.{kernel}: {sorted(STRUCTURE_FIELDS)} apply to the forward kernel only")
+        for kernel, name in (("fwd", "fwd_config"), ("dkdv", "bwd_config.dkdv"), ("dq", "bwd_config.dq")):
+            data = self.fwd_config if kernel == "fwd" else self.bwd_config[kernel]
+            misplaced = misplaced_structure(kernel, _launch_config(name, data))
+            if misplaced:
+                raise InvalidEntry(f"{name}: {misplaced} do not apply to the {kernel} kernel")
         return self
 
     def attention_config(self) -> AttentionConfig:

@@ -32,7 +32,7 @@ _DTYPE_ALIASES = {
     "f32": "float32",
 }
 MAX_HEAD_DIM = 256
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/a)?")
 MAX_SPLITS = 128
 _POW2_TILES = (16, 32, 64, 128, 256)
 
@@ -189,6 +189,10 @@ class LaunchConfig:
         flash-decoding); 0 = chosen when launching, from the grid and the GPU's SM count.
     pack_gqa: 1 = one program serves all query heads that share a K/V head (their rows are
         packed into the tile), so each K/V tile is loaded once per group.
+    dK/dV only:
+    atomic_dq: 1 = the dK/dV kernel also computes dQ (dS K, added to a float32 buffer with
+        atomic adds), so the backward runs 5 tile products instead of 7 and no dQ kernel;
+        the dQ config then only sizes the small kernels around it (Delta, dQ's final store).
     """
 
     block_m: int
@@ -197,6 +201,7 @@ class LaunchConfig:
     num_stages: int = 2
     num_splits: int = 1
     pack_gqa: int = 0
+    atomic_dq: int = 0
 
     def __post_init__(self) -> None:
         for field in ("block_m", "block_n"):
@@ -210,8 +215,10 @@ class LaunchConfig:
         if not _is_int(self.num_splits) or not 0 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0 = chosen at launch), "
                              f"got {self.num_splits!r}")
-        if self.pack_gqa not in (0, 1) or not _is_int(self.pack_gqa):
-            raise ValueError(f"pack_gqa: expected 0 or 1, got {self.pack_gqa!r}")
+        for field in ("pack_gqa", "atomic_dq"):
+            value = getattr(self, field)
+            if value not in (0, 1) or not _is_int(value):
+                raise ValueError(f"{field}: expected 0 or 1, got {value!r}")
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -229,28 +236,35 @@ class LaunchConfig:
         text = f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
         if self.num_splits != 1:
             text += f"/k{self.num_splits}"
-        return text + ("/g" if self.pack_gqa else "")
+        return text + ("/g" if self.pack_gqa else "") + ("/a" if self.atomic_dq else "")
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g]', e.g. '128x64/w4/s3' or '64x64/w4/s2/k8/g'."""
+        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/a]', e.g. '128x64/w4/s3' or
+        '64x64/w4/s2/k8/g' (forward) or '64x128/w8/s2/a' (dK/dV)."""
         match = _CONFIG_RE.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g] such as 128x64/w4/s3, "
-                             f"got {text!r}")
-        block_m, block_n, warps, stages, splits, pack = match.groups()
-        return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)))
+            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/a] such as "
+                             f"128x64/w4/s3, got {text!r}")
+        block_m, block_n, warps, stages, splits, pack, atomic = match.groups()
+        return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)),
+                   int(bool(atomic)))
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# the code-structure fields and their plain-kernel values; only the forward kernel has them
-STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0}
-
-
+# the code-structure fields and their plain-kernel values
+STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "atomic_dq": 0}
 KERNELS = ("fwd", "dkdv", "dq")
+# the kernel whose code each structure field changes (the others keep the plain value)
+STRUCTURE_OWNER = {"num_splits": "fwd", "pack_gqa": "fwd", "atomic_dq": "dkdv"}
+
+
+def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
+    """The structure fields `config` sets that do not belong to `kernel` (sorted)."""
+    return sorted(name for name in config.structure if STRUCTURE_OWNER[name] != kernel)
 
 
 @dataclass(frozen=True)
@@ -262,9 +276,11 @@ class AttentionConfig:
     dq: LaunchConfig
 
     def __post_init__(self) -> None:
-        for name in ("dkdv", "dq"):
-            if getattr(self, name).structure:
-                raise ValueError(f"{name}: {sorted(getattr(self, name).structure)} apply to the forward kernel only")
+        for name in KERNELS:
+            misplaced = misplaced_structure(name, getattr(self, name))
+            if misplaced:
+                owners = ", ".join(f"{field}: {STRUCTURE_OWNER[field]}" for field in misplaced)
+                raise ValueError(f"{name}: {misplaced} belong to another kernel ({owners})")
 
     def replace(self, **changes: LaunchConfig) -> AttentionConfig:
         return dataclasses.replace(self, **changes)
