@@ -53,6 +53,17 @@ for stage in "$@"; do
           --mask causal --trials 30 --compile-workers $cw --db /tmp/cw$cw.sqlite > "$OUT/search-cw$cw.log" 2>&1
         tail -n 6 "$OUT/search-cw$cw.log"
       done ;;
+    bwd-variants)  # backward structure (separate dQ kernel vs atomic dQ) over dK/dV tiles, L=4096, d64/128/256
+      python3 benchmarks/bwd_variants.py "$OUT/bwd-variants.json" --lengths ${BWD_LENGTHS:-4096} \
+        > "$OUT/bwd-variants.log" 2>&1; tail -n 80 "$OUT/bwd-variants.log" ;;
+    bwd-d256)  # dK/dV and dQ tiles at head dim 256 (the heuristic's weakest), and atomic dQ at d64 L=1k/16k
+      python3 benchmarks/bwd_variants.py "$OUT/bwd-d256.json" --head-dims 256 --kernels dkdv,dq \
+        > "$OUT/bwd-d256.log" 2>&1; tail -n 30 "$OUT/bwd-d256.log"
+      python3 benchmarks/bwd_variants.py "$OUT/bwd-atomic.json" --head-dims 64 --lengths 1024,16384 --atomic \
+        > "$OUT/bwd-atomic.log" 2>&1; tail -n 60 "$OUT/bwd-atomic.log" ;;
+    atomic-accuracy)  # the atomic-dQ backward against the accuracy rule
+      python3 -m pytest tests/test_variants.py -k gpu_atomic -m gpu -n 8 -q -p no:cacheprovider \
+        > "$OUT/atomic-accuracy.log" 2>&1; tail -n 8 "$OUT/atomic-accuracy.log" ;;
     *)
       echo "unknown stage $stage" ;;
   esac

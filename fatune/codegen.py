@@ -82,7 +82,7 @@ def template_hash() -> str:
 def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
-    structure = {"PACK_GQA": False, "SPLIT_KV": False}
+    structure = {"PACK_GQA": False, "SPLIT_KV": False, "ATOMIC_DQ": False}
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         structure = {"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1}
@@ -99,6 +99,8 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
             DQ_BLOCK_N=config.dq.block_n,
         )
         used = {"dkdv": config.dkdv.to_dict(), "dq": config.dq.to_dict()}
+        # float32 gradients are Kahan-summed, which atomics cannot do (launch.resolve drops it too)
+        structure["ATOMIC_DQ"] = bool(config.dkdv.atomic_dq) and spec.dtype != "float32"
     return {
         "template_name": TEMPLATE_FILES[kind],
         "title": _TITLES[kind],

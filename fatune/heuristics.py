@@ -14,12 +14,14 @@ from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig, lanes
 Arch = tuple[int, int]
 
 
-def _hopper(block_d: int, dtype: str) -> AttentionConfig:
+def _hopper(block_d: int, dtype: str, causal: bool) -> AttentionConfig:
+    """Backward tiles: benchmarks/bwd_variants.py on an H200 (BENCHMARKS.md, 2026-11-30 session 3)."""
     wide = dtype == "float32"  # fp32 tiles take twice the shared memory and registers
     if block_d <= 64 and not wide:
         return AttentionConfig(
             fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3),
-            dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3),
+            # causal: shorter key tiles waste less of the diagonal (backward 2.52 vs 2.68 ms at L=4096)
+            dkdv=LaunchConfig(32, 64 if causal else 128, num_warps=4, num_stages=3),
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
         )
     if block_d <= 128 and not wide:
@@ -27,6 +29,12 @@ def _hopper(block_d: int, dtype: str) -> AttentionConfig:
             fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3),
             dkdv=LaunchConfig(64, 64, num_warps=4, num_stages=2),
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
+        )
+    if not wide:  # head dims 129..256: 64-row tiles over 8 warps (backward 7.1 vs 22.3 ms at d256, L=4096)
+        return AttentionConfig(
+            fwd=LaunchConfig(64, 32, num_warps=4, num_stages=1),
+            dkdv=LaunchConfig(64, 64, num_warps=8, num_stages=1),
+            dq=LaunchConfig(128, 64, num_warps=8, num_stages=1),
         )
     return AttentionConfig(
         fwd=LaunchConfig(64, 32, num_warps=4, num_stages=1),
@@ -80,7 +88,7 @@ def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False) ->
         return with_forward_structure(INTERPRETER_CONFIG)
     block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
     if arch[0] >= 9:
-        config = _hopper(block_d, spec.dtype)
+        config = _hopper(block_d, spec.dtype, spec.causal or spec.window_right)
     else:
         config = _generic(block_d if spec.dtype != "float32" else 2 * block_d)
     if decode and spec.dtype != "float32":

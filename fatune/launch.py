@@ -31,7 +31,7 @@ from fatune.spec import MAX_SPLITS, AttentionConfig, LaunchConfig
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
 SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
-         "DO", "DELTA", "DQ", "DK", "DV")
+         "DO", "DELTA", "DQ", "DK", "DV", "DQ_ACC")
 EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")  # order of a call's extras
 NO_EXTRAS = (None,) * len(EXTRAS)
 
@@ -158,8 +158,11 @@ def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
 
 
 def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.device) -> AttentionConfig:
-    """`config` with its launch-time choices made: GQA packing only where groups exist, and the
-    number of key splits when it is 0 (auto)."""
+    """`config` with its launch-time choices made: GQA packing only where groups exist, the
+    number of key splits when it is 0 (auto), and no atomic dQ for float32 (its gradients are
+    Kahan-summed, which atomics cannot do)."""
+    if config.dkdv.atomic_dq and problem.spec.dtype == "float32":
+        config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
     fwd = config.fwd
     pack = fwd.pack_gqa if problem.group_size > 1 else 0
     splits = fwd.num_splits
@@ -240,6 +243,14 @@ class Plan:
                 **dict(zip(signature.strides("lp", dims="sbh"), shared(self.lse_part_layout[1]))),
             }
         self.dq_grid = (triton.cdiv(problem.max_seqlen_q, config.dq.block_m), problem.heads, problem.batch)
+        self.atomic_dq = bool(config.dkdv.atomic_dq)
+        if self.atomic_dq:  # dQ's float32 accumulator: (B, H, L_Q, D), or one batch of L_Q rows when packed
+            self.dq_acc_layout = ((*rows, spec.head_dim), contiguous_strides((*rows, spec.head_dim)))
+            acc_strides = self.dq_acc_layout[1]
+            self.values.update(zip(signature.strides("dqa"), (0, *acc_strides[1:]) if packed else acc_strides))
+            self.rows_grid = (triton.cdiv(problem.seqlen_q, config.dq.block_m), problem.heads, rows[0])
+        else:
+            self.values.update(dict.fromkeys(signature.strides("dqa"), 0))
         self.dkdv_grid = (triton.cdiv(problem.max_seqlen_k, config.dkdv.block_n), problem.kv_heads, problem.batch)
         self._fwd: KernelLaunch | None = None
         self._bwd: dict[tuple, tuple[KernelLaunch, ...]] = {}
@@ -295,23 +306,32 @@ class Plan:
     # -- backward ----------------------------------------------------------------------------
 
     def bwd_launches(self, grad_out: torch.Tensor) -> tuple[KernelLaunch, ...]:
-        """(dQ and Delta, then dK/dV) for gradients of this stride and alignment (cached)."""
+        """The backward's kernels in launch order, for gradients of this stride and alignment (cached):
+        dQ and Delta, then dK/dV; with atomic dQ: Delta (and a zeroed dQ accumulator), dK/dV with dQ,
+        then dQ's store."""
         key = (grad_out.stride(), grad_out.data_ptr() % 16)
         launches = self._bwd.get(key)
         if launches is None:
             module = codegen.load("bwd", self.spec, self.config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
-            launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", self.dq_grid, self.config.dq, values),
-                        KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, self.config.dkdv, values))
+            dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, self.config.dkdv, values)
+            if self.atomic_dq:
+                launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.rows_grid, self.config.dq, values),
+                            dkdv,
+                            KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, self.config.dq,
+                                         values))
+            else:
+                launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", self.dq_grid, self.config.dq, values), dkdv)
             self._bwd[key] = launches
         return launches
 
     def allocate_backward(self) -> tuple[torch.Tensor, ...]:
-        """(delta, dq, dk, dv) buffers."""
+        """(delta, dq, dk, dv, dq_acc) buffers; dq_acc (atomic dQ's float32 accumulator) is None without it."""
         delta = new_buffer(*self.lse_layout, torch.float32, self.device)
         dq, dk, dv = (new_buffer(shape, strides, self.dtype, self.device) for shape, strides in self.grad_layouts)
-        return delta, dq, dk, dv
+        dq_acc = new_buffer(*self.dq_acc_layout, torch.float32, self.device) if self.atomic_dq else None
+        return delta, dq, dk, dv, dq_acc
 
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, extras: tuple = NO_EXTRAS,
@@ -320,8 +340,9 @@ class Plan:
             with torch.cuda.device(self.device):
                 return self.backward(grad_out, q, k, v, out, lse, extras, seed)
         launches = self.bwd_launches(grad_out)
-        delta, dq, dk, dv = self.allocate_backward()
-        slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, delta, dq, dk, dv)
+        buffers = self.allocate_backward()
+        slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, *buffers)
+        dq, dk, dv = buffers[1:4]
         stream = current_stream(self.device)
         for launch in launches:
             launch(slots, stream)

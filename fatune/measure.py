@@ -127,26 +127,36 @@ class KernelRunner:
         call = Call(**shape.attention_kwargs(q.device))
         self.plan = Plan(call.check(q, k, v), config, q.device, q, k, v)
         out, lse = self.plan.allocate_forward()
-        delta, grad_q, grad_k, grad_v = self.plan.allocate_backward()
+        buffers = self.plan.allocate_backward()
+        delta, grad_q, grad_k, grad_v, _ = buffers
         grad_out = inputs["do"]
         self.args = SimpleNamespace(out=out, lse=lse, delta=delta, grad_q=grad_q, grad_k=grad_k, grad_v=grad_v,
                                     grad_out=grad_out)
         seed = dropout.draw_seed(q.device) if self.plan.uses_seed else None
-        self.slots = self.plan.slots(q, k, v, out, lse, call.extras, seed) + (grad_out, delta, grad_q, grad_k, grad_v)
+        self.slots = self.plan.slots(q, k, v, out, lse, call.extras, seed) + (grad_out, *buffers)
 
     def run(self, kernel: str) -> Callable[[], None]:
-        """A no-argument callable launching 'fwd', 'dq' (which also writes Delta) or 'dkdv'."""
+        """A no-argument callable launching the forward ('fwd', with split-KV's combine kernel) or the
+        whole backward ('dq', 'dkdv' or 'bwd': its two configs share the work, and with atomic dQ one
+        kernel does both's, so either is timed as the backward a training step runs)."""
         from fatune.launch import current_stream
 
-        if kernel == "fwd":  # with split-KV: the split kernel and the combine kernel
+        if kernel == "fwd":
             return lambda: self.plan.run_forward(self.slots)
-        launch = dict(zip(("dq", "dkdv"), self.plan.bwd_launches(self.args.grad_out)))[kernel]
-        return lambda: launch(self.slots, current_stream(self.plan.device))
+        if kernel not in ("dq", "dkdv", "bwd"):
+            raise ValueError(f"kernel: expected 'fwd', 'dq', 'dkdv' or 'bwd', got {kernel!r}")
+        launches = self.plan.bwd_launches(self.args.grad_out)
+
+        def backward() -> None:
+            stream = current_stream(self.plan.device)
+            for launch in launches:
+                launch(self.slots, stream)
+
+        return backward
 
     def prepare(self) -> None:
-        """Run forward and dQ once so the backward kernels read real LSE and Delta."""
+        """Run the forward once so the backward reads a real O and LSE."""
         self.run("fwd")()
-        self.run("dq")()
 
 
 def compile_seconds(fn: Callable[[], object]) -> float:

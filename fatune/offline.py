@@ -21,7 +21,9 @@ from triton.compiler import ASTSource
 from fatune import codegen, signature
 from fatune.spec import AttentionConfig, KernelSpec
 
-_KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq")}
+_KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq"),
+                     "prep": ("bwd", "attn_bwd_prep"), "dq_store": ("bwd", "attn_bwd_dq_store")}
+_LAUNCH_CONFIG = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "prep": "dq", "dq_store": "dq"}  # whose warps/stages
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,10 @@ class CompiledKernel:
         return self.spill_bytes > 0
 
 
-def _signature(kernel: str, spec: KernelSpec) -> tuple[dict, dict, dict]:
+def _signature(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset()) -> tuple[dict, dict, dict]:
     """Argument types as a launch on contiguous, 16-aligned tensors specialises them: pointers and
-    strides divisible by 16, unit head-dim strides and unused optional pointers (None) constant."""
-    types = signature.triton_types(kernel, spec)
+    strides divisible by 16, unit head-dim strides and unused (None) pointers constant."""
+    types = signature.triton_types(kernel, spec, absent)
     attrs: dict[tuple[int], list] = {}
     constexprs: dict[str, int | None] = {name: None for name, kind in types.items() if kind == "constexpr"}
     for index, (name, kind) in enumerate(types.items()):
@@ -58,15 +60,17 @@ def _cuobjdump() -> str:
 
 
 def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0)) -> CompiledKernel:
-    """Compile `kernel` ('fwd', 'dkdv' or 'dq') for CUDA compute capability `arch`; raises on failure."""
+    """Compile `kernel` ('fwd', 'dkdv', 'dq', or atomic dQ's 'prep' and 'dq_store') for CUDA compute
+    capability `arch`; raises on failure."""
     if kernel not in _KERNEL_FUNCTIONS:
         raise ValueError(f"kernel: expected one of {sorted(_KERNEL_FUNCTIONS)}, got {kernel!r}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_kernel needs compiled (not interpreted) kernels: unset TRITON_INTERPRET")
     module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
-    launch = getattr(config, kernel)
-    types, attrs, constexprs = _signature(function_name, spec)
+    launch = getattr(config, _LAUNCH_CONFIG[kernel])
+    absent = frozenset() if config.dkdv.atomic_dq and spec.dtype != "float32" else frozenset({"DQ_ACC"})
+    types, attrs, constexprs = _signature(function_name, spec, absent)
     source = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
     compiled = triton.compile(source, target=target,

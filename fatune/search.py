@@ -1,9 +1,11 @@
 """`fatune search`: find the fastest correct launch configs per shape with Optuna, store the winners.
 
-The forward, dK/dV and dQ kernels are independent launches, so each gets its own Optuna
-study (multivariate TPE, fixed seed) minimising its own median time (the dQ kernel also
-writes Delta, which the dK/dV kernel reads); a training step's forward+backward time is
-their sum, and is measured again end to end with the winners before anything is stored.
+Each of the forward, dK/dV and dQ configs gets its own Optuna study (multivariate TPE,
+fixed seed). The forward's minimises the forward's median time; the two backward studies
+both minimise the whole backward's (dQ and dK/dV kernels, with the other config at its best
+so far), because with atomic dQ one kernel does both's work and the dQ config only sizes
+the small kernels around it. A training step's forward+backward time is measured again end
+to end with the winners before anything is stored.
 
 A trial is rejected before compiling when its tiles cannot fit (shared-memory estimate,
 too many warps for the tile); a compile error or OutOfResources prunes it; its output is
@@ -69,6 +71,7 @@ class SearchSpace:
 
     num_splits: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)  # forward only; 0 = chosen at launch
     pack_gqa: tuple[int, ...] = (0, 1)  # forward only, GQA shapes only
+    atomic_dq: tuple[int, ...] = (0, 1)  # dK/dV only, 16-bit dtypes only
 
     def axes(self, kernel: str, shape: Shape) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the forward's structure."""
@@ -78,6 +81,8 @@ class SearchSpace:
             axes["num_splits"] = self.num_splits
             if shape.kv_heads != shape.heads:
                 axes["pack_gqa"] = self.pack_gqa
+        if kernel == "dkdv" and shape.dtype != "float32":
+            axes["atomic_dq"] = self.atomic_dq
         return axes
 
     def grid(self, kernel: str, shape: Shape) -> list[LaunchConfig]:
@@ -88,7 +93,7 @@ class SearchSpace:
 GPU_SPACE = SearchSpace()
 # The interpreter runs tiles as numpy arrays: a small space keeps CPU searches short.
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2),
-                                pack_gqa=(1,))
+                                pack_gqa=(1,), atomic_dq=(0, 1))
 
 
 def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> int:
@@ -183,7 +188,8 @@ class ShapeResult:
 class Checker:
     """torch's output and gradients for one shape, to check every candidate kernel against."""
 
-    KERNEL_OUTPUTS = {"fwd": ("out",), "dkdv": ("grad_k", "grad_v"), "dq": ("grad_q",)}
+    # the backward's two studies are timed and checked as the whole backward (fatune.measure.KernelRunner)
+    KERNEL_OUTPUTS = {"fwd": ("out",), "dkdv": ("grad_q", "grad_k", "grad_v"), "dq": ("grad_q", "grad_k", "grad_v")}
     REFERENCE_NAMES = {"out": "out", "grad_q": "q", "grad_k": "k", "grad_v": "v"}
 
     def __init__(self, shape: Shape, inputs: dict[str, torch.Tensor]):

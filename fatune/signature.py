@@ -22,7 +22,7 @@ POINTERS: dict[str, str] = {
     "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "fp32",
     "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64",
     "DO": "io", "DELTA": "fp32", "DQ": "io", "DK": "io", "DV": "io",
-    "O_PART": "fp32", "LSE_PART": "fp32", "OUT": "i8",
+    "O_PART": "fp32", "LSE_PART": "fp32", "OUT": "i8", "DQ_ACC": "fp32",
 }
 FLOAT_SCALARS = frozenset({"sm_scale", "dropout_p"})
 
@@ -43,10 +43,13 @@ PARAMS: dict[str, tuple[str, ...]] = {
                  *strides("q", "k", "v", "o"), "stride_os", *STAT_STRIDES, "stride_ls", *MASK_AND_ALIBI_STRIDES),
     "attn_fwd_combine": ("O", "LSE", "O_PART", "LSE_PART", "num_splits", "L_Q", *strides("o"), *STAT_STRIDES,
                          *strides("op", dims="sbhld"), *strides("lp", dims="sbh")),
-    "attn_bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", *OPTIONAL_INPUTS, *RUN_TIME,
-                      *strides("q", "k", "v", "do", "dk", "dv"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
+    # atomic dQ: DQ_ACC is dQ's float32 accumulator (B, H, L_Q, HEAD_DIM); the plain kernel gets None
+    "attn_bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ_ACC", *OPTIONAL_INPUTS, *RUN_TIME,
+                      *strides("q", "k", "v", "do", "dk", "dv", "dqa"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
     "attn_bwd_dq": ("Q", "K", "V", "O", "DO", "LSE", "DELTA", "DQ", *OPTIONAL_INPUTS, *RUN_TIME,
                     *strides("q", "k", "v", "o", "do", "dq"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
+    "attn_bwd_prep": ("O", "DO", "DELTA", "DQ_ACC", "L_Q", *strides("o", "do"), *STAT_STRIDES, *strides("dqa")),
+    "attn_bwd_dq_store": ("DQ_ACC", "DQ", "sm_scale", "L_Q", *strides("dqa", "dq")),
     "dropout_mask_kernel": ("OUT", "SEED", "dropout_p", "H", "L_Q", "L_K", *strides("out", dims="bhqk")),
 }
 
@@ -82,9 +85,10 @@ def optional_inputs_used(spec: KernelSpec) -> set[str]:
     return {name for name, on in used.items() if on}
 
 
-def triton_types(kernel: str, spec: KernelSpec) -> dict[str, str]:
+def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset()) -> dict[str, str]:
     """Triton argument types of `kernel` for `spec`, as `triton.compile` takes them in an ASTSource
-    signature ("constexpr" for the optional pointers it does not read, which are passed as None)."""
+    signature ("constexpr" for the optional pointers it does not read and the `absent` ones, which
+    are passed as None)."""
     dtype = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[spec.dtype]
     used = optional_inputs_used(spec)
     types = {}
@@ -92,7 +96,7 @@ def triton_types(kernel: str, spec: KernelSpec) -> dict[str, str]:
         kind = POINTERS.get(name)
         if kind is None:
             types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
-        elif name in OPTIONAL_INPUTS and name not in used:
+        elif (name in OPTIONAL_INPUTS and name not in used) or name in absent:
             types[name] = "constexpr"
         elif kind == "io":
             types[name] = "*" + dtype

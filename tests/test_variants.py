@@ -7,6 +7,7 @@ on the real generated kernels (Triton interpreter on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -296,6 +297,65 @@ def test_gqa_packing_with_dropout_regenerates_each_heads_mask(monkeypatch, poiso
     run_and_compare(q, k, v, dropout_p=p, enable_gqa=True, dropout_keep=keep, config=_structure(2, 1))
 
 
+# ------------------------------------------------------------------ atomic dQ (backward structure)
+
+def _atomic_dq(dkdv=(16, 32)):
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(*dkdv, atomic_dq=1))
+
+
+# (case id, factory -> (q, k, v, kwargs)): every code path of the dK/dV kernel's query loop (band edges,
+# score terms, dropout, GQA's head loop, ragged and packed rows), now also writing dQ
+ATOMIC_DQ_CASES = [
+    ("plain-ragged", lambda: (*_qkv(lq=37, lk=53, seed=11), {})),
+    ("causal-gqa", lambda: (*_qkv(b=2, h=4, hkv=2, lq=45, lk=45, seed=12), {"is_causal": True, "enable_gqa": True})),
+    ("window-bottom-right", lambda: (*_qkv(lq=30, lk=61, seed=13), {"window_size": (7, 3)})),
+    ("mask-alibi", lambda: (*_qkv(lq=21, lk=40, seed=14), {"attn_mask": torch.rand(2, 1, 21, 40, device=DEVICE) < 0.7,
+                                                          "alibi_slopes": torch.rand(2, device=DEVICE) * 0.3})),
+    ("seqlens-k", lambda: (*_qkv(lq=33, lk=50, seed=15),
+                           {"is_causal": True, "seqlens_k": torch.tensor([50, 9], dtype=torch.int32, device=DEVICE)})),
+    ("odd-head-dim", lambda: (*_qkv(lq=19, lk=35, d=24, dv=40, seed=16), {"is_causal": True})),
+    ("float32", lambda: (*_qkv(lq=25, lk=33, dtype=torch.float32, seed=17), {"is_causal": True})),  # falls back to dQ
+]
+
+
+@pytest.mark.parametrize("dkdv", [(16, 32), (32, 16)], ids=["16x32", "32x16"])
+@pytest.mark.parametrize("make", [case[1] for case in ATOMIC_DQ_CASES], ids=[case[0] for case in ATOMIC_DQ_CASES])
+def test_atomic_dq(make, dkdv, poison_outputs):
+    """The dK/dV kernel that also accumulates dQ gives the same gradients as the separate dQ kernel."""
+    q, k, v, kwargs = make()
+    run_and_compare(q, k, v, config=_atomic_dq(dkdv), **kwargs)
+
+
+def test_atomic_dq_packed_varlen_and_dropout(monkeypatch, poison_outputs):
+    q, k, v, cu_q, cu_k = _packed([1, 16, 7], [40, 21, 3], 4, 2, 32, 32, seed=3)
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16, max_seqlen_k=40,
+                    is_causal=True, enable_gqa=True, config=_atomic_dq())
+    seed, p = 99, 0.25
+    monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
+    q, k, v = _qkv(lq=20, lk=36, seed=18)
+    keep = dropout.keep_mask(seed, p, 2, 2, 20, 36, DEVICE)
+    run_and_compare(q, k, v, dropout_p=p, is_causal=True, dropout_keep=keep, config=_atomic_dq())
+
+
+def test_atomic_dq_launches_no_dq_kernel():
+    from fatune.launch import Plan
+    from fatune.plans import Call
+
+    q, k, v = _qkv(lq=20, lk=36, seed=19)
+    call = Call(is_causal=True)
+    names = {}
+    for atomic in (0, 1):
+        config = _atomic_dq() if atomic else _atomic_dq().replace(dkdv=fatune.LaunchConfig(16, 32))
+        plan = Plan(call.check(q, k, v), config, q.device, q, k, v)
+        names[atomic] = [launch.fn.__name__ for launch in plan.bwd_launches(torch.empty_like(q))]
+    assert names == {0: ["attn_bwd_dq", "attn_bwd_dkdv"], 1: ["attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq_store"]}
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    plan = Plan(call.check(q32, k32, v32), _atomic_dq(), q.device, q32, k32, v32)
+    assert not plan.atomic_dq and plan.config.dkdv.atomic_dq == 0  # Kahan-summed float32 keeps the dQ kernel
+
+
 def test_auto_splits_follow_the_grid():
     from fatune.launch import choose_splits
 
@@ -425,6 +485,21 @@ def test_gpu_skipped_work_is_not_paid_for(case):
 
 # (case id, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, num_splits, pack_gqa, seqlens_k or None):
 # inference shapes on a long cache, odd split counts, caches filled less than their length, GQA and not
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["causal-bottom-right", "gqa-8", "key-padding", "window", "head-dim-80",
+                                  "head-dim-256", "alibi", "mask-bool"])
+def test_gpu_atomic_dq(name, dtype, poison_outputs, record_gpu_errors):
+    """The atomic-dQ backward on GPU tiles, against the accuracy rule."""
+    from fatune.dispatch import device_arch
+    from fatune.heuristics import default_config
+
+    q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed("atomic", name, dtype)), dtype)
+    base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], q.shape[-1]), device_arch(q.device))
+    config = base.replace(dkdv=dataclasses.replace(base.dkdv, atomic_dq=1))
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
 GPU_INFERENCE_CASES = [
     ("decode-7-splits", 4, 32, 8, 1, 4099, 128, 7, 1, None),
     ("decode-cache-fill-auto", 3, 16, 4, 1, 3000, 128, 0, 1, [3000, 17, 1999]),
