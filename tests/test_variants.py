@@ -359,7 +359,9 @@ def test_atomic_dq_launches_no_dq_kernel():
 def test_auto_splits_follow_the_grid():
     from fatune.launch import choose_splits
 
-    assert choose_splits(programs=8, key_tiles=512, sms=132) == 17  # decode: ~1 program per SM
+    assert choose_splits(programs=8, key_tiles=512, sms=132) == 16  # decode: one full wave, no partial second
+    assert choose_splits(programs=64, key_tiles=512, sms=132) == 2
+    assert choose_splits(programs=100, key_tiles=512, sms=132) == 1
     assert choose_splits(programs=8, key_tiles=10, sms=132) == 5  # short cache: at least 2 key tiles each
     assert choose_splits(programs=200, key_tiles=512, sms=132) == 1  # the grid already fills the GPU
 
