@@ -61,6 +61,9 @@ for stage in "$@"; do
         > "$OUT/bwd-d256.log" 2>&1; tail -n 30 "$OUT/bwd-d256.log"
       python3 benchmarks/bwd_variants.py "$OUT/bwd-atomic.json" --head-dims 64 --lengths 1024,16384 --atomic \
         > "$OUT/bwd-atomic.log" 2>&1; tail -n 60 "$OUT/bwd-atomic.log" ;;
+    masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)
+      python3 benchmarks/masked_cases.py "$OUT/masked.json" ${MASKED_ARGS:-} > "$OUT/masked.log" 2>&1
+      tail -n 20 "$OUT/masked.log" ;;
     atomic-accuracy)  # the atomic-dQ backward against the accuracy rule
       python3 -m pytest tests/test_variants.py -k gpu_atomic -m gpu -n 8 -q -p no:cacheprovider \
         > "$OUT/atomic-accuracy.log" 2>&1; tail -n 8 "$OUT/atomic-accuracy.log" ;;

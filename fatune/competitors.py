@@ -71,16 +71,25 @@ def sdpa_default(shape: Shape) -> Attention:
 
 
 def flex(shape: Shape, device: torch.device | str = "cuda") -> Attention:
-    """torch.compile'd FlexAttention, with a causal block mask when the shape is causal."""
+    """torch.compile'd FlexAttention with the shape's mask as a block mask (causal, sliding window,
+    key padding), so it skips the blocks fatune skips."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None
-    if shape.causal:
-        def causal(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
+    # fatune's alignment: top-left for is_causal alone, bottom-right with a window (equal for Lq == Lk)
+    offset = shape.seqlen_k - shape.seqlen_q if shape.window >= 0 else 0
+    valid = max(1, int(shape.seqlen_k * shape.valid_keys)) if shape.valid_keys < 1.0 else shape.seqlen_k
+    if shape.causal or shape.window >= 0 or valid < shape.seqlen_k:
+        def keep(b, h, q_idx, kv_idx):
+            visible = kv_idx < valid
+            if shape.causal or shape.window >= 0:
+                visible = visible & (kv_idx <= q_idx + offset)
+            if shape.window >= 0:
+                visible = visible & (kv_idx >= q_idx + offset - shape.window)
+            return visible
 
-        block_mask = create_block_mask(causal, None, None, shape.seqlen_q, shape.seqlen_k, device=device)
+        block_mask = create_block_mask(keep, None, None, shape.seqlen_q, shape.seqlen_k, device=device)
     gqa = shape.kv_heads != shape.heads
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 

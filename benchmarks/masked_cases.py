@@ -1,0 +1,157 @@
+"""Masked, GQA and packed-sequence attention: fatune vs FlexAttention vs torch SDPA, one run (issue 12).
+
+    python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--quick]
+
+bf16, D = 128, H = 16. Cases: causal sliding windows (256, 1024, 4096 keys), GQA 8:1 causal,
+key padding (seqlens_k = L/2 and L/4), packed documents (2, 5 and 64 documents of random
+lengths, causal, cu_seqlens). Every implementation runs the same inputs; FlexAttention gets the
+same mask as a block mask (so it skips the same blocks), SDPA runs where it can express the
+case (is_causal + enable_gqa; a boolean key-padding mask). Forward and forward+backward medians
+(triton.testing.do_bench), compile time excluded, outputs compared with fatune's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import fatune
+from fatune.measure import bench
+
+D, H, DTYPE = 128, 16, torch.bfloat16
+
+
+def flex_runner(keep, q_len: int, k_len: int, gqa: bool):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = create_block_mask(keep, None, None, q_len, k_len, device="cuda")
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+def sdpa_runner(backend, **kwargs):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    return run
+
+
+def cases(length: int, quick: bool) -> list[dict]:
+    """Each case: name, B, H_kv, fatune kwargs, a Flex mask_mod, SDPA kwargs (None: not expressible), packing."""
+    from torch.nn.attention import SDPBackend
+
+    out = []
+    windows = (1024,) if quick else (256, 1024, 4096)
+    for window in windows:
+        def keep(b, h, q_idx, kv_idx, window=window):
+            return (kv_idx <= q_idx) & (kv_idx >= q_idx - window)
+        out.append(dict(name=f"causal window {window}", batch=2, kv_heads=H, fatune={"window_size": (window, 0)},
+                        flex=keep, sdpa=None))
+    out.append(dict(name="GQA 8:1 causal", batch=2, kv_heads=2, fatune={"is_causal": True, "enable_gqa": True},
+                    flex=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx,
+                    sdpa={"is_causal": True, "enable_gqa": True}))
+    lengths = torch.tensor([length // 2, length // 4], dtype=torch.int32, device="cuda")
+    padding = torch.arange(length, device="cuda")[None, None, None, :] < lengths[:, None, None, None]
+    out.append(dict(name="key padding L/2, L/4", batch=2, kv_heads=H, fatune={"seqlens_k": lengths},
+                    flex=lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], sdpa={"attn_mask": padding},
+                    sdpa_backends=(SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)))
+    for documents in ((5,) if quick else (2, 5, 64)):
+        rng = random.Random(documents)
+        cuts = sorted(rng.sample(range(1, length), documents - 1))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, length])]
+        doc_id = torch.repeat_interleave(torch.arange(documents, device="cuda"),
+                                         torch.tensor(sizes, device="cuda"))
+        cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+        def keep(b, h, q_idx, kv_idx, doc_id=doc_id):
+            return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx)
+        out.append(dict(name=f"{documents} packed documents, causal", batch=1, kv_heads=H, packed=True,
+                        fatune={"is_causal": True, "cu_seqlens_q": cu, "cu_seqlens_k": cu,
+                                "max_seqlen_q": max(sizes), "max_seqlen_k": max(sizes)},
+                        flex=keep, sdpa=None,
+                        sizes=sizes))
+    return out
+
+
+def time_impl(run, q, k, v, grad_out) -> dict:
+    def forward():
+        with torch.no_grad():
+            run(q, k, v)
+
+    def step():
+        run(q, k, v).backward(grad_out)
+
+    step()
+    torch.cuda.synchronize()
+    return {"fwd_ms": bench(forward), "fwd_bwd_ms": bench(step, grad_to_none=[q, k, v])}
+
+
+def main() -> None:
+    from torch.nn.attention import SDPBackend
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--lengths", default="8192")
+    parser.add_argument("--quick", action="store_true", help="one window and one document count")
+    args = parser.parse_args()
+    results = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        for case in cases(length, args.quick):
+            torch.manual_seed(0)
+            b, hkv = case["batch"], case["kv_heads"]
+            q = torch.randn(b, H, length, D, device="cuda", dtype=DTYPE)
+            k = torch.randn(b, hkv, length, D, device="cuda", dtype=DTYPE)
+            v = torch.randn(b, hkv, length, D, device="cuda", dtype=DTYPE)
+            grad_out = torch.randn_like(q)
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            row = {"case": case["name"], "L": length, "B": b, "H": H, "H_kv": hkv, "D": D, "impls": {}}
+            if case.get("packed"):  # fatune: (total, H, D) views of the same memory
+                def fatune_run(q_, k_, v_, kw=case["fatune"]):
+                    packed = [t[0].transpose(0, 1) for t in (q_, k_, v_)]
+                    return fatune.attention(*packed, **kw).transpose(0, 1)[None]
+                row["documents"] = case["sizes"]
+            else:
+                def fatune_run(q_, k_, v_, kw=case["fatune"]):
+                    return fatune.attention(q_, k_, v_, **kw)
+            runners = {"fatune": fatune_run,
+                       "flex": flex_runner(case["flex"], length, length, hkv != H)}
+            if case["sdpa"] is not None:
+                backends = case.get("sdpa_backends", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
+                for backend in backends:
+                    runners[f"sdpa-{backend.name.lower()}"] = sdpa_runner(backend, **case["sdpa"])
+            with torch.no_grad():
+                ours = fatune_run(q, k, v).float()
+            for name, run in runners.items():
+                try:
+                    timing = time_impl(run, *leaves, grad_out)
+                    with torch.no_grad():
+                        timing["max_abs_diff_vs_fatune"] = float((run(q, k, v).float() - ours).abs().max())
+                except Exception as error:  # noqa: BLE001 - a backend that cannot run a case is reported
+                    timing = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+                row["impls"][name] = timing
+                for t in leaves:
+                    t.grad = None
+            results.append(row)
+            line = f"{case['name']:>28} L={length:<6}"
+            best_other = min((t["fwd_bwd_ms"] for n, t in row["impls"].items() if n != "fatune" and "fwd_bwd_ms" in t),
+                             default=math.nan)
+            for name, t in row["impls"].items():
+                line += f" | {name} " + (f"{t['fwd_ms']:.3f}/{t['fwd_bwd_ms']:.3f}" if "fwd_ms" in t else t["error"][:40])
+            ratio = best_other / row["impls"]["fatune"].get("fwd_bwd_ms", math.nan)
+            print(line + f" | fatune vs best other (f+b) {ratio:.2f}x", flush=True)
+            with open(args.out, "w") as file:
+                json.dump(results, file, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
