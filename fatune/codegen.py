@@ -83,9 +83,10 @@ def warp_specialization_blocker(spec: KernelSpec, fwd: LaunchConfig) -> str | No
     """Why the forward's key loop cannot be warp-specialized with `fwd` (None if it can).
 
     Triton 3.6 specializes a Hopper loop (the `nvgpu-warp-specialization` pass) only when every
-    load feeding it is a TMA descriptor load, the kernel launches 4 warps and runs 16-bit tensor
-    core products; other loops fail to compile (pointer loads in or before the loop: a packed
-    GQA query tile, an attn_mask) or silently stay unspecialized (8 warps, float32).
+    load feeding it is a TMA descriptor load, the kernel launches 4 warps and its products run on
+    the asynchronous tensor cores (wgmma: 16-bit inputs, at least 64 query rows); other loops fail
+    to compile (pointer loads in or before the loop: a packed GQA query tile, an attn_mask) or
+    silently stay unspecialized (8 warps, float32, smaller tiles).
     """
     if not fwd.tma:
         return "needs TMA loads (tma=1)"
@@ -93,6 +94,8 @@ def warp_specialization_blocker(spec: KernelSpec, fwd: LaunchConfig) -> str | No
         return f"Triton specializes only 4-warp kernels, not {fwd.num_warps}"
     if spec.dtype == "float32":
         return "float32 products do not run on Hopper's asynchronous tensor cores"
+    if fwd.block_m < 64:
+        return f"a {fwd.block_m}-row tile is too small for Hopper's asynchronous tensor cores (64 rows)"
     if fwd.pack_gqa:
         return "a packed GQA query tile is not a TMA load"
     if spec.attn_mask != "none":
