@@ -175,7 +175,8 @@ def test_hopper_variants_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["FATUNE_CACHE_DIR"] = str(tmp_path)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                            check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert len(result.stdout.strip().splitlines()) == len(HOPPER_COMPILE_CASES)
 

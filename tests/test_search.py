@@ -3,6 +3,7 @@ concurrent searches and resuming after Ctrl-C or a kill (subprocesses)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -81,9 +82,8 @@ def test_a_wrong_kernel_never_wins(tmp_path, monkeypatch):
 
     monkeypatch.setattr(codegen, "render", render)
     monkeypatch.setattr(codegen, "_modules", {})
-    monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"wrong-{kind}-{config.to_json()}"
-                        .replace('"', "").replace(" ", "").replace(":", "").replace(",", "").replace("{", "")
-                        .replace("}", ""))
+    monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"wrong-{kind}-"
+                        + hashlib.sha256(config.to_json().encode()).hexdigest()[:20])  # a file name of its own
     space = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,))
     result = search_shape(TINY, interpreter_target(), trials=6, seconds=600,
                           storage=f"sqlite:///{tmp_path / 's.sqlite'}", seed=3, space=space)

@@ -432,6 +432,49 @@ def test_resolve_applies_warp_specialization_where_triton_can(tag, spec_args, la
     assert str(launch.resolve(config, problem, torch.device("cpu"), (q, k, v)).fwd) == launched
 
 
+def test_direct_launches_pass_global_scratch(monkeypatch):
+    """A TMA kernel builds its descriptors in global scratch memory: the direct launch (after the first,
+    through Triton) allocates grid * per-program bytes per launch and passes it where binary.run would."""
+    from triton.compiler import CompiledKernel
+    from triton.runtime import _allocation
+
+    from fatune import codegen, launch, signature
+
+    calls = []
+
+    class Launcher:  # the shape of Triton 3.6's CudaLauncher
+        global_scratch_size, global_scratch_align, profile_scratch_size, num_ctas = 384, 128, 0, 1
+        launch_cooperative_grid, launch_pdl = False, False
+
+        def launch(self, *args):
+            calls.append(args)
+
+    binary = CompiledKernel.__new__(CompiledKernel)
+    binary._run, binary.function, binary.packed_metadata = Launcher(), "function", "metadata"
+
+    class Jit:
+        def run(self, *args, grid, warmup, num_warps, num_stages):
+            calls.append(("triton", grid))
+            return binary
+
+    monkeypatch.setattr(codegen, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "scratch_buffer", lambda size, *rest: torch.zeros(size, dtype=torch.uint8))
+    token = _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
+    try:
+        values = dict.fromkeys(signature.values("attn_fwd"), 0)
+        kernel = launch.KernelLaunch(Jit(), "attn_fwd", (2, 3, 4), fatune.LaunchConfig(64, 64, tma=1), values)
+        slots = (None,) * len(launch.SLOTS)
+        kernel(slots, stream=5)  # through Triton: the allocator is set for it
+        assert not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+        kernel(slots, stream=5)
+    finally:
+        _allocation._allocator.reset(token)
+    assert calls[0] == ("triton", (2, 3, 4))
+    grid, (stream, function, cooperative, pdl, scratch, profile) = calls[1][:3], calls[1][3:9]
+    assert (grid, stream, function, cooperative, pdl, profile) == ((2, 3, 4), 5, "function", False, False, None)
+    assert scratch.numel() == 384 * 2 * 3 * 4 and calls[1][9] == "metadata"
+
+
 # ------------------------------------------------------------------ dropout
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
