@@ -126,12 +126,15 @@ class Explanation:
     decision: Decision | None
     sources: dict[str, str]  # kernel module -> generated source file
     reason: str
+    launched: AttentionConfig | None = None  # the config with its launch-time choices made (launch.resolve)
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend}", f"mask variant: {self.spec.mask_variant} ({self.spec.dtype}, "
                  f"d={self.spec.head_dim}, dv={self.spec.head_dim_v})", f"why: {self.reason}"]
         if self.decision is not None:
             lines.append(self.decision.describe())
+            if self.launched is not None and self.launched.fwd != self.decision.config.fwd:
+                lines.append(f"launched: fwd {self.launched.fwd} (choices made for these tensors and this GPU)")
         lines += [f"source ({kind}): {path}" for kind, path in self.sources.items()]
         return "\n".join(lines)
 
@@ -148,4 +151,4 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     plan = prepared.plan
     sources = {kind: str(codegen.source_path(kind, plan.spec, plan.config)) for kind in ("fwd", "bwd")}
     backend = "triton" if query.device.type == "cuda" else "triton-interpreter"
-    return Explanation(backend, spec, prepared.decision, sources, prepared.reason)
+    return Explanation(backend, spec, prepared.decision, sources, prepared.reason, plan.config)

@@ -26,6 +26,7 @@ from triton import knobs
 from triton.compiler import CompiledKernel
 
 from fatune import codegen, signature
+from fatune.dispatch import device_arch
 from fatune.inputs import AttentionProblem
 from fatune.spec import MAX_SPLITS, AttentionConfig, LaunchConfig
 
@@ -82,26 +83,48 @@ def _launch_hooks_active() -> bool:
     return bool(_RUNTIME.launch_enter_hook.calls or _RUNTIME.launch_exit_hook.calls)
 
 
-def _direct_launcher(binary: CompiledKernel) -> tuple[Callable, tuple] | None:
-    """Triton's C launch function and the arguments it takes between the stream and the kernel's own.
+def _direct_launcher(binary: CompiledKernel) -> tuple[Callable, tuple, int] | None:
+    """Triton's C launch function, the arguments it takes between the stream and the kernel's own,
+    and the global scratch bytes each program needs (0 for most kernels).
 
     That is what `binary.run(...)` ends in, minus a Python frame that repacks ~50 arguments;
-    only for kernels that need no scratch memory and on launchers of that shape (Triton 3.4+
-    on CUDA); None otherwise, and the launch goes through `binary.run`.
+    only on launchers of that shape (Triton 3.4+ on CUDA) and for kernels without profiler
+    scratch; None otherwise, and the launch goes through `binary.run`. The global scratch
+    (where TMA kernels build their tensor descriptors) sits at index 3 of the middle
+    arguments: KernelLaunch allocates it per launch, as `binary.run` does through Triton's
+    allocator.
     """
     launcher = binary.run
-    names = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
-    if not all(hasattr(launcher, name) for name in names) or launcher.global_scratch_size or \
-            launcher.profile_scratch_size:
+    names = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size",
+             "num_ctas")
+    if not all(hasattr(launcher, name) for name in names) or launcher.profile_scratch_size:
         return None
     return launcher.launch, (binary.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                             binary.packed_metadata, None, None, None)
+                             binary.packed_metadata, None, None, None), \
+        launcher.global_scratch_size * launcher.num_ctas
+
+
+def scratch_buffer(size: int, alignment: int = 128, stream: int | None = None) -> torch.Tensor:
+    """Global scratch memory for a kernel launch on the current CUDA device (Triton's allocator
+    interface: TMA kernels write their tensor descriptors there). It comes from torch's caching
+    allocator on the current stream, so it may be freed as soon as the launch is queued."""
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
+def ensure_triton_allocator() -> None:
+    """Give Triton an allocator for kernels that need global scratch (TMA descriptors built
+    in-kernel), unless this thread's context already has one (Triton keeps it in a ContextVar)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(scratch_buffer)
 
 
 class KernelLaunch:
     """One kernel of a plan: its function, grid, launch options and non-pointer arguments."""
 
-    __slots__ = ("fn", "grid", "num_warps", "num_stages", "pick", "tail", "binary", "direct", "middle")
+    __slots__ = ("fn", "grid", "num_warps", "num_stages", "pick", "tail", "binary", "direct", "middle", "scratch",
+                 "tma")
 
     def __init__(self, fn: Any, kernel: str, grid: tuple[int, int, int], config: LaunchConfig,
                  values: dict[str, Any], slot_of: dict[str, str] | None = None):
@@ -115,6 +138,8 @@ class KernelLaunch:
         self.binary: CompiledKernel | None = None
         self.direct: Callable | None = None
         self.middle: tuple = ()
+        self.scratch = 0  # global scratch bytes of one launch (TMA descriptors), known once compiled
+        self.tma = bool(getattr(config, "tma", 0)) and not codegen.interpreting()
 
     def __call__(self, slots: tuple, stream: int | None) -> None:
         args = self.pick(slots) + self.tail
@@ -122,8 +147,13 @@ class KernelLaunch:
             self.warmup(args)
             return
         if self.direct is not None and not _launch_hooks_active():
-            self.direct(*self.grid, stream, *self.middle, *args)
+            middle = self.middle
+            if self.scratch:
+                middle = middle[:3] + (scratch_buffer(self.scratch),) + middle[4:]
+            self.direct(*self.grid, stream, *middle, *args)
             return
+        if self.tma:
+            ensure_triton_allocator()
         binary = self.binary
         if binary is not None and not _launch_hooks_active():
             binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
@@ -132,7 +162,10 @@ class KernelLaunch:
                              num_stages=self.num_stages)
         if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
             self.binary = kernel
-            self.direct, self.middle = _direct_launcher(kernel) or (None, ())
+            direct = _direct_launcher(kernel)
+            if direct is not None:
+                self.direct, self.middle, per_program = direct
+                self.scratch = per_program * self.grid[0] * self.grid[1] * self.grid[2]
 
     def warmup(self, args: tuple) -> None:
         """Compile what this launch runs (into Triton's cache), launching nothing."""
@@ -158,10 +191,29 @@ def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
     return max(1, min(MAX_SPLITS, sms // programs, key_tiles // 2))
 
 
-def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.device) -> AttentionConfig:
-    """`config` with its launch-time choices made: GQA packing only where groups exist, the
-    number of key splits when it is 0 (auto), and no atomic dQ for float32 (its gradients are
-    Kahan-summed, which atomics cannot do)."""
+def tma_readable(tensor: torch.Tensor, seq_dim: int) -> bool:
+    """Whether TMA can read `tensor`'s rows tile by tile: unit head-dim stride, a 16-byte aligned
+    base, a 16-byte multiple as the row (`seq_dim`) stride, and as the other strides where their
+    dim has more than one index (the kernel offsets its base by them)."""
+    size = tensor.element_size()
+    if tensor.data_ptr() % 16 or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
+        return False
+    return all((stride * size) % 16 == 0 for dim, stride in enumerate(tensor.stride()[:-1])
+               if dim == seq_dim or tensor.shape[dim] > 1)
+
+
+def tma_available(device: torch.device) -> bool:
+    """Whether kernels on `device` can use TMA: Hopper (sm_90) and newer, or Triton's interpreter."""
+    arch = device_arch(device)
+    return arch >= (9, 0) if arch is not None else codegen.interpreting()
+
+
+def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.device,
+            tensors: Sequence[torch.Tensor]) -> AttentionConfig:
+    """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
+    only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
+    have it and for tensors it can read, warp specialization only where Triton can apply it, and
+    no atomic dQ for float32 (its gradients are Kahan-summed, which atomics cannot do)."""
     if config.dkdv.atomic_dq and problem.spec.dtype == "float32":
         config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
     fwd = config.fwd
@@ -171,9 +223,12 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
         rows = problem.max_seqlen_q * (problem.group_size if pack else 1)
         programs = triton.cdiv(rows, fwd.block_m) * (problem.kv_heads if pack else problem.heads) * problem.batch
         splits = choose_splits(programs, triton.cdiv(problem.max_seqlen_k, fwd.block_n), sm_count(device))
-    if (pack, splits) == (fwd.pack_gqa, fwd.num_splits):
-        return config
-    return config.replace(fwd=dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits))
+    seq_dim = 0 if problem.packed else 2
+    tma = fwd.tma if fwd.tma and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors) else 0
+    resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=tma)
+    if resolved.warp_specialize and codegen.warp_specialization_blocker(problem.spec, resolved):
+        resolved = dataclasses.replace(resolved, warp_specialize=0)
+    return config if resolved == fwd else config.replace(fwd=resolved)
 
 
 _compile_only = False
@@ -203,7 +258,7 @@ class Plan:
     def __init__(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device,
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         spec, packed = problem.spec, problem.packed
-        config = resolve(config, problem, device)
+        config = resolve(config, problem, device, (q, k, v))
         self.spec, self.config, self.device, self.packed = spec, config, device, packed
         self.dtype = q.dtype
         self.out_layout = layout_like(q.shape, q.stride(), spec.head_dim_v)

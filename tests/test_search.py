@@ -3,6 +3,7 @@ concurrent searches and resuming after Ctrl-C or a kill (subprocesses)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -81,9 +82,8 @@ def test_a_wrong_kernel_never_wins(tmp_path, monkeypatch):
 
     monkeypatch.setattr(codegen, "render", render)
     monkeypatch.setattr(codegen, "_modules", {})
-    monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"wrong-{kind}-{config.to_json()}"
-                        .replace('"', "").replace(" ", "").replace(":", "").replace(",", "").replace("{", "")
-                        .replace("}", ""))
+    monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"wrong-{kind}-"
+                        + hashlib.sha256(config.to_json().encode()).hexdigest()[:20])  # a file name of its own
     space = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,))
     result = search_shape(TINY, interpreter_target(), trials=6, seconds=600,
                           storage=f"sqlite:///{tmp_path / 's.sqlite'}", seed=3, space=space)
@@ -237,3 +237,20 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     assert result.exit_code == 0, result.output
     assert {p.name for p in folder.iterdir()} >= {"tuned.sqlite", "tuned.optuna.sqlite"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a?b%20c#d"]
+
+
+@pytest.mark.parametrize("dtype, kv_heads, kernel, structure", [
+    ("float16", 2, "fwd", ["num_splits", "tma", "warp_specialize"]),
+    ("bfloat16", 1, "fwd", ["num_splits", "pack_gqa", "tma", "warp_specialize"]),
+    ("float32", 2, "fwd", ["num_splits", "tma"]),  # float32 products are never warp-specialized
+    ("float16", 2, "dkdv", []),
+    ("float16", 2, "dq", []),
+])
+def test_forward_structure_axes(dtype, kv_heads, kernel, structure):
+    from fatune.search import GPU_SPACE
+
+    shape = Shape(1, 2, 64, 64, 64, dtype, kv_heads=kv_heads)
+    axes = GPU_SPACE.axes(kernel, shape)
+    assert list(axes)[4:] == structure
+    assert all(axes[name] == (0, 1) for name in ("tma", "warp_specialize") if name in axes)
+    assert all(config.tma in (0, 1) for config in GPU_SPACE.grid(kernel, shape)[:50])

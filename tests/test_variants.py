@@ -366,6 +366,177 @@ def test_auto_splits_follow_the_grid():
     assert choose_splits(programs=200, key_tiles=512, sms=132) == 1  # the grid already fills the GPU
 
 
+# ------------------------------------------------------------------ TMA and warp specialization (forward structure)
+
+# (case id, forward config, factory -> (q, k, v, kwargs), warp specialization kept at launch): warp-specialized
+# kernels run one masked loop and never return early, so tiles past a sequence's end and ragged key ends matter
+HOPPER_CASES = [
+    ("tma-causal", "16x16/w4/s1/t", lambda: (*_qkv(lq=37, lk=53, seed=21), {"is_causal": True}), 0),
+    ("tma-ws-causal", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=37, lk=53, seed=22), {"is_causal": True}), 1),
+    ("tma-ws-window", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=45, lk=60, seed=23),
+                                                   {"window_size": (9, 4), "causal_alignment": "bottom_right"}), 1),
+    ("tma-ws-seqlens-k", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=70, lk=53, seed=24),
+                                                      {"is_causal": True, "causal_alignment": "bottom_right",
+                                                       "seqlens_k": torch.tensor([40, 0], dtype=torch.int32,
+                                                                                 device=DEVICE)}), 1),
+    ("tma-ws-split3-alibi", "64x16/w4/s1/k3/t/ws",
+     lambda: (*_qkv(lq=5, lk=90, seed=25), {"alibi_slopes": torch.rand(2, device=DEVICE) * 0.3}), 1),
+    ("tma-ws-padded-d40-dv24", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=20, lk=45, d=40, dv=24, seed=26), {}), 1),
+    ("tma-pack-gqa", "16x16/w4/s1/g/t/ws", lambda: (*_qkv(b=2, h=4, hkv=2, lq=7, lk=50, seed=27),
+                                                    {"enable_gqa": True, "is_causal": True,
+                                                     "causal_alignment": "bottom_right"}), 0),
+    ("tma-mask", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=9, lk=40, seed=28),
+                                              {"attn_mask": torch.rand(2, 2, 9, 40, device=DEVICE) < 0.7}), 0),
+]
+
+
+@pytest.mark.parametrize("tag, make, ws", [case[1:] for case in HOPPER_CASES], ids=[case[0] for case in HOPPER_CASES])
+def test_tma_and_warp_specialization(tag, make, ws, poison_outputs):
+    """The TMA forward (descriptor loads, zero-filled past the sequence) and its warp-specialized key
+    loop give the same attention and LSE (so gradients) as the plain kernel's."""
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    q, k, v, kwargs = make()
+    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse(tag))
+    launched = fatune.explain(q, k, v, config=config, **kwargs).launched.fwd
+    if DEVICE == "cpu" or torch.cuda.get_device_capability() >= (9, 0):
+        assert (launched.tma, launched.warp_specialize) == (1, ws), launched
+    run_and_compare(q, k, v, config=config, **kwargs)
+
+
+def test_tma_packed_varlen_warp_specialized(poison_outputs):
+    """Packed sequences: descriptors span each sequence's rows; a 64-row tile past a short sequence's end
+    gets no keys and stores nothing (a warp-specialized kernel does not return early)."""
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    q, k, v, cu_q, cu_k = _packed([1, 70, 3], [40, 75, 3], 4, 2, 32, 32, seed=29)
+    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x16/w4/s1/t/ws"))
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70, max_seqlen_k=75,
+                    is_causal=True, enable_gqa=True, config=config)
+
+
+def _problem(q, k, v, **kwargs):
+    return fatune.inputs.check_inputs(q, k, v, **kwargs)
+
+
+def _tensors(layout="bhld", d=32, dtype=F16, offset=0, packed=False):
+    """q, k, v on the CPU (never launched: resolve only reads their layout)."""
+    if packed:
+        return [torch.empty(40 * d + offset, dtype=dtype)[offset:].view(40, 1, d) for _ in range(3)]
+    shape = (2, 2, 24, d)
+    if layout == "strided":
+        return [torch.empty(*shape[:-1], 2 * d, dtype=dtype)[..., ::2] for _ in range(3)]
+    if layout == "blhd":
+        return [torch.empty(2, 24, 2, d, dtype=dtype).transpose(1, 2) for _ in range(3)]
+    return [torch.empty(2 * 2 * 24 * d + offset, dtype=dtype)[offset:].view(shape) for _ in range(3)]
+
+
+TMA_LAYOUTS = [
+    ("contiguous", lambda: _tensors(), 1),
+    ("blhd", lambda: _tensors("blhd"), 1),
+    ("float32-d4", lambda: _tensors(d=4, dtype=torch.float32), 1),
+    ("non-unit-head-dim-stride", lambda: _tensors("strided"), 0),
+    ("row-stride-not-16-bytes", lambda: _tensors(d=59), 0),
+    ("base-not-16-bytes", lambda: _tensors(offset=1), 0),
+    ("packed", lambda: _tensors(packed=True), 1),
+    ("packed-base-not-16-bytes", lambda: _tensors(packed=True, offset=4), 0),
+]
+
+
+@pytest.mark.parametrize("case, tensors, kept", TMA_LAYOUTS, ids=[case[0] for case in TMA_LAYOUTS])
+def test_resolve_keeps_tma_only_for_tensors_tma_can_read(case, tensors, kept, monkeypatch):
+    from fatune import launch
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    monkeypatch.setattr(launch, "tma_available", lambda device: True)
+    q, k, v = tensors()
+    if case.startswith("packed"):
+        cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+        problem = _problem(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        problem = _problem(q, k, v)
+    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x32/w4/s2/t/ws"))
+    fwd = launch.resolve(config, problem, torch.device("cpu"), (q, k, v)).fwd
+    assert fwd.tma == kept, fwd
+    assert fwd.warp_specialize == (kept and q.dtype != torch.float32), fwd  # no TMA, no warp specialization
+
+
+@pytest.mark.parametrize("arch, interpreting, available", [
+    ((8, 0), False, False), ((8, 9), False, False), ((9, 0), False, True), ((10, 0), False, True),
+    (None, True, True), (None, False, False)])
+def test_tma_needs_hopper_or_the_interpreter(arch, interpreting, available, monkeypatch):
+    from fatune import codegen, launch
+
+    monkeypatch.setattr(launch, "device_arch", lambda device: arch)
+    monkeypatch.setattr(codegen, "interpreting", lambda: interpreting)
+    assert launch.tma_available(torch.device("cuda" if arch else "cpu")) == available
+
+
+@pytest.mark.parametrize("tag, spec_args, launched", [
+    ("64x64/w4/s3/t/ws", {}, "64x64/w4/s3/t/ws"),
+    ("64x64/w4/s3/ws", {}, "64x64/w4/s3"),  # Hopper warp specialization needs TMA loads
+    ("128x64/w8/s3/t/ws", {}, "128x64/w8/s3/t"),  # and 4 warps
+    ("32x64/w4/s3/t/ws", {}, "32x64/w4/s3/t"),  # and 64-row tiles
+    ("64x64/w4/s3/t/ws", {"dtype": torch.float32}, "64x64/w4/s3/t"),  # and 16-bit products
+    ("64x64/w4/s3/g/t/ws", {"hkv": 1}, "64x64/w4/s3/g/t"),  # and a TMA-loaded query tile
+    ("64x64/w4/s3/g/t/ws", {}, "64x64/w4/s3/t/ws"),  # no groups: no packing, so specialized
+])
+def test_resolve_applies_warp_specialization_where_triton_can(tag, spec_args, launched, monkeypatch):
+    from fatune import launch
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    monkeypatch.setattr(launch, "tma_available", lambda device: True)
+    dtype, hkv = spec_args.get("dtype", F16), spec_args.get("hkv", 2)
+    q = torch.empty(2, 2, 24, 32, dtype=dtype)
+    k = v = torch.empty(2, hkv, 24, 32, dtype=dtype)
+    problem = _problem(q, k, v, enable_gqa=hkv != 2)
+    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse(tag))
+    assert str(launch.resolve(config, problem, torch.device("cpu"), (q, k, v)).fwd) == launched
+
+
+def test_direct_launches_pass_global_scratch(monkeypatch):
+    """A TMA kernel builds its descriptors in global scratch memory: the direct launch (after the first,
+    through Triton) allocates grid * per-program bytes per launch and passes it where binary.run would."""
+    from triton.compiler import CompiledKernel
+    from triton.runtime import _allocation
+
+    from fatune import codegen, launch, signature
+
+    calls = []
+
+    class Launcher:  # the shape of Triton 3.6's CudaLauncher
+        global_scratch_size, global_scratch_align, profile_scratch_size, num_ctas = 384, 128, 0, 1
+        launch_cooperative_grid, launch_pdl = False, False
+
+        def launch(self, *args):
+            calls.append(args)
+
+    binary = CompiledKernel.__new__(CompiledKernel)
+    binary._run, binary.function, binary.packed_metadata = Launcher(), "function", "metadata"
+
+    class Jit:
+        def run(self, *args, grid, warmup, num_warps, num_stages):
+            calls.append(("triton", grid))
+            return binary
+
+    monkeypatch.setattr(codegen, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "scratch_buffer", lambda size, *rest: torch.zeros(size, dtype=torch.uint8))
+    token = _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
+    try:
+        values = dict.fromkeys(signature.values("attn_fwd"), 0)
+        kernel = launch.KernelLaunch(Jit(), "attn_fwd", (2, 3, 4), fatune.LaunchConfig(64, 64, tma=1), values)
+        slots = (None,) * len(launch.SLOTS)
+        kernel(slots, stream=5)  # through Triton: the allocator is set for it
+        assert not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+        kernel(slots, stream=5)
+    finally:
+        _allocation._allocator.reset(token)
+    assert calls[0] == ("triton", (2, 3, 4))
+    grid, (stream, function, cooperative, pdl, scratch, profile) = calls[1][:3], calls[1][3:9]
+    assert (grid, stream, function, cooperative, pdl, profile) == ((2, 3, 4), 5, "function", False, False, None)
+    assert scratch.numel() == 384 * 2 * 3 * 4 and calls[1][9] == "metadata"
+
+
 # ------------------------------------------------------------------ dropout
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
