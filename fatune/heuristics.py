@@ -15,24 +15,27 @@ Arch = tuple[int, int]
 
 
 def _hopper(block_d: int, dtype: str, causal: bool) -> AttentionConfig:
-    """Backward tiles: benchmarks/bwd_variants.py on an H200 (BENCHMARKS.md, 2026-11-30 session 3)."""
+    """Forward tiles and TMA: benchmarks/fwd_variants.py; backward tiles: benchmarks/bwd_variants.py;
+    both on an H200 (BENCHMARKS.md, 2026-11-30 session 3)."""
     wide = dtype == "float32"  # fp32 tiles take twice the shared memory and registers
     if block_d <= 64 and not wide:
         return AttentionConfig(
-            fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3),
+            fwd=LaunchConfig(128, 64, num_warps=8, num_stages=3),  # 4% over 64x64/w4; TMA gains nothing here
             # causal: shorter key tiles waste less of the diagonal (backward 2.52 vs 2.68 ms at L=4096)
             dkdv=LaunchConfig(32, 64 if causal else 128, num_warps=4, num_stages=3),
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
         )
     if block_d <= 128 and not wide:
         return AttentionConfig(
-            fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3),
+            # TMA loads: 3-6% over pointer loads at d128 (causal 0.647 vs 0.675 ms, L=4096)
+            fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3, tma=1) if causal
+            else LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=1),
             dkdv=LaunchConfig(64, 64, num_warps=4, num_stages=2),
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
         )
-    if not wide:  # head dims 129..256: 64-row tiles over 8 warps (backward 7.1 vs 22.3 ms at d256, L=4096)
+    if not wide:  # head dims 129..256: 64-row tiles (forward 1.109 vs 1.952 ms, backward 7.1 vs 22.3 at d256, L=4096)
         return AttentionConfig(
-            fwd=LaunchConfig(64, 32, num_warps=4, num_stages=1),
+            fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3, tma=1),
             dkdv=LaunchConfig(64, 64, num_warps=8, num_stages=1),
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=1),
         )

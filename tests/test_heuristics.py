@@ -16,10 +16,15 @@ def test_every_head_dim_and_dtype_has_a_config(head_dim, dtype, arch):
         config = default_config(KernelSpec(dtype, head_dim), arch, decode)
         assert config.fwd.num_splits == 0 and config.fwd.pack_gqa == 1  # chosen at launch from the grid
         assert not config.dkdv.structure and not config.dq.structure
+        if arch == (9, 0):  # fits an H100/H200's 227 KiB of shared memory per block, by the search's estimate
+            from fatune.search import infeasible
+
+            for kernel in ("fwd", "dkdv", "dq"):
+                assert infeasible(kernel, KernelSpec(dtype, head_dim), getattr(config, kernel), 227 * 1024) is None
 
 
 def test_decode_calls_get_small_query_tiles_on_gpus():
     spec = KernelSpec("bfloat16", 128)
     assert default_config(spec, (9, 0), decode=True).fwd.block_m == 16
-    assert default_config(spec, (9, 0), decode=False).fwd.block_m == 64
+    assert default_config(spec, (9, 0), decode=False).fwd.block_m >= 64
     assert default_config(spec, (9, 0), decode=True).dkdv == default_config(spec, (9, 0)).dkdv
