@@ -8,7 +8,8 @@ their sum, and is measured again end to end with the winners before anything is 
 A trial is rejected before compiling when its tiles cannot fit (shared-memory estimate,
 too many warps for the tile); a compile error or OutOfResources prunes it; its output is
 checked against torch before its time counts (a fast wrong kernel never wins); a trial
-whose quick timing is far behind the best so far is pruned before the full timing.
+whose quick timing is far behind the best so far is pruned before the full timing, and only
+one close to the best is timed in full (the others cannot win; their quick time counts).
 Each study runs the built-in heuristic config first, once however many processes share it,
 so a winner is never slower than what fatune runs untuned (a short search on an H200 stored
 configs slower than the heuristic before this; BENCHMARKS.md).
@@ -24,6 +25,9 @@ it did not finish. A process keeps a few trials in flight (asked, compiling ahea
 fatune.precompile pool, being timed) and tells each one's end to its study, failed on errors
 and Ctrl-C. The process that owns a tuned DB waits for a shape's studies to finish, then
 re-times the winners end to end and stores them.
+
+Where the wall time goes is measured: each trial records its phases (TRIAL_PHASES) as its user
+attr "seconds", and a shape's result sums them with the fixed costs (SHAPE_PHASES).
 """
 
 from __future__ import annotations
@@ -571,7 +575,7 @@ class Fixture:
         return self._made
 
 
-def _next_candidate(pending: deque[Candidate], clock: Stopwatch) -> Candidate:
+def _next_candidate(pending: deque[Candidate]) -> Candidate:
     """The first-asked candidate whose compile is done, waiting for one if none is (its "compile_wait"):
     one slow compile does not hold up the ones behind it, nor the pool that would compile the next."""
     start = time.perf_counter()
@@ -622,7 +626,7 @@ def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture
                         report(search)
                 if pending:
                     inputs, checker = fixture.get()
-                    candidate = _next_candidate(pending, clock)
+                    candidate = _next_candidate(pending)
                     search = candidate.search
                     search.finish(candidate, base_config(searches, heuristic, search.kernel), inputs, checker,
                                   heartbeat, clock)

@@ -237,8 +237,8 @@ def _print_breakdown(results) -> None:
     if not results:
         return
     click.echo("\nwall time per shape in this process, seconds per phase (trial phases summed over its trials):")
-    header = f"{'shape':44} {'wall':>6} " + " ".join(f"{title:>7}" for _, title in BREAKDOWN_COLUMNS)
+    header = f"{'shape':44} {'wall':>6} " + " ".join(f"{title:>8}" for _, title in BREAKDOWN_COLUMNS)
     click.echo(header)
     for result in results:
-        cells = " ".join(f"{result.breakdown.get(phase, 0.0):7.2f}" for phase, _ in BREAKDOWN_COLUMNS)
+        cells = " ".join(f"{result.breakdown.get(phase, 0.0):8.2f}" for phase, _ in BREAKDOWN_COLUMNS)
         click.echo(f"{result.shape.label():44} {result.seconds + result.breakdown.get('db', 0.0):6.1f} {cells}")
