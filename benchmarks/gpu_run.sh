@@ -47,11 +47,32 @@ for stage in "$@"; do
     precompile)  # the compile pool's binaries are Triton cache hits for the timed launches
       python3 -m pytest tests/test_precompile.py -m gpu -q -p no:cacheprovider > "$OUT/precompile.log" 2>&1
       tail -n 3 "$OUT/precompile.log" ;;
-    search-time)  # wall time per shape, 30 trials per kernel, with and without the compile pool
-      for cw in 8 0; do
-        TRITON_CACHE_DIR=$(mktemp -d) python3 -m fatune.cli search --head-dim 64 --dtype bf16 --lengths 4096 \
-          --mask causal --trials 30 --compile-workers $cw --db /tmp/cw$cw.sqlite > "$OUT/search-cw$cw.log" 2>&1
-        tail -n 6 "$OUT/search-cw$cw.log"
+    search-time)  # wall time per shape (one shape, 30 trials per kernel) and where it goes (the breakdown table
+      # at the end of each log); fresh DB, Optuna storage and Triton cache per run, so nothing is a cache hit.
+      # SEARCH_TIME_CW: the --compile-workers values to run ("default" = fatune's own choice), ~30-60 s each.
+      for cw in ${SEARCH_TIME_CW:-default}; do
+        dir=$(mktemp -d)
+        flag=$([ "$cw" = default ] || echo "--compile-workers $cw")
+        start=$(date +%s.%N)
+        TRITON_CACHE_DIR=$dir/triton python3 -m fatune.cli search --head-dim 64 --dtype bf16 --lengths 4096 \
+          --mask causal --trials 30 $flag --db "$dir/tuned.sqlite" > "$OUT/search-cw$cw.log" 2>&1
+        echo "compile-workers $cw: rc $? wall $(python3 -c "import time; print(round(time.time() - $start, 1))") s" \
+          | tee -a "$OUT/search-time.txt"
+        tail -n 8 "$OUT/search-cw$cw.log"
+      done ;;
+    sweep2)  # the default sweep (L = 512..16384, causal and not: 12 shapes) with --workers 1, then --workers 2
+      # (run on the 2-GPU machine). Each run gets a fresh DB, Optuna storage and Triton cache (the second is not a
+      # cache hit of the first; its two workers share one cache, as on any host). SWEEP_TRIALS per kernel per
+      # shape (default 10: at <= 0.6 s per trial both runs take <= ~7.5 min); SWEEP_TIMEOUT cuts a run (s).
+      trials=${SWEEP_TRIALS:-10}
+      for workers in 1 2; do
+        dir=$(mktemp -d)
+        start=$(date +%s.%N)
+        TRITON_CACHE_DIR=$dir/triton timeout "${SWEEP_TIMEOUT:-280}" python3 -m fatune.cli search --head-dim 64 \
+          --dtype bf16 --trials "$trials" --workers $workers --db "$dir/tuned.sqlite" > "$OUT/sweep2-w$workers.log" 2>&1
+        echo "workers $workers, trials $trials: rc $? wall $(python3 -c "import time; print(round(time.time() - $start, 1))") s" \
+          | tee -a "$OUT/sweep2.txt"
+        grep -E "shapes, .* trials in" "$OUT/sweep2-w$workers.log"
       done ;;
     bwd-variants)  # backward structure (separate dQ kernel vs atomic dQ) over dK/dV tiles, L=4096, d64/128/256
       python3 benchmarks/bwd_variants.py "$OUT/bwd-variants.json" --lengths ${BWD_LENGTHS:-4096} \

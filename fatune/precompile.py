@@ -57,6 +57,16 @@ def _start_compiler() -> None:
     launch.compile_only()
 
 
+def _warm_up(device: str) -> None:
+    """What a pool process's first compile would otherwise wait for: the device's context and Triton's
+    backend for it."""
+    if device == "cuda":
+        import triton
+
+        torch.empty(1, device=device)
+        triton.runtime.driver.active.get_current_target()
+
+
 class CompilePool:
     """`processes` spawned processes compiling candidates; once the pool breaks, `submit` returns None
     and the timing process compiles as it would alone."""
@@ -67,6 +77,8 @@ class CompilePool:
         if processes > 0:
             self._executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
                                                  initializer=_start_compiler)
+            for _ in range(processes):  # start them all now (each imports torch and Triton for seconds), not on
+                self._executor.submit(_warm_up, device)  # the first candidates' submits
 
     def submit(self, shape: Shape, config: AttentionConfig, kernel: str) -> Future | None:
         if self._executor is None:

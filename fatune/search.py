@@ -10,7 +10,8 @@ to end with the winners before anything is stored.
 A trial is rejected before compiling when its tiles cannot fit (shared-memory estimate,
 too many warps for the tile); a compile error or OutOfResources prunes it; its output is
 checked against torch before its time counts (a fast wrong kernel never wins); a trial
-whose quick timing is far behind the best so far is pruned before the full timing.
+whose quick timing is far behind the best so far is pruned before the full timing, and only
+one close to the best is timed in full (the others cannot win; their quick time counts).
 Each study runs the built-in heuristic config first, once however many processes share it,
 so a winner is never slower than what fatune runs untuned (a short search on an H200 stored
 configs slower than the heuristic before this; BENCHMARKS.md).
@@ -26,6 +27,9 @@ it did not finish. A process keeps a few trials in flight (asked, compiling ahea
 fatune.precompile pool, being timed) and tells each one's end to its study, failed on errors
 and Ctrl-C. The process that owns a tuned DB waits for a shape's studies to finish, then
 re-times the winners end to end and stores them.
+
+Where the wall time goes is measured: each trial records its phases (TRIAL_PHASES) as its user
+attr "seconds", and a shape's result sums them with the fixed costs (SHAPE_PHASES).
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ import socket
 import time
 import warnings
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
 import optuna
 import torch
 
+from fatune import storage as storage_module
 from fatune.db import Entry, TunedDB, key_columns, seqlen_bucket, shape_key
 from fatune.heuristics import DECODE_QUERIES, default_config
 from fatune.measure import KernelRunner, Shape, bench, make_inputs, tflops, time_training_step
@@ -55,9 +60,18 @@ from fatune.storage import Heartbeat, open_storage, storage_lock
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2, "float32": 1e-3}  # max |candidate - torch| / max |torch|
 PRUNE_FACTOR = 1.5  # quick timing this much slower than the best so far: pruned
+CONTENDER_FACTOR = 1.1  # quick timing within this factor of the best so far: timed in full (else its quick time counts)
+# do_bench budgets (warm-up ms, repeat ms). The candidate has just run once for the check, do_bench runs it 5 times
+# to size its loops, and the full timing follows the quick one: a 1 ms warm-up is always at least one more run.
+QUICK_BENCH, FULL_BENCH = (1, 20), (1, 100)
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 RUNNING, WAITING = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING
 POLL_S = 0.5  # how often a process waiting for others' trials of a shape looks again
+# Where a process's wall time on a shape goes (ShapeResult.breakdown, seconds): per trial, the phases each trial
+# records as its user attr "seconds" (ask, compile_wait, build, check, quick, full) and telling it to its
+# study (tell); per shape, the fixed costs.
+TRIAL_PHASES = ("ask", "compile_wait", "build", "check", "quick", "full", "tell")
+SHAPE_PHASES = ("studies", "inputs", "reference", *TRIAL_PHASES, "census", "wait", "progress", "sdpa", "retime", "db")
 
 
 @dataclass(frozen=True)
@@ -162,7 +176,34 @@ class Target:
             start = time.perf_counter()
             fn()
             return (time.perf_counter() - start) * 1e3
-        return bench(fn, warmup_ms=10 if quick else 25, rep_ms=20 if quick else 100)
+        warmup_ms, rep_ms = QUICK_BENCH if quick else FULL_BENCH
+        return bench(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+class Stopwatch:
+    """Seconds per phase, summed: `with clock("build"): ...` or `clock.add("build", seconds)`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def merge(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.add(phase, value)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start)
 
 
 @dataclass
@@ -178,6 +219,7 @@ class ShapeResult:
     sdpa_backend: str = ""
     sdpa_ms: float = math.nan
     seconds: float = 0.0  # wall time from this process's start on the shape to the winners' re-timing
+    breakdown: dict[str, float] = field(default_factory=dict)  # SHAPE_PHASES -> seconds of this process
 
     @property
     def trials_per_s(self) -> float:
@@ -193,7 +235,10 @@ class ShapeResult:
 
 
 class Checker:
-    """torch's output and gradients for one shape, to check every candidate kernel against."""
+    """torch's output and gradients for one shape, to check every candidate kernel against.
+
+    Per shape: the references in float32, their scales, where torch itself is not finite; per
+    candidate: one reduction per output and one synchronisation."""
 
     # the backward's two studies are timed and checked as the whole backward (fatune.measure.KernelRunner)
     KERNEL_OUTPUTS = {"fwd": ("out",), "dkdv": ("grad_q", "grad_k", "grad_v"), "dq": ("grad_q", "grad_k", "grad_v")}
@@ -207,18 +252,26 @@ class Checker:
         out.backward(inputs["do"])
         self.reference = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
         self.tolerance = TOLERANCE[shape.dtype]
+        self._expected: dict[str, tuple[torch.Tensor, torch.Tensor | None, float]] = {}
+        for name, reference in self.reference.items():
+            expected = reference.float()
+            finite = torch.isfinite(expected)
+            unchecked = None if bool(finite.all()) else ~finite  # elements torch itself gets no number for
+            scale = expected.abs().masked_fill(~finite, 0).max().item() or 1.0
+            self._expected[name] = (expected, unchecked, scale)
 
     def error(self, kernel: str, runner: KernelRunner) -> float:
         """Largest relative max-abs error of the kernel's outputs; inf if any element is not finite."""
-        worst = 0.0
+        errors = []
         for name in self.KERNEL_OUTPUTS[kernel]:
             actual = getattr(runner.args, name)
-            reference = self.reference[self.REFERENCE_NAMES[name]]
-            if not torch.isfinite(actual).all():
-                return math.inf
-            scale = reference.abs().max().item() or 1.0
-            worst = max(worst, (actual.float() - reference.float()).abs().max().item() / scale)
-        return worst
+            expected, unchecked, scale = self._expected[self.REFERENCE_NAMES[name]]
+            difference = (actual.float() - expected).abs()
+            if unchecked is not None:
+                difference = difference.masked_fill(unchecked, 0)
+            errors.append(torch.where(torch.isfinite(actual).all(), difference.max() / scale, math.inf))
+        worst = torch.stack(errors).max().item()
+        return math.inf if math.isnan(worst) else worst
 
 
 def study_name(target: Target, shape: Shape, kernel: str) -> str:
@@ -289,6 +342,10 @@ class Candidate:
     trial: optuna.Trial
     config: LaunchConfig
     compiled: Future | None
+    seconds: dict[str, float] = field(default_factory=dict)  # TRIAL_PHASES so far
+
+    def compiled_yet(self) -> bool:
+        return self.compiled is None or self.compiled.done()
 
 
 class KernelSearch:
@@ -300,7 +357,14 @@ class KernelSearch:
         self.target, self.shape, self.kernel, self.space = target, shape, kernel, space
         self.storage, self.trials, self.deadline = storage, trials, deadline
         self.axes = space.axes(kernel, shape)
+        self.spec = shape.spec
         self.start = {axis: value for axis, value in getattr(heuristic, kernel).to_dict().items() if axis in self.axes}
+        # what this process knows of the study without asking the storage again: the best trial as of its last
+        # census or tell, when it last looked for dead trials, and until when a study it found with all its
+        # trials finished or held need not be asked again (only a dead trial can change that, found in >= GRACE_S)
+        self.known_best: tuple[float, LaunchConfig | None] = (math.inf, None)
+        self._stale_checked = -math.inf
+        self._full_until = -math.inf
         with storage_lock(storage.url):
             self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
                                              sampler=TrialSeededSampler(seed), direction="minimize",
@@ -324,22 +388,37 @@ class KernelSearch:
 
     def census(self) -> tuple[int, int, bool]:
         """(finished trials, trials live processes hold, whether the heuristic waits in the queue), after
-        failing the trials of dead processes."""
-        with _quiet_optuna():
-            optuna.storages.fail_stale_trials(self.study)
+        failing the trials of dead processes (looked for once per heartbeat interval: a trial is dead only
+        after GRACE_S without one). Also notes the best trial."""
+        now = time.monotonic()
+        if now - self._stale_checked >= storage_module.HEARTBEAT_S:
+            self._stale_checked = now
+            with _quiet_optuna():
+                optuna.storages.fail_stale_trials(self.study)
         finished = running = 0
         heuristic_waits = False
+        best: optuna.trial.FrozenTrial | None = None
         for trial in self.study.get_trials(deepcopy=False, states=(*FINISHED, WAITING, RUNNING)):
             finished += trial.state in FINISHED
             running += trial.state == RUNNING
             heuristic_waits |= trial.state == WAITING and self._holds_heuristic(trial)
+            if trial.state == optuna.trial.TrialState.COMPLETE and (best is None or trial.value < best.value):
+                best = trial
+        if best is not None:
+            self.known_best = (best.value, LaunchConfig.from_dict(best.params))
+        self._full_until = -math.inf  # fresh news: wants_trial decides again
         return finished, running, heuristic_waits
 
     def wants_trial(self) -> bool:
         """Whether this process should start one more trial: a queued heuristic always runs; others
         while the finished and held trials are fewer than the budget and the time lasts."""
+        if time.monotonic() < self._full_until:
+            return False  # full at the last census, under POLL_S ago
         finished, running, heuristic_waits = self.census()
-        return heuristic_waits or (time.time() < self.deadline and finished + running < self.trials)
+        wants = heuristic_waits or (time.time() < self.deadline and finished + running < self.trials)
+        if not wants:
+            self._full_until = time.monotonic() + POLL_S
+        return wants
 
     @property
     def best_ms(self) -> float:
@@ -356,33 +435,41 @@ class KernelSearch:
         return LaunchConfig.from_dict({axis: trial.suggest_categorical(axis, list(values))
                                        for axis, values in self.axes.items()})
 
-    def ask(self, base: AttentionConfig, heartbeat: Heartbeat, pool: CompilePool | None) -> Candidate | None:
+    def ask(self, base: AttentionConfig, heartbeat: Heartbeat, pool: CompilePool | None,
+            clock: Stopwatch | None = None) -> Candidate | None:
         """Start a trial and its compile in `pool`; None if it was rejected at once (infeasible)."""
+        start = time.perf_counter()
         with _quiet_optuna():
             trial = self.study.ask()
         try:
             heartbeat.hold(trial)
             trial.set_user_attr("worker", _worker_name())
             config = self.suggest(trial)
-            reason = infeasible(self.kernel, self.shape.spec, config, self.target.shared_limit)
+            reason = infeasible(self.kernel, self.spec, config, self.target.shared_limit)
         except BaseException:
-            self._tell(trial, heartbeat, None)
+            self._tell(trial, heartbeat, None, clock=clock)
             raise
+        seconds = {"ask": time.perf_counter() - start}
         if reason:
-            self._tell(trial, heartbeat, lambda: self._reject(trial, "infeasible", reason))
+            self._tell(trial, heartbeat, lambda: self._reject(trial, "infeasible", reason), seconds, clock)
             return None
         compiled = pool.submit(self.shape, base.replace(**{self.kernel: config}), self.kernel) if pool else None
-        return Candidate(self, trial, config, compiled)
+        return Candidate(self, trial, config, compiled, seconds)
 
     def finish(self, candidate: Candidate, base: AttentionConfig, inputs: dict[str, torch.Tensor], checker: Checker,
-               heartbeat: Heartbeat) -> None:
+               heartbeat: Heartbeat, clock: Stopwatch | None = None) -> None:
         """Time the candidate (after its compile) and tell the study how it ended."""
         self._tell(candidate.trial, heartbeat, lambda: self.evaluate(
-            candidate.trial, candidate.config, base, inputs, checker, compile_error(candidate.compiled)))
+            candidate.trial, candidate.config, base, inputs, checker, compile_error(candidate.compiled),
+            candidate.seconds), candidate.seconds, clock)
 
-    def _tell(self, trial: optuna.Trial, heartbeat: Heartbeat, run: Callable[[], float] | None) -> None:
-        """Tell the study how `run` ended: its value, pruned, or failed (re-raising); None: failed."""
+    def _tell(self, trial: optuna.Trial, heartbeat: Heartbeat, run: Callable[[], float] | None,
+              seconds: dict[str, float] | None = None, clock: Stopwatch | None = None) -> None:
+        """Tell the study how `run` ended: its value, pruned, or failed (re-raising); None: failed. The
+        trial's phases so far (`seconds`) become its user attr "seconds"; all of them, telling
+        included, are added to `clock`."""
         state, value = optuna.trial.TrialState.FAIL, None
+        seconds = {} if seconds is None else seconds
         try:
             if run is not None:
                 value, state = run(), optuna.trial.TrialState.COMPLETE
@@ -391,38 +478,68 @@ class KernelSearch:
         except optuna.exceptions.UpdateFinishedTrialError:
             pass  # another process failed it as dead (no heartbeat for GRACE_S): nothing left to tell
         finally:
+            start = time.perf_counter()
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                if seconds:
+                    trial.set_user_attr("seconds", {phase: round(spent, 4) for phase, spent in seconds.items()})
                 self.study.tell(trial, value, state=state, skip_if_finished=True)
             heartbeat.release(trial)
+            self._full_until = -math.inf  # a failed trial no longer counts: look again
+            if state == optuna.trial.TrialState.COMPLETE and value < self.known_best[0]:
+                self.known_best = (value, LaunchConfig.from_dict(trial.params))
+            if clock is not None:
+                clock.merge(seconds)
+                clock.add("tell", time.perf_counter() - start)
 
     def evaluate(self, trial: optuna.Trial, config: LaunchConfig, base: AttentionConfig,
-                 inputs: dict[str, torch.Tensor], checker: Checker, compile_failure: str | None = None) -> float:
-        """The candidate's time; TrialPruned if it does not compile or launch, is wrong, or is slow."""
+                 inputs: dict[str, torch.Tensor], checker: Checker, compile_failure: str | None = None,
+                 seconds: dict[str, float] | None = None) -> float:
+        """The candidate's time; TrialPruned if it does not compile or launch, is wrong, or is slow.
+
+        Its quick timing decides: more than PRUNE_FACTOR x the best so far, pruned (the heuristic
+        never is); more than CONTENDER_FACTOR x the best, that is its time (it cannot win); else it
+        is timed in full. So the best is always a full timing. Each phase's wall time is added to
+        `seconds`."""
+        clock = Stopwatch()
+        if seconds is not None:
+            clock.seconds = seconds
         if compile_failure:
             return self._reject(trial, "compile_error", compile_failure)
         attention_config = base.replace(**{self.kernel: config})
         try:
-            runner = KernelRunner(self.shape, attention_config, inputs)
-            runner.prepare()
-            for name in Checker.KERNEL_OUTPUTS[self.kernel]:
-                getattr(runner.args, name).fill_(float("nan"))  # poison: an unwritten element fails the check
-            run = runner.run(self.kernel)
-            run()
-            if self.target.device.type == "cuda":
-                torch.cuda.synchronize()
+            with clock("build"):
+                runner = KernelRunner(self.shape, attention_config, inputs)
+                runner.prepare()
+                for name in Checker.KERNEL_OUTPUTS[self.kernel]:
+                    getattr(runner.args, name).fill_(float("nan"))  # poison: an unwritten element fails the check
+                run = runner.run(self.kernel)
+                run()
+                if self.target.device.type == "cuda":
+                    torch.cuda.synchronize()
         except Exception as error:  # compile errors, OutOfResources, launch failures
             kind = "out_of_resources" if "OutOfResources" in type(error).__name__ else "compile_error"
             return self._reject(trial, kind, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
-        error = checker.error(self.kernel, runner)
+        with clock("check"):
+            error = checker.error(self.kernel, runner)
         if not error <= checker.tolerance:
             return self._reject(trial, "wrong_result", f"relative error {error:.3g} > {checker.tolerance}")
-        quick = self.target.time_ms(run, quick=True)
-        trial.report(quick, step=0)
-        best_ms = self.best_ms
+        with clock("quick"):
+            quick = self.target.time_ms(run, quick=True)
+        with clock("tell"):
+            trial.report(quick, step=0)
+        best_ms = self.known_best[0]
         if quick > PRUNE_FACTOR * best_ms and trial.params != self.start:  # the heuristic is always timed
-            trial.set_user_attr("rejected", "slow")
+            with clock("tell"):
+                trial.set_user_attr("rejected", "slow")
             raise optuna.TrialPruned(f"quick timing {quick:.3f} ms > {PRUNE_FACTOR} x best {best_ms:.3f} ms")
-        return quick if self.target.interpret else self.target.time_ms(run)
+        if self.target.interpret:
+            return quick
+        if quick > CONTENDER_FACTOR * best_ms:
+            with clock("tell"):
+                trial.set_user_attr("timed", "quick")
+            return quick
+        with clock("full"):
+            return self.target.time_ms(run)
 
     @staticmethod
     def _reject(trial: optuna.Trial, kind: str, reason: str) -> float:
@@ -443,53 +560,105 @@ class KernelSearch:
 
 
 def base_config(searches: list[KernelSearch], heuristic: AttentionConfig, kernel: str) -> AttentionConfig:
-    """What a trial of `kernel` runs besides its candidate: the best so far of the kernels searched before
-    it (the backward reads the forward's LSE), the heuristic for the others."""
+    """What a trial of `kernel` runs besides its candidate: the best so far (as this process knows it) of the
+    kernels searched before it (the backward reads the forward's LSE), the heuristic for the others."""
     base = heuristic
     for search in searches[:KERNELS.index(kernel)]:
-        best = search.best_config()
+        best = search.known_best[1]
         base = base.replace(**{search.kernel: best}) if best else base
     return base
 
 
-def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, inputs: dict[str, torch.Tensor],
-               checker: Checker, *, pool: CompilePool | None = None, wait: bool = True,
-               on_trial: Callable[[KernelSearch], None] | None = None) -> None:
+class Fixture:
+    """A shape's inputs and torch's reference, made once per process and shape when first needed: after
+    the first candidates went to the compile pool, so that making them overlaps their compiles."""
+
+    def __init__(self, shape: Shape, target: Target, seed: int, clock: Stopwatch):
+        self.shape, self.target, self.seed, self.clock = shape, target, seed, clock
+        self._made: tuple[dict[str, torch.Tensor], Checker] | None = None
+
+    def get(self) -> tuple[dict[str, torch.Tensor], Checker]:
+        if self._made is None:
+            with self.clock("inputs"):
+                inputs = make_inputs(self.shape, self.target.device, self.seed)
+                self.target.synchronize()
+            with self.clock("reference"):
+                checker = Checker(self.shape, inputs)
+            self._made = (inputs, checker)
+        return self._made
+
+
+def _next_candidate(pending: deque[Candidate]) -> Candidate:
+    """The first-asked candidate whose compile is done, waiting for one if none is (its "compile_wait"):
+    one slow compile does not hold up the ones behind it, nor the pool that would compile the next."""
+    start = time.perf_counter()
+    while True:
+        candidate = next((c for c in pending if c.compiled_yet()), None)
+        if candidate is not None:
+            pending.remove(candidate)
+            candidate.seconds["compile_wait"] = time.perf_counter() - start
+            return candidate
+        wait([c.compiled for c in pending if c.compiled is not None], return_when=FIRST_COMPLETED)
+
+
+def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture: Fixture, *,
+               pool: CompilePool | None = None, wait: bool = True,
+               on_trial: Callable[[KernelSearch], None] | None = None, clock: Stopwatch | None = None) -> None:
     """This process's trials of one shape's studies, kernel after kernel, while they want trials.
 
     With a compile pool, up to one trial per pool process plus the one being timed are in flight
-    (asked and compiling), so the GPU never waits for a compile; they are told in the order asked.
-    With `wait`, it then waits for the trials other processes hold, runs those that died again,
-    and the heuristic's if it did not finish. Trials still in flight on an error or Ctrl-C are
-    told failed.
+    (asked and compiling), so the GPU never waits for a compile; the first-asked one whose compile
+    is done is timed next. With `wait`, it then waits for the trials other processes hold, runs
+    those that died again, and the heuristic's if it did not finish. Trials still in flight on an
+    error or Ctrl-C are told failed. Where the time goes is added to `clock` (SHAPE_PHASES).
     """
+    clock = clock if clock is not None else Stopwatch()
     depth = 1 + (pool.processes if pool else 0)
     pending: deque[Candidate] = deque()
+
+    def wanting() -> KernelSearch | None:
+        with clock("census"):
+            return next((s for s in searches if s.wants_trial()), None)
+
+    def report(search: KernelSearch) -> None:
+        if on_trial:
+            with clock("progress"):
+                on_trial(search)
+
     with Heartbeat(searches[0].storage) as heartbeat:
         try:
             while True:
                 while len(pending) < depth:
-                    search = next((s for s in searches if s.wants_trial()), None)
+                    search = wanting()
                     if search is None:
                         break
-                    candidate = search.ask(base_config(searches, heuristic, search.kernel), heartbeat, pool)
+                    candidate = search.ask(base_config(searches, heuristic, search.kernel), heartbeat, pool, clock)
                     if candidate:
                         pending.append(candidate)
-                    elif on_trial:
-                        on_trial(search)
+                    else:
+                        report(search)
                 if pending:
-                    candidate = pending.popleft()
+                    inputs, checker = fixture.get()
+                    candidate = _next_candidate(pending)
                     search = candidate.search
                     search.finish(candidate, base_config(searches, heuristic, search.kernel), inputs, checker,
-                                  heartbeat)
-                    if on_trial:
-                        on_trial(search)
-                elif wait and any(search.census()[1] for search in searches):
-                    time.sleep(POLL_S)
-                elif wait and any(search.wants_trial() for search in searches):
-                    continue  # a census just failed a dead trial and queued its retry
-                elif not (wait and any([search.ensure_heuristic() for search in searches])):
+                                  heartbeat, clock)
+                    report(search)
+                    continue
+                if not wait:
                     break
+                with clock("census"):
+                    held = any([search.census()[1] for search in searches])
+                if held:
+                    with clock("wait"):
+                        time.sleep(POLL_S)
+                elif wanting() is not None:
+                    continue  # a census just failed a dead trial and queued its retry
+                else:
+                    with clock("census"):
+                        queued = any([search.ensure_heuristic() for search in searches])
+                    if not queued:
+                        break
         finally:
             for candidate in pending:
                 if candidate.compiled is not None:
@@ -519,9 +688,8 @@ def help_search_shape(shape: Shape, target: Target, *, trials: int, seconds: flo
     leaves waiting for the others, re-timing and storing to the process that owns the tuned DB."""
     heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage, seed=seed,
                                           space=space)
-    if any(search.wants_trial() for search in searches):
-        inputs = make_inputs(shape, target.device, seed)
-        run_trials(searches, heuristic, inputs, Checker(shape, inputs), pool=pool, wait=False)
+    clock = Stopwatch()
+    run_trials(searches, heuristic, Fixture(shape, target, seed, clock), pool=pool, wait=False, clock=clock)
 
 
 def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> tuple[str, float]:
@@ -549,50 +717,74 @@ def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
                  pool: CompilePool | None = None, on_trial: Callable[[str, float], None] | None = None
                  ) -> ShapeResult:
     """Search the three kernels of one shape (with whatever other processes share its studies), wait
-    until the studies are done, then measure the winners end to end and SDPA beside them."""
+    until the studies are done, then measure the winners end to end and SDPA beside them.
+
+    The winners' combination is compiled in the pool while SDPA is timed (the dK/dV kernel reads the
+    dQ kernel's config, so the pair is new). The result's `breakdown` says where the wall time went."""
     started = time.time()
+    clock = Stopwatch()
     if isinstance(storage, str):
         storage = open_storage(storage)
-    heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage, seed=seed,
-                                          space=space)
-    inputs = make_inputs(shape, target.device, seed)
-    run_trials(searches, heuristic, inputs, Checker(shape, inputs), pool=pool, wait=True,
-               on_trial=(lambda search: on_trial(search.kernel, search.best_ms)) if on_trial else None)
+    with clock("studies"):
+        heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage,
+                                              seed=seed, space=space)
+    fixture = Fixture(shape, target, seed, clock)
+    run_trials(searches, heuristic, fixture, pool=pool, wait=True, clock=clock,
+               on_trial=(lambda search: on_trial(search.kernel, search.known_best[0])) if on_trial else None)
     chosen: dict[str, LaunchConfig] = {}
     kernel_ms: dict[str, float] = {}
     rejected: dict[str, int] = {}
-    for search in searches:
-        best = search.best_config()
-        if best is None:
-            raise RuntimeError(f"{shape.label()}: no {search.kernel} config passed the checks in "
-                               f"{len(search.study.trials)} trials ({search.rejected()}); give more trials or time")
-        chosen[search.kernel], kernel_ms[search.kernel] = best, search.best_ms
-        for kind, count in search.rejected().items():
-            rejected[kind] = rejected.get(kind, 0) + count
+    with clock("census"):
+        for search in searches:
+            best = search.best_config()
+            if best is None:
+                raise RuntimeError(f"{shape.label()}: no {search.kernel} config passed the checks in "
+                                   f"{len(search.study.trials)} trials ({search.rejected()}); give more trials or time")
+            chosen[search.kernel], kernel_ms[search.kernel] = best, search.best_ms
+            for kind, count in search.rejected().items():
+                rejected[kind] = rejected.get(kind, 0) + count
     config = AttentionConfig(**chosen)
+    compiled = pool.submit(shape, config, "dkdv") if pool else None
+    inputs, _ = fixture.get()
+    with clock("sdpa"):
+        backend, sdpa_ms = sdpa_best(shape, inputs, target)
 
     import fatune
 
-    kwargs = shape.attention_kwargs(target.device)
-    step = time_training_step(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
-        if not target.interpret else _interpreted_step(shape, config, inputs)
-    backend, sdpa_ms = sdpa_best(shape, inputs, target)
-    return ShapeResult(shape, config, kernel_ms, step["fwd_ms"], step["bwd_ms"], step["fwd_bwd_ms"],
-                       sum(search.finished() for search in searches), rejected, backend, sdpa_ms,
-                       time.time() - started)
+    with clock("retime"):
+        compile_error(compiled)
+        kwargs = shape.attention_kwargs(target.device)
+        step = time_training_step(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
+            if not target.interpret else _interpreted_step(shape, config, inputs)
+    finished = sum(search.finished() for search in searches)
+    total = time.time() - started
+    breakdown = {phase: clock.seconds.get(phase, 0.0) for phase in SHAPE_PHASES if phase != "db"}
+    breakdown["other"] = max(0.0, total - sum(breakdown.values()))
+    return ShapeResult(shape, config, kernel_ms, step["fwd_ms"], step["bwd_ms"], step["fwd_bwd_ms"], finished,
+                       rejected, backend, sdpa_ms, total, breakdown)
 
 
-def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: optuna.storages.RDBStorage) -> int:
+def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: optuna.storages.RDBStorage,
+                    done: set[Shape] | None = None) -> int:
     """Trials finished so far in the studies of `shapes`, by every process and host (each study counted up
-    to `trials`): a search's progress."""
-    done = 0
-    for shape, kernel in itertools.product(shapes, KERNELS):
-        try:
-            study_id = storage.get_study_id_from_name(study_name(target, shape, kernel))
-        except KeyError:  # not created yet
+    to `trials`): a search's progress. Shapes in `done` count in full without asking the storage; shapes
+    found with all their trials are added to it."""
+    total = 0
+    for shape in shapes:
+        if done is not None and shape in done:
+            total += trials * len(KERNELS)
             continue
-        done += min(trials, storage.get_n_trials(study_id, state=FINISHED))
-    return done
+        counted = 0
+        for kernel in KERNELS:
+            try:
+                study_id = storage.get_study_id_from_name(study_name(target, shape, kernel))
+            except KeyError:  # not created yet
+                continue
+            counted += min(trials, storage.get_n_trials(study_id, state=FINISHED))
+        if done is not None and counted == trials * len(KERNELS):
+            done.add(shape)
+        total += counted
+    return total
 
 
 def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -127,3 +127,19 @@ def test_bad_distributed_options_are_one_line(tmp_path, args, code, message):
     run = subprocess.run([sys.executable, "-m", "fatune.cli", *SEARCH, "--lengths", "32", "--db",
                           str(tmp_path / "t.sqlite"), *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == code and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("cores, workers, requested, interpret, expected", [
+    (16, 1, None, False, 8),    # the H200 host: 8 compile processes beside the one that times
+    (32, 2, None, False, 8),    # two GPUs, 16 cores each
+    (4, 1, None, False, 3),     # a small host: the cores less the timing process
+    (2, 2, None, False, 1),     # at least one
+    (16, 1, 0, False, 0),       # asked for: as asked
+    (16, 1, None, True, 0),     # the interpreter compiles nothing
+])
+def test_compile_workers_default_to_the_cores_per_worker_less_one(monkeypatch, cores, workers, requested, interpret,
+                                                                   expected):
+    from fatune import workers as hosts
+
+    monkeypatch.setattr(hosts.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert hosts.compile_worker_count(requested, workers, interpret) == expected

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 
 import optuna
 import pytest
@@ -45,6 +46,19 @@ def test_cli_search_writes_db_rows_with_the_right_keys(tmp_path):
         ("triton-interpreter", "float16", 16, "causal", 64)
     assert entry.template_hash == codegen.template_hash() and entry.interpreted and entry.trials == 9
     assert entry.attention_config().to_dict() == row["config"]
+    # where the wall time went: every phase, none negative, and all of them make up the shape's wall time
+    breakdown = row["breakdown"]
+    assert set(breakdown) == {*search.SHAPE_PHASES, "other"} and min(breakdown.values()) >= 0
+    assert breakdown["build"] > 0 and breakdown["ask"] > 0 and breakdown["reference"] > 0
+    assert sum(breakdown.values()) == pytest.approx(row["seconds"] + breakdown["db"], rel=1e-3)
+    # and each trial's own phases, as its user attr
+    storage = default_storage_url(db_path)
+    for summary in optuna.get_all_study_summaries(storage):
+        for trial in optuna.load_study(study_name=summary.study_name, storage=storage).trials:
+            seconds = trial.user_attrs["seconds"]
+            assert seconds["ask"] > 0 and set(seconds) <= set(search.TRIAL_PHASES)
+            if trial.user_attrs.get("rejected") not in ("infeasible", "compile_error"):
+                assert seconds["build"] > 0 and seconds["quick"] > 0
 
 
 def test_search_resumes_from_its_storage(tmp_path):
@@ -105,7 +119,8 @@ def test_same_seed_same_trial_sequence(tmp_path):
 
 def test_trials_in_flight_are_all_told_and_the_budget_holds(tmp_path):
     """With a compile pool of 2, a trial is asked while earlier ones compile and are timed; every
-    trial is told, in the order asked, and a lone search runs exactly --trials per study."""
+    trial is told (the first-asked whose compile is done first), and a lone search runs exactly
+    --trials per study."""
     storage = f"sqlite:///{tmp_path / 's.sqlite'}"
     with CompilePool(2, "cpu") as pool:
         result = search_shape(TINY, interpreter_target(), trials=4, seconds=600, storage=storage, seed=0,
@@ -115,7 +130,88 @@ def test_trials_in_flight_are_all_told_and_the_budget_holds(tmp_path):
         trials = optuna.load_study(study_name=summary.study_name, storage=storage).trials
         assert [t.state in search.FINISHED for t in trials] == [True] * 4
         assert any(later.datetime_start < earlier.datetime_complete for earlier, later in zip(trials, trials[1:]))
-        assert [t.datetime_complete for t in trials] == sorted(t.datetime_complete for t in trials)
+        assert all("compile_wait" in t.user_attrs["seconds"] for t in trials
+                   if t.user_attrs.get("rejected") != "infeasible")
+
+
+def test_the_candidate_timed_next_is_the_first_asked_whose_compile_is_done():
+    from concurrent.futures import Future
+    from threading import Timer
+
+    def candidate(done: bool | None) -> search.Candidate:
+        future = None if done is None else Future()
+        if done:
+            future.set_result(None)
+        return search.Candidate(None, None, None, future)
+
+    slow, ready, also_ready = candidate(False), candidate(True), candidate(None)
+    pending = deque([slow, ready, also_ready])
+    assert search._next_candidate(pending) is ready and list(pending) == [slow, also_ready]
+    assert search._next_candidate(pending) is also_ready
+    Timer(0.2, slow.compiled.set_result, [None]).start()  # none done: wait for the first that is
+    assert search._next_candidate(pending) is slow and not pending
+    assert slow.seconds["compile_wait"] >= 0.15 and ready.seconds["compile_wait"] < 0.1
+
+
+class ScriptedTarget(Target):
+    """A GPU-like target (full timings) whose quick and full timings are given numbers."""
+
+    def __init__(self, quick_ms: float, full_ms: float):
+        super().__init__(torch.device("cpu"), False, "scripted", "cpu", None)
+        self.quick_ms, self.full_ms, self.timed = quick_ms, full_ms, []
+
+    def time_ms(self, fn, quick=False):
+        self.timed.append("quick" if quick else "full")
+        return self.quick_ms if quick else self.full_ms
+
+
+@pytest.mark.parametrize("quick_ms, expected, timed", [
+    (1.05, "full", ["quick", "full"]),   # within CONTENDER_FACTOR of the best: timed in full
+    (1.3, "quick", ["quick"]),           # cannot win: its quick time counts
+    (2.0, "pruned", ["quick"]),          # over PRUNE_FACTOR: pruned
+])
+def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expected, timed):
+    from fatune.heuristics import default_config
+    from fatune.measure import make_inputs
+    from fatune.storage import Heartbeat, open_storage
+
+    target = ScriptedTarget(quick_ms, full_ms=0.99)
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    heuristic = default_config(TINY.spec, None)
+    # one candidate, not the heuristic (which is never pruned)
+    space = SearchSpace(block_m=(48 - heuristic.fwd.block_m,), block_n=(heuristic.fwd.block_n,), num_warps=(4,),
+                        num_stages=(1,), num_splits=(1,))
+    kernel = search.KernelSearch(target, TINY, "fwd", heuristic, space, storage, seed=0, trials=4,
+                                 deadline=time.time() + 600)
+    kernel.known_best = (1.0, heuristic.fwd)
+    inputs = make_inputs(TINY, "cpu")
+    with Heartbeat(storage) as heartbeat:
+        candidate = kernel.ask(heuristic, heartbeat, None)
+        kernel.finish(candidate, heuristic, inputs, search.Checker(TINY, inputs), heartbeat)
+    (trial,) = [t for t in kernel.study.trials if t.number == candidate.trial.number]
+    assert target.timed == timed
+    if expected == "pruned":
+        assert trial.state == optuna.trial.TrialState.PRUNED and trial.user_attrs["rejected"] == "slow"
+    else:
+        assert trial.value == (0.99 if expected == "full" else quick_ms)
+        assert ("full" in trial.user_attrs["seconds"]) == (expected == "full")
+        assert trial.user_attrs.get("timed") == ("quick" if expected == "quick" else None)
+
+
+def test_the_check_rejects_wrong_and_unwritten_outputs():
+    from types import SimpleNamespace
+
+    from fatune.measure import make_inputs
+
+    inputs = make_inputs(TINY, "cpu")
+    checker = search.Checker(TINY, inputs)
+    out = checker.reference["out"].clone()
+    runner = SimpleNamespace(args=SimpleNamespace(out=out))
+    assert checker.error("fwd", runner) == 0
+    out[0, 0, 0, 0] += 0.5 * checker.reference["out"].abs().max()
+    assert checker.error("fwd", runner) == pytest.approx(0.5, rel=1e-2)
+    out[0, 0, 0, 0] = float("nan")
+    assert checker.error("fwd", runner) == float("inf")
 
 
 def test_search_without_gpu_or_interpreter_says_what_to_do(monkeypatch):
@@ -235,6 +331,7 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     folder.mkdir()
     result = CliRunner().invoke(cli, [*SEARCH, "--trials", "1", "--db", str(folder / "tuned.sqlite")])
     assert result.exit_code == 0, result.output
+    assert "wall time per shape in this process" in result.output and "  compile " in result.output
     assert {p.name for p in folder.iterdir()} >= {"tuned.sqlite", "tuned.optuna.sqlite"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a?b%20c#d"]
 

@@ -13,7 +13,7 @@ import click
 
 from fatune.cli.options import int_list, optional_int_list, parse_dtype
 
-PROGRESS_S = 0.5  # the progress bar counts the storage's finished trials at most this often
+PROGRESS_S = 1.0  # the progress bar counts the storage's finished trials at most this often
 
 
 def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
@@ -163,11 +163,12 @@ def _search(job, target, storage, database) -> list:
     with click.progressbar(length=len(shapes) * job.trials * 3, label="search", file=sys.stderr, show_pos=True,
                            show_eta=True) as bar, CompilePool(job.compile_workers, target.device.type) as pool:
         refreshed = [0.0]
+        done: set = set()  # shapes whose studies have all their trials: not counted again
 
         def refresh(force: bool = False) -> None:
             if force or time.monotonic() - refreshed[0] > PROGRESS_S:
                 refreshed[0] = time.monotonic()
-                bar.update(tuner.finished_trials(shapes, target, job.trials, storage) - bar.pos)
+                bar.update(tuner.finished_trials(shapes, target, job.trials, storage, done) - bar.pos)
 
         for shape in shapes:
             def on_trial(kernel, best_ms, shape=shape):
@@ -179,7 +180,10 @@ def _search(job, target, storage, database) -> list:
                                             seed=job.seed, space=job.space, pool=pool, on_trial=on_trial)
             except RuntimeError as error:
                 raise click.ClickException(str(error)) from None
-            results.append((result, tuner.store(database, result, target)))
+            started = time.perf_counter()
+            stored = tuner.store(database, result, target)
+            result.breakdown["db"] = time.perf_counter() - started
+            results.append((result, stored))
             refresh(force=True)
     return results
 
@@ -191,7 +195,7 @@ def _result_json(result, stored: bool, target) -> dict:
         "sdpa_backend": result.sdpa_backend, "sdpa_ms": None if math.isnan(result.sdpa_ms) else result.sdpa_ms,
         "speedup": None if math.isnan(result.speedup) else result.speedup, "trials": result.trials,
         "rejected": result.rejected, "seconds": result.seconds, "trials_per_s": result.trials_per_s,
-        "stored": stored,
+        "breakdown": result.breakdown, "stored": stored,
         "interpreted": target.interpret, "gpu": target.gpu,
     }
 
@@ -214,3 +218,27 @@ def _print_table(results, target, db_path, seconds: float, workers: int) -> None
     trials = sum(result.trials for result, _ in results)
     click.echo(f"{len(results)} shapes, {trials} trials in {seconds:.1f} s wall ({trials / seconds:.2f} trials/s) "
                f"with {workers} worker{'s' if workers > 1 else ''} on this host")
+    _print_breakdown([result for result, _ in results])
+
+
+BREAKDOWN_COLUMNS = (  # (phase in ShapeResult.breakdown, column title); fatune.search.SHAPE_PHASES plus "other"
+    ("studies", "studies"), ("inputs", "inputs"), ("reference", "ref"), ("ask", "ask"),
+    ("compile_wait", "compile"), ("build", "build"), ("check", "check"), ("quick", "quick"), ("full", "full"),
+    ("tell", "tell"), ("census", "census"), ("wait", "wait"), ("progress", "progress"), ("sdpa", "sdpa"),
+    ("retime", "retime"), ("db", "db"), ("other", "other"),
+)
+
+
+def _print_breakdown(results) -> None:
+    """Where each shape's wall time went in this process, seconds per phase: fixed costs (studies, inputs,
+    torch reference, SDPA timing, end-to-end re-timing, DB write) and the sums over its trials (asking,
+    waiting for the compile pool, building the runner and loading kernels, checking, quick and full
+    timing, telling; census and wait: looking at and waiting for other processes' trials)."""
+    if not results:
+        return
+    click.echo("\nwall time per shape in this process, seconds per phase (trial phases summed over its trials):")
+    header = f"{'shape':44} {'wall':>6} " + " ".join(f"{title:>8}" for _, title in BREAKDOWN_COLUMNS)
+    click.echo(header)
+    for result in results:
+        cells = " ".join(f"{result.breakdown.get(phase, 0.0):8.2f}" for phase, _ in BREAKDOWN_COLUMNS)
+        click.echo(f"{result.shape.label():44} {result.seconds + result.breakdown.get('db', 0.0):6.1f} {cells}")
