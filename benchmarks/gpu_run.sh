@@ -41,6 +41,10 @@ for stage in "$@"; do
       python3 -m fatune.cli bench --lengths 4096 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
         -o "$OUT/grid4k" > "$OUT/grid4k.log" 2>&1
       head -n 12 "$OUT/grid4k/bench.md" ;;
+    grid4k-all)  # the training-step grid at L=4096, bf16, d64/d128/d256, causal and not (issue 11's table)
+      python3 -m fatune.cli bench --lengths 4096 --head-dims 64,128,256 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
+        -o "$OUT/grid4k-all" > "$OUT/grid4k-all.log" 2>&1
+      head -n 14 "$OUT/grid4k-all/bench.md" ;;
     decode-sweep)  # forward configs on the decode shapes (evidence for the decode heuristic)
       python3 benchmarks/decode_sweep.py "$OUT/decode-sweep.json" > "$OUT/decode-sweep.log" 2>&1
       tail -n 20 "$OUT/decode-sweep.log" ;;
