@@ -41,6 +41,14 @@ class _FlashAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_value, None, None
 
 
+# `_FlashAttention.apply` is torch's Python wrapper around the C `_FunctionBase.apply`; for a
+# Function without setup_context, outside functorch transforms, it only unwraps dead functorch
+# wrappers among the tensor arguments. attention() does that itself and calls the C apply.
+_apply = super(torch.autograd.Function, _FlashAttention).apply
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -101,7 +109,9 @@ def attention(
         return run_without_kernels(prepared, query, key, value, call)
     extras = call.extras
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return _FlashAttention.apply(query, key, value, plan, extras)
+        if _functorch_active():
+            return _FlashAttention.apply(query, key, value, plan, extras)
+        return _apply(_unwrap_if_dead(query), _unwrap_if_dead(key), _unwrap_if_dead(value), plan, extras)
     seed = dropout.draw_seed(query.device) if plan.uses_seed else None
     return plan.forward(query, key, value, extras, seed)[0]
 
