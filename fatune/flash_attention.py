@@ -47,6 +47,9 @@ class _FlashAttention(torch.autograd.Function):
 _apply = super(torch.autograd.Function, _FlashAttention).apply
 _functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# The autograd engine calls the node's `apply`, torch's Python method that looks up the user's
+# backward (or vjp) on every call; ours is `backward`, bound once.
+_FlashAttention._backward_cls.apply = _FlashAttention.backward
 
 
 def attention(
