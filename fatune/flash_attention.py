@@ -15,8 +15,8 @@ import torch
 
 from fatune import codegen, custom_op, dropout
 from fatune.dispatch import Decision
-from fatune.launch import Plan
-from fatune.plans import Call, prepare, run_without_kernels
+from fatune.launch import NO_EXTRAS, Plan
+from fatune.plans import Call, prepare, prepare_plain, run_without_kernels
 from fatune.spec import AttentionConfig, KernelSpec
 
 
@@ -102,15 +102,25 @@ def attention(
     On CPU tensors the kernels run in Triton's interpreter when TRITON_INTERPRET=1;
     otherwise the call falls back to a dense torch implementation and logs why, once.
     """
-    call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
-                seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if torch.compiler.is_compiling():
+        call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return custom_op.attention(query, key, value, call, config)
-    prepared = prepare(query, key, value, call, config, strict)
+    if attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
+            cu_seqlens_k is None:  # the common call: no Call object, a shorter key
+        prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                 causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
+        extras = NO_EXTRAS
+    else:
+        call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        prepared = prepare(query, key, value, call, config, strict)
+        extras = call.extras
     plan = prepared.plan
     if plan is None:
+        call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return run_without_kernels(prepared, query, key, value, call)
-    extras = call.extras
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         if _functorch_active():
             return _FlashAttention.apply(query, key, value, plan, extras)

@@ -117,6 +117,7 @@ class Prepared:
 
 _BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values
 _plans: dict[tuple, Prepared] = {}
+_plain: dict[tuple, Prepared] = {}  # prepare_plain's, by plain_key
 _lock = threading.Lock()
 
 
@@ -124,6 +125,7 @@ def clear() -> None:
     """Forget every plan and dispatch decision (after the tuned DBs changed, say)."""
     with _lock:
         _plans.clear()
+        _plain.clear()
     dispatcher().clear()
 
 
@@ -152,6 +154,36 @@ def prepare(query, key, value, call: Call, config: AttentionConfig | None, stric
                     _plans[base] = _BY_VALUES
                     cache_key = base + prepared.lengths
                 _plans[cache_key] = prepared
+    return prepared
+
+
+def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment,
+                  max_seqlen_q, max_seqlen_k, config: AttentionConfig | None, strict: bool | None) -> Prepared:
+    """prepare() for a call without optional tensors (attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q/k),
+    the common call, without building its Call: looked up by a key holding what call_key holds for
+    such a call (window_size as given; a list is not hashable and takes prepare()). A key seen for
+    the first time goes through prepare(), so its first call is fully checked.
+    """
+    try:
+        base = (
+            query.shape, query.stride(), query.dtype, query.device, query.data_ptr() % 16,
+            key.shape, key.stride(), key.dtype, key.device, key.data_ptr() % 16,
+            value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16,
+            type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa), enable_gqa,
+            window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict,
+        )
+        prepared = _plain.get(base)
+    except (TypeError, AttributeError, RuntimeError):  # odd arguments: prepare() deals with them
+        base = prepared = None
+    if prepared is None:
+        call = Call(None, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, None, None, None,
+                    None, max_seqlen_q, max_seqlen_k)
+        prepared = prepare(query, key, value, call, config, strict)
+        if base is not None and prepared.mode != "fallback":
+            with _lock:
+                if len(_plain) >= MAX_PLANS:
+                    _plain.clear()
+                _plain[base] = prepared
     return prepared
 
 
