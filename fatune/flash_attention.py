@@ -28,7 +28,7 @@ class _FlashAttention(torch.autograd.Function):
         seed = dropout.draw_seed(query.device) if plan.uses_seed else None
         out, lse = plan.forward(query, key, value, extras, seed)
         ctx.save_for_backward(query, key, value, out)
-        ctx.lse, ctx.plan, ctx.extras, ctx.seed = lse, plan, extras, seed  # LSE: not an input or output
+        ctx.state = plan, lse, extras, seed  # LSE: not an input or output
         return out
 
     @staticmethod
@@ -36,8 +36,8 @@ class _FlashAttention(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("fatune.attention: double backward (create_graph=True) is not supported")
         query, key, value, out = ctx.saved_tensors
-        grad_query, grad_key, grad_value = ctx.plan.backward(grad_out, query, key, value, out, ctx.lse, ctx.extras,
-                                                             ctx.seed)
+        plan, lse, extras, seed = ctx.state
+        grad_query, grad_key, grad_value = plan.backward(grad_out, query, key, value, out, lse, extras, seed)
         return grad_query, grad_key, grad_value, None, None
 
 
