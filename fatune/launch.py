@@ -343,9 +343,24 @@ class Plan:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        launches = self._fwd
+        if launches is None or self.splits > 1 or not self.on_device():  # the general path
+            return self._forward(q, k, v, extras, seed)
+        # one kernel, already loaded, on the current device: allocate, launch (every call after the first)
+        out = new_buffer(*self.out_layout, self.dtype, self.device)
+        lse = new_buffer(*self.lse_layout, torch.float32, self.device)
+        if extras is NO_EXTRAS:
+            slots = (q, k, v, out, lse, None, None, None, None, None, seed, None, None)
+        else:
+            slots = (q, k, v, out, lse, *extras, seed, None, None)
+        launches[0](slots, current_stream(self.device))
+        return out, lse
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple,
+                 seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.on_device():
             with torch.cuda.device(self.device):
-                return self.forward(q, k, v, extras, seed)
+                return self._forward(q, k, v, extras, seed)
         out, lse = self.allocate_forward()
         self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
         return out, lse
