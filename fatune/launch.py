@@ -142,15 +142,17 @@ class KernelLaunch:
         self.tma = bool(getattr(config, "tma", 0)) and not codegen.interpreting()
 
     def __call__(self, slots: tuple, stream: int | None) -> None:
-        args = self.pick(slots) + self.tail
-        if _compile_only:
-            self.warmup(args)
-            return
-        if self.direct is not None and not _launch_hooks_active():
+        direct = self.direct
+        if direct is not None and not _compile_only and not (_RUNTIME.launch_enter_hook.calls or
+                                                             _RUNTIME.launch_exit_hook.calls):  # hooks check inlined
             middle = self.middle
             if self.scratch:
                 middle = middle[:3] + (scratch_buffer(self.scratch),) + middle[4:]
-            self.direct(*self.grid, stream, *middle, *args)
+            direct(*self.grid, stream, *middle, *self.pick(slots), *self.tail)
+            return
+        args = self.pick(slots) + self.tail
+        if _compile_only:
+            self.warmup(args)
             return
         if self.tma:
             ensure_triton_allocator()
