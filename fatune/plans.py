@@ -116,8 +116,7 @@ class Prepared:
 
 
 _BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values
-_plans: dict[tuple, Prepared] = {}
-_plain: dict[tuple, Prepared] = {}  # prepare_plain's, by plain_key
+_plans: dict[tuple, Prepared] = {}  # by call_key, and prepare_plain's shorter keys (never equal to one)
 _lock = threading.Lock()
 
 
@@ -125,7 +124,6 @@ def clear() -> None:
     """Forget every plan and dispatch decision (after the tuned DBs changed, say)."""
     with _lock:
         _plans.clear()
-        _plain.clear()
     dispatcher().clear()
 
 
@@ -162,7 +160,8 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
     """prepare() for a call without optional tensors (attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q/k),
     the common call, without building its Call: looked up by a key holding what call_key holds for
     such a call (window_size as given; a list is not hashable and takes prepare()). A key seen for
-    the first time goes through prepare(), so its first call is fully checked.
+    the first time goes through prepare(), so its first call is fully checked. The keys share
+    prepare()'s cache: a call_key has more elements, so the two kinds never match each other.
     """
     try:
         base = (
@@ -172,7 +171,7 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
             type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa), enable_gqa,
             window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict,
         )
-        prepared = _plain.get(base)
+        prepared = _plans.get(base)
     except (TypeError, AttributeError, RuntimeError):  # odd arguments: prepare() deals with them
         base = prepared = None
     if prepared is None:
@@ -181,9 +180,9 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
         prepared = prepare(query, key, value, call, config, strict)
         if base is not None and prepared.mode != "fallback":
             with _lock:
-                if len(_plain) >= MAX_PLANS:
-                    _plain.clear()
-                _plain[base] = prepared
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
+                _plans[base] = prepared
     return prepared
 
 
