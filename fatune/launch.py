@@ -348,14 +348,16 @@ class Plan:
         launches = self._fwd
         if launches is None or self.splits > 1 or not self.on_device():  # the general path
             return self._forward(q, k, v, extras, seed)
-        # one kernel, already loaded, on the current device: allocate, launch (every call after the first)
+        # no split-KV, kernels loaded, on the current device: allocate, launch (every call after the first)
         out = new_buffer(*self.out_layout, self.dtype, self.device)
         lse = new_buffer(*self.lse_layout, torch.float32, self.device)
         if extras is NO_EXTRAS:
             slots = (q, k, v, out, lse, None, None, None, None, None, seed, None, None)
         else:
             slots = (q, k, v, out, lse, *extras, seed, None, None)
-        launches[0](slots, current_stream(self.device))
+        stream = current_stream(self.device)
+        for launch in launches:
+            launch(slots, stream)
         return out, lse
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple,
