@@ -245,14 +245,14 @@ def environment() -> dict:
 ProgressFn = Callable[[str], None]
 
 
-def host_overhead(calls: int = 2000, shape: Shape | None = None) -> dict[str, dict[str, float]]:
+def host_overhead(calls: int = 2000, shape: Shape | None = None, rounds: int = 5) -> dict[str, dict[str, float]]:
     """Microseconds per call of fatune.attention and torch SDPA on a tiny (host-bound) problem.
 
     Two ways a user calls it: "forward" (inputs without grad, as inference runs) and "step"
     (inputs requiring grad: forward, then backward from a fixed dO, gradients cleared before
     each step, as a training step runs it). Each is warmed up, then called back to back; the
     wall time up to a final synchronize, divided by the number of calls, is one round's
-    per-call cost. Median of 5 rounds, implementations interleaved round by round.
+    per-call cost. Median of `rounds` rounds, implementations interleaved round by round.
     """
     import statistics
     import time
@@ -287,7 +287,7 @@ def host_overhead(calls: int = 2000, shape: Shape | None = None) -> dict[str, di
             for _ in range(100):
                 run()
         torch.cuda.synchronize()
-        for _ in range(5):
+        for _ in range(rounds):
             for name, run in runs.items():
                 start = time.perf_counter()
                 for _ in range(count):
@@ -299,9 +299,10 @@ def host_overhead(calls: int = 2000, shape: Shape | None = None) -> dict[str, di
     return results
 
 
-def overhead_lines(results: dict[str, dict[str, float]], shape_label: str = "1x8x128x64 causal bf16") -> list[str]:
+def overhead_lines(results: dict[str, dict[str, float]], shape_label: str = "1x8x128x64 causal bf16",
+                   rounds: int = 5) -> list[str]:
     """The host-cost table `fatune bench --overhead` prints."""
-    lines = [f"host cost per call, {shape_label} (median of 5 rounds):"]
+    lines = [f"host cost per call, {shape_label} (median of {rounds} rounds):"]
     for mode, row in results.items():
         lines.append(f"  {mode:8} fatune {row['fatune']:7.1f} us   torch SDPA {row['sdpa']:7.1f} us   "
                      f"ratio {row['ratio']:.2f}")

@@ -15,8 +15,8 @@ import torch
 
 from fatune import codegen, custom_op, dropout
 from fatune.dispatch import Decision
-from fatune.launch import Plan
-from fatune.plans import Call, prepare, run_without_kernels
+from fatune.launch import NO_EXTRAS, Plan
+from fatune.plans import Call, prepare, prepare_plain, run_without_kernels
 from fatune.spec import AttentionConfig, KernelSpec
 
 
@@ -28,7 +28,7 @@ class _FlashAttention(torch.autograd.Function):
         seed = dropout.draw_seed(query.device) if plan.uses_seed else None
         out, lse = plan.forward(query, key, value, extras, seed)
         ctx.save_for_backward(query, key, value, out)
-        ctx.lse, ctx.plan, ctx.extras, ctx.seed = lse, plan, extras, seed  # LSE: not an input or output
+        ctx.state = plan, lse, extras, seed  # LSE: not an input or output
         return out
 
     @staticmethod
@@ -36,9 +36,20 @@ class _FlashAttention(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("fatune.attention: double backward (create_graph=True) is not supported")
         query, key, value, out = ctx.saved_tensors
-        grad_query, grad_key, grad_value = ctx.plan.backward(grad_out, query, key, value, out, ctx.lse, ctx.extras,
-                                                             ctx.seed)
+        plan, lse, extras, seed = ctx.state
+        grad_query, grad_key, grad_value = plan.backward(grad_out, query, key, value, out, lse, extras, seed)
         return grad_query, grad_key, grad_value, None, None
+
+
+# `_FlashAttention.apply` is torch's Python wrapper around the C `_FunctionBase.apply`; for a
+# Function without setup_context, outside functorch transforms, it only unwraps dead functorch
+# wrappers among the tensor arguments. attention() does that itself and calls the C apply.
+_apply = super(torch.autograd.Function, _FlashAttention).apply
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# The autograd engine calls the node's `apply`, torch's Python method that looks up the user's
+# backward (or vjp) on every call; ours is `backward`, bound once.
+_FlashAttention._backward_cls.apply = _FlashAttention.backward
 
 
 def attention(
@@ -91,17 +102,29 @@ def attention(
     On CPU tensors the kernels run in Triton's interpreter when TRITON_INTERPRET=1;
     otherwise the call falls back to a dense torch implementation and logs why, once.
     """
-    call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
-                seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if torch.compiler.is_compiling():
+        call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return custom_op.attention(query, key, value, call, config)
-    prepared = prepare(query, key, value, call, config, strict)
+    if attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
+            cu_seqlens_k is None:  # the common call: no Call object, a shorter key
+        prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                 causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
+        extras = NO_EXTRAS
+    else:
+        call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        prepared = prepare(query, key, value, call, config, strict)
+        extras = call.extras
     plan = prepared.plan
     if plan is None:
+        call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return run_without_kernels(prepared, query, key, value, call)
-    extras = call.extras
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return _FlashAttention.apply(query, key, value, plan, extras)
+        if _functorch_active():
+            return _FlashAttention.apply(query, key, value, plan, extras)
+        return _apply(_unwrap_if_dead(query), _unwrap_if_dead(key), _unwrap_if_dead(value), plan, extras)
     seed = dropout.draw_seed(query.device) if plan.uses_seed else None
     return plan.forward(query, key, value, extras, seed)[0]
 

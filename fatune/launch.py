@@ -142,15 +142,17 @@ class KernelLaunch:
         self.tma = bool(getattr(config, "tma", 0)) and not codegen.interpreting()
 
     def __call__(self, slots: tuple, stream: int | None) -> None:
-        args = self.pick(slots) + self.tail
-        if _compile_only:
-            self.warmup(args)
-            return
-        if self.direct is not None and not _launch_hooks_active():
+        direct = self.direct
+        if direct is not None and not _compile_only and not (_RUNTIME.launch_enter_hook.calls or
+                                                             _RUNTIME.launch_exit_hook.calls):  # hooks check inlined
             middle = self.middle
             if self.scratch:
                 middle = middle[:3] + (scratch_buffer(self.scratch),) + middle[4:]
-            self.direct(*self.grid, stream, *middle, *args)
+            direct(*self.grid, stream, *middle, *self.pick(slots), *self.tail)
+            return
+        args = self.pick(slots) + self.tail
+        if _compile_only:
+            self.warmup(args)
             return
         if self.tma:
             ensure_triton_allocator()
@@ -343,9 +345,26 @@ class Plan:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        launches = self._fwd
+        if launches is None or self.splits > 1 or not self.on_device():  # the general path
+            return self._forward(q, k, v, extras, seed)
+        # no split-KV, kernels loaded, on the current device: allocate, launch (every call after the first)
+        out = new_buffer(*self.out_layout, self.dtype, self.device)
+        lse = new_buffer(*self.lse_layout, torch.float32, self.device)
+        if extras is NO_EXTRAS:
+            slots = (q, k, v, out, lse, None, None, None, None, None, seed, None, None)
+        else:
+            slots = (q, k, v, out, lse, *extras, seed, None, None)
+        stream = current_stream(self.device)
+        for launch in launches:
+            launch(slots, stream)
+        return out, lse
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple,
+                 seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.on_device():
             with torch.cuda.device(self.device):
-                return self.forward(q, k, v, extras, seed)
+                return self._forward(q, k, v, extras, seed)
         out, lse = self.allocate_forward()
         self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
         return out, lse

@@ -116,7 +116,7 @@ class Prepared:
 
 
 _BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values
-_plans: dict[tuple, Prepared] = {}
+_plans: dict[tuple, Prepared] = {}  # by call_key, and prepare_plain's shorter keys (never equal to one)
 _lock = threading.Lock()
 
 
@@ -152,6 +152,37 @@ def prepare(query, key, value, call: Call, config: AttentionConfig | None, stric
                     _plans[base] = _BY_VALUES
                     cache_key = base + prepared.lengths
                 _plans[cache_key] = prepared
+    return prepared
+
+
+def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment,
+                  max_seqlen_q, max_seqlen_k, config: AttentionConfig | None, strict: bool | None) -> Prepared:
+    """prepare() for a call without optional tensors (attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q/k),
+    the common call, without building its Call: looked up by a key holding what call_key holds for
+    such a call (window_size as given; a list is not hashable and takes prepare()). A key seen for
+    the first time goes through prepare(), so its first call is fully checked. The keys share
+    prepare()'s cache: a call_key has more elements, so the two kinds never match each other.
+    """
+    try:
+        base = (
+            query.shape, query.stride(), query.dtype, query.device, query.data_ptr() % 16,
+            key.shape, key.stride(), key.dtype, key.device, key.data_ptr() % 16,
+            value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16,
+            type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa), enable_gqa,
+            window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict,
+        )
+        prepared = _plans.get(base)
+    except (TypeError, AttributeError, RuntimeError):  # odd arguments: prepare() deals with them
+        base = prepared = None
+    if prepared is None:
+        call = Call(None, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, None, None, None,
+                    None, max_seqlen_q, max_seqlen_k)
+        prepared = prepare(query, key, value, call, config, strict)
+        if base is not None and prepared.mode != "fallback":
+            with _lock:
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
+                _plans[base] = prepared
     return prepared
 
 

@@ -200,3 +200,73 @@ def test_unread_index_values_are_clamped_in_the_kernels(case, monkeypatch):
         out = fatune.attention(q, k, v, cu_seqlens_q=i32([0, 7, 3, 99]), cu_seqlens_k=i32([-5, 40, 6, 12]),
                                max_seqlen_q=10, max_seqlen_k=12)
         assert out.shape == (10, 2, 16)
+
+
+# The common call (no optional tensors) is looked up by a shorter key (plans.prepare_plain).
+def _count_builds(monkeypatch) -> list:
+    builds = []
+    build = plans._build
+
+    def counting(*args, **kwargs):
+        builds.append(args[:3])
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(plans, "_build", counting)
+    monkeypatch.setattr(plans, "_plans", {})
+    return builds
+
+
+def _step(q, k, v, **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fatune.attention(q, k, v, **kwargs)
+    out.backward(torch.ones_like(out))
+    return out, q.grad, k.grad, v.grad
+
+
+def test_plain_call_matches_the_full_path(monkeypatch):
+    builds = _count_builds(monkeypatch)
+    q, k, v = qkv(b=1, h=2, hkv=2, lq=20, lk=24, d=16, dv=16)
+    plain = _step(q, k, v, is_causal=True, window_size=(5, 0))
+    assert len(builds) == 1
+    assert all(torch.equal(a, b) for a, b in zip(plain, _step(q, k, v, is_causal=True, window_size=(5, 0))))
+    assert len(builds) == 1  # the second call is a lookup
+    # a list window is not hashable: the full path, same plan, same result
+    assert all(torch.equal(a, b) for a, b in zip(plain, _step(q, k, v, is_causal=True, window_size=[5, 0])))
+    # with an optional tensor (an all-True mask: the same attention) the full key and checks run
+    keep = torch.ones(20, 24, dtype=torch.bool, device=DEVICE)
+    masked = _step(q, k, v, is_causal=True, window_size=(5, 0), attn_mask=keep)
+    assert len(builds) == 2
+    for a, b in zip(plain, masked):
+        torch.testing.assert_close(a, b)
+
+
+def test_plain_call_with_changed_tensors_is_checked_again(monkeypatch):
+    builds = _count_builds(monkeypatch)
+    q, k, v = qkv(b=1, h=2, hkv=2, lq=16, lk=16, d=16, dv=16)
+    fatune.attention(q, k, v)
+    assert len(builds) == 1
+    # other strides: a new plan, with correct results
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(fatune.attention(q, k_t, v), fatune.attention(q, k, v), rtol=0, atol=0)
+    assert len(builds) == 2 and builds[-1][1].stride() == k_t.stride()
+    # data not 16-byte aligned: a new plan
+    v_off = torch.empty(v.numel() + 1, dtype=v.dtype, device=DEVICE)[1:].view(v.shape).copy_(v)
+    torch.testing.assert_close(fatune.attention(q, k, v_off), fatune.attention(q, k, v), rtol=0, atol=0)
+    assert len(builds) == 3 and builds[-1][2].data_ptr() % 16 != 0
+    # another dtype or device: the full checks say what is wrong
+    with pytest.raises(TypeError, match="key"):
+        fatune.attention(q, k.float(), v)
+    with pytest.raises(ValueError, match="key: expected a tensor on .* got meta"):
+        fatune.attention(q, k.to("meta"), v)
+    # another scalar type (True, not 1.0): another key
+    fatune.attention(q, k, v, scale=1)
+    fatune.attention(q, k, v, scale=1.0)
+    assert len(builds) == 7
+
+
+def test_functorch_transforms_take_torchs_apply():
+    """attention() calls the C Function apply itself; under torch.func transforms it leaves that to
+    torch's Function.apply, which says what is missing."""
+    q, k, v = qkv(b=1, h=1, hkv=1, lq=16, lk=16, d=16, dv=16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: fatune.attention(x, k, v).sum())(q)

@@ -31,15 +31,17 @@ from fatune.cli.options import int_list, name_list
                    "forward only, against SDPA's backends.")
 @click.option("--overhead", is_flag=True,
               help="Only measure host cost per call on a tiny problem (1x8x128x64): forward and training step.")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=5, show_default=True,
+              help="With --overhead: rounds per implementation (the median is reported).")
 def bench(head_dims, lengths, causal, dtypes, impls, gqa, tokens, model_dim, warmup_ms, rep_ms, output, inference,
-          overhead) -> None:
+          overhead, rounds) -> None:
     """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
 
     Example:
 
     \b
         fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
-        fatune bench --overhead
+        fatune bench --overhead --rounds 15
         fatune bench --inference -o results/
     """
     import torch
@@ -63,7 +65,7 @@ def bench(head_dims, lengths, causal, dtypes, impls, gqa, tokens, model_dim, war
         click.echo("\n".join(lines))
         return
     if overhead:
-        click.echo("\n".join(runner.overhead_lines(runner.host_overhead())))
+        click.echo("\n".join(runner.overhead_lines(runner.host_overhead(rounds=rounds), rounds=rounds)))
         return
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
     shapes = runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,

@@ -1,0 +1,181 @@
+"""fatune.attention's host (Python) cost per call, measured on the CPU with kernel launches as no-ops.
+
+The GPU measurement is `fatune bench --overhead`; this script isolates what fatune itself
+costs on the host, on any machine: plans are built by the real code (in interpreter mode, so
+that CPU tensors get a kernel plan), then every `KernelLaunch` calls a no-op instead of Triton's C launcher. What is left
+is the Python path of a call: `attention()`, the plan lookup, the autograd.Function, the
+output allocations. The same loops with torch SDPA on tiny CPU tensors (its autograd node is
+C++) and with an empty autograd.Function give the baselines.
+
+    PYTHONPATH=. python benchmarks/host_cost.py              # table: us per call, median of rounds
+    PYTHONPATH=. python benchmarks/host_cost.py --profile    # + cProfile of the fatune step
+
+Not measured here (GPU only): `torch._C._cuda_getDevice()`, the current-stream lookup and
+the C launcher calls; CPU allocations stand in for the CUDA caching allocator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # plans for CPU tensors (launches are no-ops below)
+
+import torch
+
+import fatune
+from fatune import launch
+
+
+def _no_kernel(*args):
+    return None
+
+
+_real_call = launch.KernelLaunch.__call__
+
+
+def _launch_nothing(self, slots, stream):
+    """KernelLaunch.__call__ as after a first launch, with a direct launcher that does nothing."""
+    if self.direct is None:
+        self.binary, self.direct, self.middle = object(), _no_kernel, (None,) * 9
+    return _real_call(self, slots, stream)
+
+
+class _Empty(torch.autograd.Function):
+    """The floor: a Python autograd.Function that allocates its output and gradients, nothing else."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def workloads(shape: tuple[int, int, int, int], sdpa_shape: tuple[int, int, int, int]):
+    def inputs(shape, grad):
+        gen = torch.Generator().manual_seed(0)
+        ts = [torch.randn(shape, generator=gen, dtype=torch.bfloat16).requires_grad_(grad) for _ in range(3)]
+        return ts, torch.randn(shape, generator=gen, dtype=torch.bfloat16)
+
+    (q, k, v), do = inputs(shape, True)
+    plain = [t.detach() for t in (q, k, v)]
+    (sq, sk, sv), sdo = inputs(sdpa_shape, True)
+    splain = [t.detach() for t in (sq, sk, sv)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def step(fn, grads, grad_out):
+        def run():
+            for tensor in grads:
+                tensor.grad = None
+            fn(*grads).backward(grad_out)
+        return run
+
+    return {
+        "fatune forward": lambda: fatune.attention(*plain, is_causal=True),
+        "sdpa forward": lambda: sdpa(*splain, is_causal=True),
+        "fatune step": step(lambda a, b, c: fatune.attention(a, b, c, is_causal=True), (q, k, v), do),
+        "sdpa step": step(lambda a, b, c: sdpa(a, b, c, is_causal=True), (sq, sk, sv), sdo),
+        "empty Function step": step(_Empty.apply, (q, k, v), do),
+    }
+
+
+def measure(runs: dict, calls: int, rounds: int) -> dict[str, list[float]]:
+    for run in runs.values():
+        for _ in range(200):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.thread_time_ns()
+            for _ in range(calls):
+                run()
+            times[name].append((time.thread_time_ns() - start) / calls / 1e3)
+    return times
+
+
+def parts(shape: tuple[int, int, int, int]) -> dict[str, float]:
+    """Microseconds of the pieces of a fatune step (min of 5 repeats, CPU time)."""
+    import timeit
+
+    from fatune import flash_attention, plans
+
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, dtype=torch.bfloat16)
+    fatune.attention(q, k, v, is_causal=True).backward(do)
+    call = plans.Call(is_causal=True)
+    plan = plans.prepare(q, k, v, call, None, None).plan
+    out, lse = plan.forward(q, k, v)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fatune.attention(q, k, v, is_causal=True).backward(do)
+
+    def empty_step():
+        q.grad = k.grad = v.grad = None
+        _Empty.apply(q, k, v).backward(do)
+
+    pieces = {
+        "step": step,
+        "  attention() (forward, grad)": lambda: fatune.attention(q, k, v, is_causal=True),
+        "    Call(...)": lambda: plans.Call(None, 0.0, True, None, False, (-1, -1), None, None, None, None, None, None,
+                                           None),
+        "    prepare() (call_key + lookup)": lambda: plans.prepare(q, k, v, call, None, None),
+        "    _FlashAttention.apply": lambda: flash_attention._FlashAttention.apply(q, k, v, plan, launch.NO_EXTRAS),
+        "      Plan.forward": lambda: plan.forward(q, k, v),
+        "  Plan.backward": lambda: plan.backward(do, q, k, v, out, lse),
+        "  torch.empty_strided (one)": lambda: torch.empty_strided(q.shape, q.stride(), dtype=q.dtype),
+        "empty Function step": empty_step,
+        "  empty Function forward": lambda: _Empty.apply(q, k, v),
+    }
+    return {name: min(timeit.repeat(fn, timer=time.thread_time, number=3000, repeat=5)) / 3000 * 1e6
+            for name, fn in pieces.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--shape", default="1,8,128,64", help="fatune's B,H,L,D (launches are no-ops)")
+    parser.add_argument("--sdpa-shape", default="1,1,4,8", help="SDPA's (it computes on the CPU: keep it tiny)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the fatune step")
+    parser.add_argument("--parts", action="store_true", help="time the pieces of a fatune step")
+    args = parser.parse_args()
+    launch.KernelLaunch.__call__ = _launch_nothing
+    shape = tuple(int(x) for x in args.shape.split(","))
+    sdpa_shape = tuple(int(x) for x in args.sdpa_shape.split(","))
+    torch.set_num_threads(1)
+    if args.parts:
+        for name, value in parts(shape).items():
+            print(f"{name:36} {value:7.2f} us")
+        return
+    runs = workloads(shape, sdpa_shape)
+    times = measure(runs, args.calls, args.rounds)
+    print(f"host cost per call, us (CPU, launches are no-ops; {args.rounds} rounds x {args.calls} calls; "
+          f"the minimum is the least disturbed by other processes):")
+    print(f"  {'':22} {'min':>7} {'median':>7}")
+    for name, values in times.items():
+        print(f"  {name:22} {min(values):7.2f} {statistics.median(values):7.2f}")
+    best = {name: min(values) for name, values in times.items()}
+    print(f"  fatune - sdpa (min): step {best['fatune step'] - best['sdpa step']:.2f} us, "
+          f"forward {best['fatune forward'] - best['sdpa forward']:.2f} us; "
+          f"fatune step - empty Function step: {best['fatune step'] - best['empty Function step']:.2f} us")
+    if args.profile:
+        profiler = cProfile.Profile()
+        run = runs["fatune step"]
+        profiler.enable()
+        for _ in range(args.calls):
+            run()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
