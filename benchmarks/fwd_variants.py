@@ -1,15 +1,14 @@
-"""Time the forward's Hopper code variants: TMA loads (/t) x warp specialization (/ws) x tiles.
+"""Time the forward's Hopper code variant, TMA loads (/t), against the plain kernel, tile by tile.
 
 Run on an H200 (or another sm_90 GPU) from the repository root:
 
     python3 benchmarks/fwd_variants.py --out fwd_variants.json [--jobs 8] [--shapes d128,gqa] [--quick]
 
 For each shape (bf16, random inputs): D in {64, 128, 256} at L = 4096 with B*L = 16384 and H*D = 2048,
-causal and not, and B=2, H=16, H_kv=2 (GQA 8:1), L=8192, d128. Every tile of TILES is run plain, /t,
-/ws and /t/ws with the config forced (fatune.attention(..., config=..., strict=True)); the row records
-the config the launch really ran (fatune.launch.resolve drops /ws where Triton cannot specialize the
-loop, e.g. 8 warps), the compiled kernel's shared memory, registers, spills and warps (a
-warp-specialized kernel launches 8 producer/consumer warps more), the median time of
+causal and not, and B=2, H=16, H_kv=2 (GQA 8:1), L=8192, d128. Every tile of TILES is run plain and
+/t with the config forced (fatune.attention(..., config=..., strict=True)); the row records the
+config the launch really ran (fatune.launch.resolve drops /t where TMA cannot read the tensors),
+the compiled kernel's shared memory, registers, spills and warps, the median time of
 triton.testing.do_bench, TFLOP/s (4*B*H*L^2*D, halved when causal) and the max abs error against
 torch SDPA. torch SDPA's own time is a row too. Variants that fail to compile or run are reported
 with their error, not fatal.
@@ -33,7 +32,7 @@ import torch
 TILES = ["64x64/w4/s3", "128x64/w8/s3", "128x128/w8/s2", "128x64/w4/s3", "64x128/w4/s3", "128x128/w4/s2",
          "64x64/w4/s2", "128x32/w4/s3"]
 QUICK_TILES = ["64x64/w4/s3", "128x64/w8/s3", "128x64/w4/s3"]
-VARIANTS = ["", "/t", "/ws", "/t/ws"]
+VARIANTS = ["", "/t"]
 
 
 @dataclass(frozen=True)

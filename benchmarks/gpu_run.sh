@@ -86,7 +86,7 @@ for stage in "$@"; do
         > "$OUT/bwd-d256.log" 2>&1; tail -n 30 "$OUT/bwd-d256.log"
       python3 benchmarks/bwd_variants.py "$OUT/bwd-atomic.json" --head-dims 64 --lengths 1024,16384 --atomic \
         > "$OUT/bwd-atomic.log" 2>&1; tail -n 60 "$OUT/bwd-atomic.log" ;;
-    fwd-variants)  # forward TMA / warp-specialization variants per tile, d64/128/256 and GQA 8:1 (FWD_ARGS: --quick ...)
+    fwd-variants)  # forward plain vs TMA variants per tile, d64/128/256 and GQA 8:1 (FWD_ARGS: --quick ...)
       python3 benchmarks/fwd_variants.py --out "$OUT/fwd-variants.json" --jobs 16 ${FWD_ARGS:-} > "$OUT/fwd-variants.log" 2>&1
       tail -n 60 "$OUT/fwd-variants.log" ;;
     masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)

@@ -26,7 +26,7 @@ import jinja2
 import triton
 
 from fatune import signature
-from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig, TritonExpr
+from fatune.spec import AttentionConfig, KernelSpec, TritonExpr
 
 Kind = Literal["fwd", "bwd", "dropout_mask"]
 TEMPLATE_FILES: dict[str, str] = {
@@ -79,40 +79,14 @@ def template_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def warp_specialization_blocker(spec: KernelSpec, fwd: LaunchConfig) -> str | None:
-    """Why the forward's key loop cannot be warp-specialized with `fwd` (None if it can).
-
-    Triton 3.6 specializes a Hopper loop (the `nvgpu-warp-specialization` pass) only when every
-    load feeding it is a TMA descriptor load, the kernel launches 4 warps and its products run on
-    the asynchronous tensor cores (wgmma: 16-bit inputs, at least 64 query rows); other loops fail
-    to compile (pointer loads in or before the loop: a packed GQA query tile, an attn_mask) or
-    silently stay unspecialized (8 warps, float32, smaller tiles).
-    """
-    if not fwd.tma:
-        return "needs TMA loads (tma=1)"
-    if fwd.num_warps != 4:
-        return f"Triton specializes only 4-warp kernels, not {fwd.num_warps}"
-    if spec.dtype == "float32":
-        return "float32 products do not run on Hopper's asynchronous tensor cores"
-    if fwd.block_m < 64:
-        return f"a {fwd.block_m}-row tile is too small for Hopper's asynchronous tensor cores (64 rows)"
-    if fwd.pack_gqa:
-        return "a packed GQA query tile is not a TMA load"
-    if spec.attn_mask != "none":
-        return "attn_mask tiles are not TMA loads"
-    return None
-
-
 def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
-    structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "WARP_SPECIALIZE": False, "ATOMIC_DQ": False}
+    structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "ATOMIC_DQ": False}
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         structure.update({"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1,
-                          "TMA": bool(config.fwd.tma),
-                          "WARP_SPECIALIZE": bool(config.fwd.warp_specialize)
-                          and warp_specialization_blocker(spec, config.fwd) is None})
+                          "TMA": bool(config.fwd.tma)})
         if structure["SPLIT_KV"]:
             constants["COMBINE_M"] = COMBINE_M
         used = {"fwd": config.fwd.to_dict()}

@@ -214,8 +214,8 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
             tensors: Sequence[torch.Tensor]) -> AttentionConfig:
     """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
     only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
-    have it and for tensors it can read, warp specialization only where Triton can apply it, and
-    no atomic dQ for float32 (its gradients are Kahan-summed, which atomics cannot do)."""
+    have it and for tensors it can read, and no atomic dQ for float32 (its gradients are
+    Kahan-summed, which atomics cannot do)."""
     if config.dkdv.atomic_dq and problem.spec.dtype == "float32":
         config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
     fwd = config.fwd
@@ -228,8 +228,6 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     seq_dim = 0 if problem.packed else 2
     tma = fwd.tma if fwd.tma and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors) else 0
     resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=tma)
-    if resolved.warp_specialize and codegen.warp_specialization_blocker(problem.spec, resolved):
-        resolved = dataclasses.replace(resolved, warp_specialize=0)
     return config if resolved == fwd else config.replace(fwd=resolved)
 
 

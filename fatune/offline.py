@@ -35,8 +35,7 @@ class CompiledKernel:
     spill_bytes: int  # local-memory stack frame; > 0 means registers spilled
     uses_wgmma: bool
     uses_tma: bool = False  # bulk tensor copies (cp.async.bulk.tensor) from TMA descriptors
-    warp_specialized: bool = False  # split into producer/consumer warps (`ttg.warp_specialize` in the TTGIR)
-    num_warps: int = 0  # warps launched, the producer warps of a warp-specialized kernel included
+    num_warps: int = 0  # warps launched
 
     @property
     def spills(self) -> bool:
@@ -91,6 +90,5 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
         spill_bytes=int(stack.group(1)) if stack else 0,
         uses_wgmma="wgmma.mma_async" in compiled.asm["ptx"],
         uses_tma="cp.async.bulk.tensor" in compiled.asm["ptx"],
-        warp_specialized="ttg.warp_specialize" in compiled.asm["ttgir"],
         num_warps=int(compiled.metadata.num_warps),
     )

@@ -86,9 +86,6 @@ class SearchSpace:
     num_splits: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)  # forward only; 0 = chosen at launch
     pack_gqa: tuple[int, ...] = (0, 1)  # forward only, GQA shapes only
     tma: tuple[int, ...] = (0, 1)  # forward only; dropped at launch where TMA cannot read the tensors
-    # forward only, 16-bit inputs (see codegen.warp_specialization_blocker); dropped at launch where
-    # Triton cannot specialize the loop
-    warp_specialize: tuple[int, ...] = (0, 1)
     atomic_dq: tuple[int, ...] = (0, 1)  # dK/dV only, 16-bit dtypes only
 
     def axes(self, kernel: str, shape: Shape) -> dict[str, tuple[int, ...]]:
@@ -100,8 +97,6 @@ class SearchSpace:
             if shape.kv_heads != shape.heads:
                 axes["pack_gqa"] = self.pack_gqa
             axes["tma"] = self.tma
-            if shape.spec.dtype != "float32":
-                axes["warp_specialize"] = self.warp_specialize
         if kernel == "dkdv" and shape.dtype != "float32":
             axes["atomic_dq"] = self.atomic_dq
         return axes

@@ -32,7 +32,7 @@ _DTYPE_ALIASES = {
     "f32": "float32",
 }
 MAX_HEAD_DIM = 256
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/ws)?(/a)?")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a)?")
 MAX_SPLITS = 128
 _POW2_TILES = (16, 32, 64, 128, 256)
 
@@ -198,8 +198,6 @@ class LaunchConfig:
         zero-fills rows past the sequence. Hopper (sm_90) and newer, and only for tensors
         TMA can read (unit head-dim stride, 16-byte aligned base and strides): launches
         elsewhere drop it (fatune.launch.resolve).
-    warp_specialize: 1 = the key loops ask Triton for producer/consumer warp specialization
-        (`tl.range(..., warp_specialize=True)`).
     dK/dV only:
     atomic_dq: 1 = the dK/dV kernel also computes dQ (dS K, added to a float32 buffer with
         atomic adds), so the backward runs 5 tile products instead of 7 and no dQ kernel;
@@ -213,7 +211,6 @@ class LaunchConfig:
     num_splits: int = 1
     pack_gqa: int = 0
     tma: int = 0
-    warp_specialize: int = 0
     atomic_dq: int = 0
 
     def __post_init__(self) -> None:
@@ -228,7 +225,7 @@ class LaunchConfig:
         if not _is_int(self.num_splits) or not 0 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0 = chosen at launch), "
                              f"got {self.num_splits!r}")
-        for field in ("pack_gqa", "tma", "warp_specialize", "atomic_dq"):
+        for field in ("pack_gqa", "tma", "atomic_dq"):
             value = getattr(self, field)
             if value not in (0, 1) or not _is_int(value):
                 raise ValueError(f"{field}: expected 0 or 1, got {value!r}")
@@ -249,20 +246,19 @@ class LaunchConfig:
         text = f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
         if self.num_splits != 1:
             text += f"/k{self.num_splits}"
-        return (text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + ("/ws" if self.warp_specialize else "")
-                + ("/a" if self.atomic_dq else ""))
+        return text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + ("/a" if self.atomic_dq else "")
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/ws][/a]', e.g. '128x64/w4/s3',
-        '64x64/w4/s2/k8/g' or '128x64/w8/s3/t/ws' (forward) or '64x128/w8/s2/a' (dK/dV)."""
+        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a]', e.g. '128x64/w4/s3',
+        '64x64/w4/s2/k8/g' or '128x64/w8/s3/t' (forward) or '64x128/w8/s2/a' (dK/dV)."""
         match = _CONFIG_RE.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/ws][/a] such as "
+            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a] such as "
                              f"128x64/w4/s3, got {text!r}")
-        block_m, block_n, warps, stages, splits, pack, tma, ws, atomic = match.groups()
+        block_m, block_n, warps, stages, splits, pack, tma, atomic = match.groups()
         return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)),
-                   tma=int(bool(tma)), warp_specialize=int(bool(ws)), atomic_dq=int(bool(atomic)))
+                   tma=int(bool(tma)), atomic_dq=int(bool(atomic)))
 
 
 def _is_int(value: Any) -> bool:
@@ -270,10 +266,10 @@ def _is_int(value: Any) -> bool:
 
 
 # the code-structure fields and their plain-kernel values
-STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "warp_specialize": 0, "atomic_dq": 0}
+STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "atomic_dq": 0}
 KERNELS = ("fwd", "dkdv", "dq")
 # the kernel whose code each structure field changes (the others keep the plain value)
-STRUCTURE_OWNER = {"num_splits": "fwd", "pack_gqa": "fwd", "tma": "fwd", "warp_specialize": "fwd", "atomic_dq": "dkdv"}
+STRUCTURE_OWNER = {"num_splits": "fwd", "pack_gqa": "fwd", "tma": "fwd", "atomic_dq": "dkdv"}
 
 
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:

@@ -113,22 +113,20 @@ def test_variants_compile_for_sm90(tmp_path):
     assert len(result.stdout.strip().splitlines()) == len(COMPILE_CASES)
 
 
-# Hopper forward variants: (spec, forward config, warp-specialized). Warp specialization applies only
-# where codegen.warp_specialization_blocker allows it; elsewhere the kernel compiles without it.
+# Hopper forward variants: (spec, forward config with TMA loads)
 HOPPER_COMPILE_CASES = [
-    (KernelSpec("bfloat16", 64, causal=True), "64x64/w4/s3/t", False),
-    (KernelSpec("bfloat16", 64, causal=True), "64x64/w4/s3/t/ws", True),
-    (KernelSpec("float16", 128), "128x64/w4/s2/t/ws", True),
-    (KernelSpec("bfloat16", 128), "128x64/w8/s3/t", False),
-    (KernelSpec("bfloat16", 256, causal=True), "64x64/w4/s2/t/ws", True),
-    (KernelSpec("float16", 40, 24), "64x32/w4/s3/t/ws", True),
-    (KernelSpec("bfloat16", 64, causal=True, window_left=True, bottom_right=True), "64x64/w4/s3/t/ws", True),
-    (KernelSpec("bfloat16", 96, seqlens="varlen", causal=True, bottom_right=True), "64x64/w4/s3/t/ws", True),
-    (KernelSpec("bfloat16", 64, seqlens="seqlens_k", causal=True, bottom_right=True), "64x64/w4/s3/k4/t/ws", True),
-    (KernelSpec("bfloat16", 128, seqlens="seqlens_k", causal=True, bottom_right=True), "64x64/w4/s3/g/t", False),
-    (KernelSpec("bfloat16", 64, causal=True, alibi=True, dropout=True), "64x64/w4/s3/t/ws", True),
-    (KernelSpec("float16", 64, attn_mask="bool"), "64x64/w4/s3/t", False),
-    (KernelSpec("float32", 64), "64x32/w4/s2/t", False),
+    (KernelSpec("bfloat16", 64, causal=True), "64x64/w4/s3/t"),
+    (KernelSpec("float16", 128), "128x64/w8/s2/t"),
+    (KernelSpec("bfloat16", 128), "128x64/w8/s3/t"),
+    (KernelSpec("bfloat16", 256, causal=True), "64x64/w4/s2/t"),
+    (KernelSpec("float16", 40, 24), "64x32/w4/s3/t"),
+    (KernelSpec("bfloat16", 64, causal=True, window_left=True, bottom_right=True), "64x64/w4/s3/t"),
+    (KernelSpec("bfloat16", 96, seqlens="varlen", causal=True, bottom_right=True), "64x64/w4/s3/t"),
+    (KernelSpec("bfloat16", 64, seqlens="seqlens_k", causal=True, bottom_right=True), "64x64/w4/s3/k4/t"),
+    (KernelSpec("bfloat16", 128, seqlens="seqlens_k", causal=True, bottom_right=True), "64x64/w4/s3/g/t"),
+    (KernelSpec("bfloat16", 64, causal=True, alibi=True, dropout=True), "64x64/w4/s3/t"),
+    (KernelSpec("float16", 64, attn_mask="bool"), "64x64/w4/s3/t"),
+    (KernelSpec("float32", 64), "64x32/w4/s2/t"),
 ]
 
 
@@ -136,40 +134,38 @@ def _structure_config(spec: KernelSpec, tag: str) -> AttentionConfig:
     return default_config(spec, (9, 0)).replace(fwd=LaunchConfig.parse(tag))
 
 
-@pytest.mark.parametrize("spec, tag", [(spec, tag) for spec, tag, _ in HOPPER_COMPILE_CASES]
-                         + [(KernelSpec("float16", 64, attn_mask="bool"), "64x64/w8/s3/g/t/ws")],
+@pytest.mark.parametrize("spec, tag", HOPPER_COMPILE_CASES
+                         + [(KernelSpec("float16", 64, attn_mask="bool"), "64x64/w8/s3/g/t"),
+                            (KernelSpec("bfloat16", 64, causal=True), "64x64/w4/s3")],
                          ids=lambda value: value if isinstance(value, str) else _spec_id(value))
 def test_hopper_variants_render(spec, tag):
-    """TMA kernels read K/V (and the unpacked query tile) through descriptors; a warp-specialized kernel has
-    one tl.range(..., warp_specialize=True) key loop and no early return; blocked requests render plain."""
+    """TMA kernels read K/V (and the unpacked query tile) through descriptors; the key loop and the early
+    exit of tiles past the sequence are the plain kernel's."""
     config = _structure_config(spec, tag)
     source = codegen.render("fwd", spec, config)
     functions = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
     assert [arg.arg for arg in functions["attn_fwd"].args.args] == list(signature.PARAMS["attn_fwd"])
     fwd = config.fwd
-    specialized = fwd.warp_specialize and codegen.warp_specialization_blocker(spec, fwd) is None
     assert source.count("tl.make_tensor_descriptor(") == (3 - fwd.pack_gqa if fwd.tma else 0)
-    assert ("warp_specialize=True" in source) == specialized
-    assert ("        return\n" in source) == (not specialized)  # the early exit of tiles past the sequence
-    assert source.count("acc, l_i, m_i = attend_key_tiles(") == (1 if specialized else 2 + spec.window_left)
+    assert "        return\n" in source  # the early exit of tiles past the sequence
+    assert source.count("acc, l_i, m_i = attend_key_tiles(") == 2 + spec.window_left
 
 
 def test_hopper_variants_compile_for_sm90(tmp_path):
-    """Every TMA / warp-specialization variant lowers to an sm_90 cubin with TMA copies and, where allowed,
-    Triton's warp specialization (producer warps added to the 4 requested)."""
-    cases = [(s.to_dict(), tag, ws) for s, tag, ws in HOPPER_COMPILE_CASES]
+    """Every TMA variant lowers to an sm_90 cubin with TMA copies and the warps it asked for."""
+    cases = [(s.to_dict(), tag) for s, tag in HOPPER_COMPILE_CASES]
     script = (
         "from fatune import offline\n"
         "from fatune.heuristics import default_config\n"
         "from fatune.spec import KernelSpec, LaunchConfig\n"
-        f"for args, tag, ws in {cases!r}:\n"
+        f"for args, tag in {cases!r}:\n"
         "    spec = KernelSpec(**args)\n"
         "    config = default_config(spec, (9, 0)).replace(fwd=LaunchConfig.parse(tag))\n"
         "    info = offline.compile_kernel('fwd', spec, config)\n"
-        "    assert info.uses_tma and info.warp_specialized == ws, (spec, tag, info)\n"
+        "    assert info.uses_tma, (spec, tag, info)\n"
         "    assert info.uses_wgmma == (spec.dtype != 'float32'), (spec, tag, info)\n"
         "    assert spec.dtype == 'float32' or not info.spills, (spec, tag, info)  # float32 spills without TMA too\n"
-        "    assert info.num_warps == (12 if ws else config.fwd.num_warps), (spec, tag, info)\n"
+        "    assert info.num_warps == config.fwd.num_warps, (spec, tag, info)\n"
         "    print(spec.mask_variant, spec.dtype, spec.head_dim, tag, info)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -223,8 +219,7 @@ def test_config_round_trip():
 @pytest.mark.parametrize("text, fields", [
     ("128x64/w8/s3", {}),
     ("128x64/w4/s3/t", {"tma": 1}),
-    ("128x64/w4/s3/ws", {"warp_specialize": 1}),
-    ("64x64/w4/s2/k8/g/t/ws", {"num_splits": 8, "pack_gqa": 1, "tma": 1, "warp_specialize": 1}),
+    ("64x64/w4/s2/k8/g/t", {"num_splits": 8, "pack_gqa": 1, "tma": 1}),
     ("64x128/w8/s2/a", {"atomic_dq": 1}),
 ])
 def test_structure_suffixes_round_trip(text, fields):
@@ -237,11 +232,11 @@ def test_structure_suffixes_round_trip(text, fields):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: LaunchConfig(64, 64, tma=2), "tma"),
-    (lambda: LaunchConfig(64, 64, warp_specialize=True), "warp_specialize"),
-    (lambda: LaunchConfig.parse("64x64/w4/s3/ws/t"), "config"),  # suffixes in their order only
+    (lambda: LaunchConfig(64, 64, tma=True), "tma"),
+    (lambda: LaunchConfig.parse("64x64/w4/s3/t/g"), "config"),  # suffixes in their order only
+    (lambda: LaunchConfig.parse("64x64/w4/s3/t/x"), r"config: expected .*\[/t\]\[/a\]"),  # unknown suffix
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1), LaunchConfig(64, 64)), "tma"),
-    (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64), LaunchConfig(64, 64, warp_specialize=1)),
-     "warp_specialize"),
+    (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1)), "tma"),
 ])
 def test_bad_structure_fields_name_the_field(make, message):
     with pytest.raises(ValueError, match=message):

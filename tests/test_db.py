@@ -180,9 +180,11 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("bwd_config", {"dkdv": GOOD_CONFIG}, "bwd_config"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "block_m": 512}}, "bwd_config.dq.block_m"),
     ("fwd_config", {**GOOD_CONFIG, "tma": 2}, "fwd_config.tma"),
-    ("fwd_config", {**GOOD_CONFIG, "warp_specialize": True}, "fwd_config.warp_specialize"),
+    # a field this version does not know (e.g. a removed switch) makes the entry invalid
+    ("fwd_config", {**GOOD_CONFIG, "tma": 1, "retired_switch": 1}, "fwd_config: expected an object"),
     ("bwd_config", {"dkdv": {**GOOD_CONFIG, "tma": 1}, "dq": GOOD_CONFIG}, "bwd_config.dkdv: ['tma']"),
-    ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "warp_specialize": 1}}, "bwd_config.dq: ['warp_"),
+    ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "tma": 1}}, "bwd_config.dq: ['tma']"),
+    ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "retired_switch": 0}}, "bwd_config.dq: expected"),
     ("fwd_bwd_ms", -1.0, "fwd_bwd_ms"),
     ("fwd_bwd_ms", 0.0, "fwd_bwd_ms"),
     ("fwd_bwd_ms", float("nan"), "fwd_bwd_ms"),
@@ -206,17 +208,17 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
 
 
 @pytest.mark.parametrize("fwd_config", [
-    {**GOOD_CONFIG, "tma": 1, "warp_specialize": 1},
-    {**GOOD_CONFIG, "num_splits": 0, "pack_gqa": 1, "tma": 1, "warp_specialize": 0},
+    {**GOOD_CONFIG, "tma": 1},
+    {**GOOD_CONFIG, "num_splits": 0, "pack_gqa": 1, "tma": 1},
     GOOD_CONFIG,  # entries written before the structure fields existed
-], ids=["tma-ws", "all-forward-structure", "older-entry"])
+], ids=["tma", "all-forward-structure", "older-entry"])
 def test_forward_structure_fields_are_stored_and_read_back(db_path, fwd_config):
     with TunedDB(db_path) as db:
         db.upsert(make_entry(fwd_config=fwd_config))
         [entry] = db.entries()
     fwd = entry.attention_config().fwd
     assert {name: getattr(fwd, name) for name in fwd_config} == fwd_config
-    assert (fwd.tma, fwd.warp_specialize) == (fwd_config.get("tma", 0), fwd_config.get("warp_specialize", 0))
+    assert fwd.tma == fwd_config.get("tma", 0)
 
 
 @pytest.mark.parametrize("name, value, named", INVALID_FIELDS, ids=[f"{n}={v!r}" for n, v, _ in INVALID_FIELDS])
@@ -247,7 +249,8 @@ def raw_insert(path: Path, **changes) -> None:
 
 @pytest.mark.parametrize("column, value", [("fwd_config", "{not json"), ("bwd_config", '{"dkdv": {}}'),
                                            ("fwd_bwd_ms", -1.0), ("fwd_bwd_ms", None), ("seqlen_q_bucket", 100),
-                                           ("interpreted", 7)])
+                                           ("interpreted", 7),
+                                           ("fwd_config", json.dumps({**GOOD_CONFIG, "retired_switch": 1}))])
 def test_invalid_rows_are_skipped_and_reported_on_read(tmp_path, column, value):
     path = tmp_path / "t.sqlite"
     TunedDB(path).upsert(make_entry(mask_variant="none"))

@@ -366,51 +366,51 @@ def test_auto_splits_follow_the_grid():
     assert choose_splits(programs=200, key_tiles=512, sms=132) == 1  # the grid already fills the GPU
 
 
-# ------------------------------------------------------------------ TMA and warp specialization (forward structure)
+# ------------------------------------------------------------------ TMA loads (forward structure)
 
-# (case id, forward config, factory -> (q, k, v, kwargs), warp specialization kept at launch): warp-specialized
-# kernels run one masked loop and never return early, so tiles past a sequence's end and ragged key ends matter
+# (case id, forward config, factory -> (q, k, v, kwargs)): descriptors zero-fill rows past a sequence's
+# end, so ragged query and key ends matter
 HOPPER_CASES = [
-    ("tma-causal", "16x16/w4/s1/t", lambda: (*_qkv(lq=37, lk=53, seed=21), {"is_causal": True}), 0),
-    ("tma-ws-causal", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=37, lk=53, seed=22), {"is_causal": True}), 1),
-    ("tma-ws-window", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=45, lk=60, seed=23),
-                                                   {"window_size": (9, 4), "causal_alignment": "bottom_right"}), 1),
-    ("tma-ws-seqlens-k", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=70, lk=53, seed=24),
-                                                      {"is_causal": True, "causal_alignment": "bottom_right",
-                                                       "seqlens_k": torch.tensor([40, 0], dtype=torch.int32,
-                                                                                 device=DEVICE)}), 1),
-    ("tma-ws-split3-alibi", "64x16/w4/s1/k3/t/ws",
-     lambda: (*_qkv(lq=5, lk=90, seed=25), {"alibi_slopes": torch.rand(2, device=DEVICE) * 0.3}), 1),
-    ("tma-ws-padded-d40-dv24", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=20, lk=45, d=40, dv=24, seed=26), {}), 1),
-    ("tma-pack-gqa", "16x16/w4/s1/g/t/ws", lambda: (*_qkv(b=2, h=4, hkv=2, lq=7, lk=50, seed=27),
-                                                    {"enable_gqa": True, "is_causal": True,
-                                                     "causal_alignment": "bottom_right"}), 0),
-    ("tma-mask", "64x16/w4/s1/t/ws", lambda: (*_qkv(lq=9, lk=40, seed=28),
-                                              {"attn_mask": torch.rand(2, 2, 9, 40, device=DEVICE) < 0.7}), 0),
+    ("tma-causal", "16x16/w4/s1/t", lambda: (*_qkv(lq=37, lk=53, seed=21), {"is_causal": True})),
+    ("tma-causal-64", "64x16/w4/s1/t", lambda: (*_qkv(lq=37, lk=53, seed=22), {"is_causal": True})),
+    ("tma-window", "64x16/w4/s1/t", lambda: (*_qkv(lq=45, lk=60, seed=23),
+                                             {"window_size": (9, 4), "causal_alignment": "bottom_right"})),
+    ("tma-seqlens-k", "64x16/w4/s1/t", lambda: (*_qkv(lq=70, lk=53, seed=24),
+                                                {"is_causal": True, "causal_alignment": "bottom_right",
+                                                 "seqlens_k": torch.tensor([40, 0], dtype=torch.int32,
+                                                                           device=DEVICE)})),
+    ("tma-split3-alibi", "64x16/w4/s1/k3/t",
+     lambda: (*_qkv(lq=5, lk=90, seed=25), {"alibi_slopes": torch.rand(2, device=DEVICE) * 0.3})),
+    ("tma-padded-d40-dv24", "64x16/w4/s1/t", lambda: (*_qkv(lq=20, lk=45, d=40, dv=24, seed=26), {})),
+    ("tma-pack-gqa", "16x16/w4/s1/g/t", lambda: (*_qkv(b=2, h=4, hkv=2, lq=7, lk=50, seed=27),
+                                                 {"enable_gqa": True, "is_causal": True,
+                                                  "causal_alignment": "bottom_right"})),
+    ("tma-mask", "64x16/w4/s1/t", lambda: (*_qkv(lq=9, lk=40, seed=28),
+                                           {"attn_mask": torch.rand(2, 2, 9, 40, device=DEVICE) < 0.7})),
 ]
 
 
-@pytest.mark.parametrize("tag, make, ws", [case[1:] for case in HOPPER_CASES], ids=[case[0] for case in HOPPER_CASES])
-def test_tma_and_warp_specialization(tag, make, ws, poison_outputs):
-    """The TMA forward (descriptor loads, zero-filled past the sequence) and its warp-specialized key
-    loop give the same attention and LSE (so gradients) as the plain kernel's."""
+@pytest.mark.parametrize("tag, make", [case[1:] for case in HOPPER_CASES], ids=[case[0] for case in HOPPER_CASES])
+def test_tma_forward(tag, make, poison_outputs):
+    """The TMA forward (descriptor loads, zero-filled past the sequence) gives the same attention and
+    LSE (so gradients) as the plain kernel's."""
     from fatune.heuristics import INTERPRETER_CONFIG
 
     q, k, v, kwargs = make()
     config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse(tag))
     launched = fatune.explain(q, k, v, config=config, **kwargs).launched.fwd
     if DEVICE == "cpu" or torch.cuda.get_device_capability() >= (9, 0):
-        assert (launched.tma, launched.warp_specialize) == (1, ws), launched
+        assert launched.tma == 1, launched
     run_and_compare(q, k, v, config=config, **kwargs)
 
 
-def test_tma_packed_varlen_warp_specialized(poison_outputs):
-    """Packed sequences: descriptors span each sequence's rows; a 64-row tile past a short sequence's end
-    gets no keys and stores nothing (a warp-specialized kernel does not return early)."""
+def test_tma_packed_varlen(poison_outputs):
+    """Packed sequences: descriptors span each sequence's rows, so a 64-row tile of a short sequence
+    reads (and stores) none of its neighbour's."""
     from fatune.heuristics import INTERPRETER_CONFIG
 
     q, k, v, cu_q, cu_k = _packed([1, 70, 3], [40, 75, 3], 4, 2, 32, 32, seed=29)
-    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x16/w4/s1/t/ws"))
+    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x16/w4/s1/t"))
     run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70, max_seqlen_k=75,
                     is_causal=True, enable_gqa=True, config=config)
 
@@ -455,10 +455,9 @@ def test_resolve_keeps_tma_only_for_tensors_tma_can_read(case, tensors, kept, mo
         problem = _problem(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
     else:
         problem = _problem(q, k, v)
-    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x32/w4/s2/t/ws"))
+    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x32/w4/s2/t"))
     fwd = launch.resolve(config, problem, torch.device("cpu"), (q, k, v)).fwd
     assert fwd.tma == kept, fwd
-    assert fwd.warp_specialize == (kept and q.dtype != torch.float32), fwd  # no TMA, no warp specialization
 
 
 @pytest.mark.parametrize("arch, interpreting, available", [
@@ -473,15 +472,12 @@ def test_tma_needs_hopper_or_the_interpreter(arch, interpreting, available, monk
 
 
 @pytest.mark.parametrize("tag, spec_args, launched", [
-    ("64x64/w4/s3/t/ws", {}, "64x64/w4/s3/t/ws"),
-    ("64x64/w4/s3/ws", {}, "64x64/w4/s3"),  # Hopper warp specialization needs TMA loads
-    ("128x64/w8/s3/t/ws", {}, "128x64/w8/s3/t"),  # and 4 warps
-    ("32x64/w4/s3/t/ws", {}, "32x64/w4/s3/t"),  # and 64-row tiles
-    ("64x64/w4/s3/t/ws", {"dtype": torch.float32}, "64x64/w4/s3/t"),  # and 16-bit products
-    ("64x64/w4/s3/g/t/ws", {"hkv": 1}, "64x64/w4/s3/g/t"),  # and a TMA-loaded query tile
-    ("64x64/w4/s3/g/t/ws", {}, "64x64/w4/s3/t/ws"),  # no groups: no packing, so specialized
+    ("64x64/w4/s3/t", {}, "64x64/w4/s3/t"),
+    ("128x64/w8/s3/t", {"dtype": torch.float32}, "128x64/w8/s3/t"),
+    ("64x64/w4/s3/g/t", {"hkv": 1}, "64x64/w4/s3/g/t"),
+    ("64x64/w4/s3/g/t", {}, "64x64/w4/s3/t"),  # no groups: no packing
 ])
-def test_resolve_applies_warp_specialization_where_triton_can(tag, spec_args, launched, monkeypatch):
+def test_resolve_keeps_tma_with_the_other_structure(tag, spec_args, launched, monkeypatch):
     from fatune import launch
     from fatune.heuristics import INTERPRETER_CONFIG
 
