@@ -282,7 +282,7 @@ def host_overhead(calls: int = 2000, shape: Shape | None = None, rounds: int = 5
     results: dict[str, dict[str, float]] = {}
     for mode, make, count in (("forward", forward, calls), ("step", step, max(1, calls // 4))):
         runs = {name: make(fn) for name, fn in implementations.items()}
-        rounds: dict[str, list[float]] = {name: [] for name in runs}
+        samples: dict[str, list[float]] = {name: [] for name in runs}
         for run in runs.values():
             for _ in range(100):
                 run()
@@ -293,8 +293,8 @@ def host_overhead(calls: int = 2000, shape: Shape | None = None, rounds: int = 5
                 for _ in range(count):
                     run()
                 torch.cuda.synchronize()
-                rounds[name].append((time.perf_counter() - start) / count * 1e6)
-        results[mode] = {name: statistics.median(values) for name, values in rounds.items()}
+                samples[name].append((time.perf_counter() - start) / count * 1e6)
+        results[mode] = {name: statistics.median(values) for name, values in samples.items()}
         results[mode]["ratio"] = results[mode]["fatune"] / results[mode]["sdpa"]
     return results
 

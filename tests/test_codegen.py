@@ -72,7 +72,7 @@ def test_source_reads_like_the_algorithm():
     spec = KernelSpec("bfloat16", 64, causal=True)
     source = codegen.render("fwd", spec, default_config(spec, (9, 0)))
     for step in ("m_new = tl.maximum(m_i, tl.max(s, 1))", "alpha = tl.math.exp2(m_i - m_ref)",
-                 "l_i = l_i * alpha + tl.sum(p, 1)", "acc = acc * alpha[:, None]", "BLOCK_M = tl.constexpr(64)"):
+                 "l_i = l_i * alpha + tl.sum(p, 1)", "acc = acc * alpha[:, None]", "BLOCK_M = tl.constexpr(128)"):
         assert step in source
 
 
