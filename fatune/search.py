@@ -25,8 +25,11 @@ extra trial per process that raced for the last one. Trials of dead processes (n
 heartbeat) are failed, do not count, and are queued again; so is the heuristic's trial if
 it did not finish. A process keeps a few trials in flight (asked, compiling ahead in a
 fatune.precompile pool, being timed) and tells each one's end to its study, failed on errors
-and Ctrl-C. The process that owns a tuned DB waits for a shape's studies to finish, then
-re-times the winners end to end and stores them.
+and Ctrl-C. The process that owns a tuned DB pipelines the shapes like the others: it runs its
+share of a shape's trials and goes on to the next shape without waiting for the trials others
+hold; between shapes, and after the last one (waiting, in shape order, while running any trials
+later shapes still want), it re-times the winners of each shape whose studies have finished end
+to end and stores them, in shape order (search_shapes).
 
 Where the wall time goes is measured: each trial records its phases (TRIAL_PHASES) as its user
 attr "seconds", and a shape's result sums them with the fixed costs (SHAPE_PHASES).
@@ -44,7 +47,7 @@ import warnings
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import optuna
 import torch
@@ -213,7 +216,7 @@ class ShapeResult:
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
     sdpa_backend: str = ""
     sdpa_ms: float = math.nan
-    seconds: float = 0.0  # wall time from this process's start on the shape to the winners' re-timing
+    seconds: float = 0.0  # wall time this process spent on the shape: its trials, waiting for others', its winners
     breakdown: dict[str, float] = field(default_factory=dict)  # SHAPE_PHASES -> seconds of this process
 
     @property
@@ -572,11 +575,19 @@ class Fixture:
         self.shape, self.target, self.seed, self.clock = shape, target, seed, clock
         self._made: tuple[dict[str, torch.Tensor], Checker] | None = None
 
+        self._inputs: dict[str, torch.Tensor] | None = None
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The inputs alone (re-timing the winners needs no reference)."""
+        if self._inputs is None:
+            with self.clock("inputs"):
+                self._inputs = make_inputs(self.shape, self.target.device, self.seed)
+                self.target.synchronize()
+        return self._inputs
+
     def get(self) -> tuple[dict[str, torch.Tensor], Checker]:
         if self._made is None:
-            with self.clock("inputs"):
-                inputs = make_inputs(self.shape, self.target.device, self.seed)
-                self.target.synchronize()
+            inputs = self.inputs()
             with self.clock("reference"):
                 checker = Checker(self.shape, inputs)
             self._made = (inputs, checker)
@@ -597,15 +608,20 @@ def _next_candidate(pending: deque[Candidate]) -> Candidate:
 
 
 def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture: Fixture, *,
-               pool: CompilePool | None = None, wait: bool = True,
-               on_trial: Callable[[KernelSearch], None] | None = None, clock: Stopwatch | None = None) -> None:
-    """This process's trials of one shape's studies, kernel after kernel, while they want trials.
+               pool: CompilePool | None = None, wait: bool = True, poll: bool = False,
+               idle: Callable[[], bool] | None = None, on_trial: Callable[[KernelSearch], None] | None = None,
+               clock: Stopwatch | None = None) -> bool:
+    """This process's trials of one shape's studies, kernel after kernel, while they want trials; True
+    if the studies are finished (every trial of every process told, the heuristic's complete).
 
     With a compile pool, up to one trial per pool process plus the one being timed are in flight
     (asked and compiling), so the GPU never waits for a compile; the first-asked one whose compile
     is done is timed next. With `wait`, it then waits for the trials other processes hold, runs
-    those that died again, and the heuristic's if it did not finish. Trials still in flight on an
-    error or Ctrl-C are told failed. Where the time goes is added to `clock` (SHAPE_PHASES).
+    those that died again, and the heuristic's if it did not finish; while others hold trials,
+    `idle` may do other work instead of sleeping (True if it did), and with `poll` it returns False
+    at once. Without `wait` it returns False once the studies want no more trials from it. Trials
+    still in flight on an error or Ctrl-C are told failed. Where the time goes is added to `clock`
+    (SHAPE_PHASES).
     """
     clock = clock if clock is not None else Stopwatch()
     depth = 1 + (pool.processes if pool else 0)
@@ -641,19 +657,22 @@ def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture
                     report(search)
                     continue
                 if not wait:
-                    break
+                    return False
                 with clock("census"):
                     held = any([search.census()[1] for search in searches])
                 if held:
-                    with clock("wait"):
-                        time.sleep(POLL_S)
+                    if poll:
+                        return False
+                    if idle is None or not idle():
+                        with clock("wait"):
+                            time.sleep(POLL_S)
                 elif wanting() is not None:
                     continue  # a census just failed a dead trial and queued its retry
                 else:
                     with clock("census"):
                         queued = any([search.ensure_heuristic() for search in searches])
                     if not queued:
-                        break
+                        return True
         finally:
             for candidate in pending:
                 if candidate.compiled is not None:
@@ -707,25 +726,128 @@ def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> 
     return best
 
 
+@dataclass
+class ShapeRun:
+    """One shape's search in the process that owns the tuned DB: its studies, its inputs and where its wall
+    time went (`clock` by phase, `seconds` in all), from its first trials to its winners' re-timing."""
+
+    shape: Shape
+    heuristic: AttentionConfig
+    searches: list[KernelSearch]
+    fixture: Fixture
+    clock: Stopwatch
+    seconds: float = 0.0
+
+
+class Ledger:
+    """Charges wall time to the shape being worked on (ShapeRun.seconds). Work on one shape inside work on
+    another (trials of a later shape while waiting for an earlier one's) is charged to the inner shape only,
+    so the shapes' times add up to the wall time spent on them."""
+
+    def __init__(self) -> None:
+        self._stack: list[ShapeRun] = []
+        self._mark = time.perf_counter()
+
+    def _switch(self) -> None:
+        now = time.perf_counter()
+        if self._stack:
+            self._stack[-1].seconds += now - self._mark
+        self._mark = now
+
+    @contextlib.contextmanager
+    def charge(self, run: ShapeRun):
+        self._switch()
+        self._stack.append(run)
+        try:
+            yield
+        finally:
+            self._switch()
+            self._stack.pop()
+
+
+def start_shape(shape: Shape, target: Target, *, trials: int, seconds: float, storage: optuna.storages.RDBStorage,
+                seed: int, space: SearchSpace) -> ShapeRun:
+    """A shape's studies (created or loaded) and its fixture, before any trial."""
+    clock = Stopwatch()
+    with clock("studies"):
+        heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage,
+                                              seed=seed, space=space)
+    return ShapeRun(shape, heuristic, searches, Fixture(shape, target, seed, clock), clock)
+
+
+def search_shapes(shapes: list[Shape], target: Target, *, trials: int, seconds: float,
+                  storage: str | optuna.storages.RDBStorage, seed: int, space: SearchSpace,
+                  pool: CompilePool | None = None, on_trial: Callable[[Shape, str, float], None] | None = None
+                  ) -> Iterator[ShapeResult]:
+    """Search `shapes` (with whatever other processes share their studies) and yield each one's result in
+    order, once its studies are finished and its winners measured (measure_shape).
+
+    Shapes are pipelined: this process runs its share of each shape's trials and moves on to the next
+    shape without waiting for the trials other processes hold, as helpers do; between shapes it measures
+    the winners of the earliest shapes whose studies have finished. After the last shape's trials it waits
+    for the shapes left, in order, running trials of later shapes that still want them while it waits
+    (a dead process's retried trials). Alone, each shape's winners are measured right after its trials."""
+    if isinstance(storage, str):
+        storage = open_storage(storage)
+    ledger = Ledger()
+    runs: list[ShapeRun] = []
+
+    def trials_of(run: ShapeRun, *, wait: bool, poll: bool = False, idle: Callable[[], bool] | None = None) -> bool:
+        with ledger.charge(run):
+            return run_trials(
+                run.searches, run.heuristic, run.fixture, pool=pool, wait=wait, poll=poll, idle=idle, clock=run.clock,
+                on_trial=(lambda search: on_trial(run.shape, search.kernel, search.known_best[0])) if on_trial else None)
+
+    def measured(run: ShapeRun) -> ShapeResult:
+        with ledger.charge(run):
+            result = measure_shape(run, target, pool)
+        runs.remove(run)  # its inputs and reference can go
+        return result
+
+    def idle_for(run: ShapeRun) -> Callable[[], bool]:
+        def idle() -> bool:  # the first later shape that wants trials: run them (True), else nothing to do
+            for later in runs[runs.index(run) + 1:]:
+                with ledger.charge(later), later.clock("census"):
+                    wants = any(search.wants_trial() for search in later.searches)
+                if wants:
+                    trials_of(later, wait=False)
+                    return True
+            return False
+        return idle
+
+    for shape in shapes:
+        started = time.perf_counter()
+        run = start_shape(shape, target, trials=trials, seconds=seconds, storage=storage, seed=seed, space=space)
+        run.seconds = time.perf_counter() - started
+        runs.append(run)
+        trials_of(run, wait=False)
+        while runs and trials_of(runs[0], wait=True, poll=True):  # its trials, and all others', are done
+            yield measured(runs[0])
+    while runs:
+        trials_of(runs[0], wait=True, idle=idle_for(runs[0]))
+        yield measured(runs[0])
+
+
 def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
                  storage: str | optuna.storages.RDBStorage, seed: int, space: SearchSpace,
                  pool: CompilePool | None = None, on_trial: Callable[[str, float], None] | None = None
                  ) -> ShapeResult:
     """Search the three kernels of one shape (with whatever other processes share its studies), wait
-    until the studies are done, then measure the winners end to end and SDPA beside them.
+    until the studies are done, then measure the winners end to end and SDPA beside them."""
+    (result,) = search_shapes([shape], target, trials=trials, seconds=seconds, storage=storage, seed=seed,
+                              space=space, pool=pool,
+                              on_trial=(lambda _, kernel, best_ms: on_trial(kernel, best_ms)) if on_trial else None)
+    return result
+
+
+def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None) -> ShapeResult:
+    """The winners of a shape whose studies are finished, measured end to end, and SDPA beside them.
 
     The winners' combination is compiled in the pool while SDPA is timed (the dK/dV kernel reads the
-    dQ kernel's config, so the pair is new). The result's `breakdown` says where the wall time went."""
-    started = time.time()
-    clock = Stopwatch()
-    if isinstance(storage, str):
-        storage = open_storage(storage)
-    with clock("studies"):
-        heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage,
-                                              seed=seed, space=space)
-    fixture = Fixture(shape, target, seed, clock)
-    run_trials(searches, heuristic, fixture, pool=pool, wait=True, clock=clock,
-               on_trial=(lambda search: on_trial(search.kernel, search.known_best[0])) if on_trial else None)
+    dQ kernel's config, so the pair is new). The result's `breakdown` says where the shape's wall time
+    went, its trials' and its measurement's."""
+    started = time.perf_counter()
+    shape, clock, searches = run.shape, run.clock, run.searches
     chosen: dict[str, LaunchConfig] = {}
     kernel_ms: dict[str, float] = {}
     rejected: dict[str, int] = {}
@@ -740,7 +862,7 @@ def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
                 rejected[kind] = rejected.get(kind, 0) + count
     config = AttentionConfig(**chosen)
     compiled = pool.submit(shape, config, "dkdv") if pool else None
-    inputs, _ = fixture.get()
+    inputs = run.fixture.inputs()
     with clock("sdpa"):
         backend, sdpa_ms = sdpa_best(shape, inputs, target)
 
@@ -752,7 +874,7 @@ def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
         step = time_training_step(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
             if not target.interpret else _interpreted_step(shape, config, inputs)
     finished = sum(search.finished() for search in searches)
-    total = time.time() - started
+    total = run.seconds + time.perf_counter() - started  # the ledger adds this part to run.seconds when it returns
     breakdown = {phase: clock.seconds.get(phase, 0.0) for phase in SHAPE_PHASES if phase != "db"}
     breakdown["other"] = max(0.0, total - sum(breakdown.values()))
     return ShapeResult(shape, config, kernel_ms, step["fwd_ms"], step["bwd_ms"], step["fwd_bwd_ms"], finished,

@@ -1,8 +1,9 @@
 """A search's worker processes on one host: one per visible GPU (each pinned with
 CUDA_VISIBLE_DEVICES), or N CPU processes in Triton's interpreter, all on the same Optuna studies.
 
-The `fatune search` process is the first worker: it tunes every shape, waits for each shape's
-studies to be done, re-times the winners and stores them in this host's tuned DB. The others
+The `fatune search` process is the first worker: it tunes every shape and, as each shape's
+studies are done (it does not wait for them before starting the next shape's trials), re-times
+the winners and stores them in this host's tuned DB. The others
 (helpers) only run trials, shape after shape, while the studies want them, then exit; the
 same command on other hosts joins the same studies through a shared storage. Each worker
 compiles its next candidates in its own pool (fatune.precompile) of the CPU cores left to it.

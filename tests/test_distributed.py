@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import optuna
@@ -143,3 +144,83 @@ def test_compile_workers_default_to_the_cores_per_worker_less_one(monkeypatch, c
 
     monkeypatch.setattr(hosts.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert hosts.compile_worker_count(requested, workers, interpret) == expected
+
+
+HELPER = """
+import sys, time
+from pathlib import Path
+
+import optuna
+
+from fatune import search
+from fatune.measure import Shape
+from fatune.workers import Job, _helper
+
+folder, url = Path(sys.argv[1]), sys.argv[2]
+evaluate = search.KernelSearch.evaluate
+
+
+def holding(self, trial, *args):  # the first trial of the first shape waits until the owner is on the second
+    if self.shape.seqlen_q == 32 and not (folder / "held").exists():
+        (folder / "held").touch()
+        deadline = time.monotonic() + 120
+        while not (folder / "owner-on-48").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return evaluate(self, trial, *args)
+
+
+search.KernelSearch.evaluate = holding
+shapes = tuple(Shape(batch=1, heads=1, seqlen_q=length, seqlen_k=length, head_dim=16, dtype="float16", causal=True,
+                     kv_heads=1) for length in (32, 48))
+_helper(Job(shapes, int(sys.argv[3]), 600.0, url, 0, search.INTERPRETER_SPACE, True, 0), 1, None)
+"""
+
+
+def test_the_owner_starts_the_next_shape_while_others_hold_trials(tmp_path, postgres_url, monkeypatch):
+    """A helper holds a trial of the first shape until the owner has started the second shape's trials:
+    the owner does not wait for a shape's studies before the next shape's trials, and still measures and
+    stores every shape's winners, in order, once their studies are done."""
+    from click.testing import CliRunner
+
+    from fatune import search
+    from fatune.cli import cli
+
+    url = normalise_url(postgres_url)
+    helper = subprocess.Popen([sys.executable, "-c", HELPER, str(tmp_path), url, str(TRIALS)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "held").exists():
+        assert helper.poll() is None and time.monotonic() < deadline, helper.communicate()[1][-2000:]
+        time.sleep(0.05)
+
+    events = []
+    ask, measure = search.KernelSearch.ask, search.measure_shape
+
+    def asking(self, *args, **kwargs):
+        events.append(("ask", self.shape.seqlen_q))
+        if self.shape.seqlen_q == 48:
+            (tmp_path / "owner-on-48").touch()
+        return ask(self, *args, **kwargs)
+
+    def measuring(run, *args, **kwargs):
+        events.append(("measure", run.shape.seqlen_q))
+        return measure(run, *args, **kwargs)
+
+    monkeypatch.setattr(search.KernelSearch, "ask", asking)
+    monkeypatch.setattr(search, "measure_shape", measuring)
+    db_path = tmp_path / "tuned.sqlite"
+    result = CliRunner().invoke(cli, [*SEARCH, "--lengths", "32,48", "--storage", postgres_url, "--db", str(db_path),
+                                      "--workers", "1", "--json"])
+    _, err = helper.communicate(timeout=300)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert helper.returncode == 0, err[-2000:]
+    assert events.index(("ask", 48)) < events.index(("measure", 32)) < events.index(("measure", 48))
+    rows = json.loads(result.output[result.output.index("["):])
+    assert [row["shape"] for row in rows] == [SHAPE.label(), SHAPE.with_(seqlen_q=48, seqlen_k=48).label()]
+    for row in rows:  # each shape's time, its trials' in the first pass and its measurement's, adds up
+        assert sum(row["breakdown"].values()) == pytest.approx(row["seconds"] + row["breakdown"]["db"], rel=1e-3)
+    studies = check_studies(postgres_url, lengths=2, processes=2)
+    held = min((t for t in studies["lq32:fwd"] if t.user_attrs["worker"].endswith(f":{helper.pid}")),
+               key=lambda t: t.number)  # the helper's first trial, which it held
+    assert held.state in FINISHED and held.datetime_complete > min(t.datetime_start for t in studies["lq64:fwd"])
+    assert entries(db_path) == {32: rows[0]["config"], 64: rows[1]["config"]}

@@ -150,8 +150,8 @@ def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, wi
 
 
 def _search(job, target, storage, database) -> list:
-    """Search each shape with a progress bar on stderr (trials finished by every worker and host, and an
-    ETA) and store its winners; [(result, stored)]."""
+    """Search the shapes with a progress bar on stderr (trials finished by every worker and host, and an
+    ETA) and store each one's winners as soon as they are measured; [(result, stored)]."""
     import optuna
 
     from fatune import search as tuner
@@ -170,16 +170,20 @@ def _search(job, target, storage, database) -> list:
                 refreshed[0] = time.monotonic()
                 bar.update(tuner.finished_trials(shapes, target, job.trials, storage, done) - bar.pos)
 
-        for shape in shapes:
-            def on_trial(kernel, best_ms, shape=shape):
-                bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
-                refresh()
+        def on_trial(shape, kernel, best_ms):
+            bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
+            refresh()
 
+        # shapes are pipelined (fatune.search.search_shapes): each result comes once its studies are done
+        found = tuner.search_shapes(shapes, target, trials=job.trials, seconds=job.seconds, storage=storage,
+                                    seed=job.seed, space=job.space, pool=pool, on_trial=on_trial)
+        while True:
             try:
-                result = tuner.search_shape(shape, target, trials=job.trials, seconds=job.seconds, storage=storage,
-                                            seed=job.seed, space=job.space, pool=pool, on_trial=on_trial)
+                result = next(found, None)
             except RuntimeError as error:
                 raise click.ClickException(str(error)) from None
+            if result is None:
+                break
             started = time.perf_counter()
             stored = tuner.store(database, result, target)
             result.breakdown["db"] = time.perf_counter() - started
