@@ -9,8 +9,11 @@ A tuned DB travels between machines, so it is untrusted input: every entry is va
 when it is imported, upserted and read (`Entry.check`), and a file is opened for reading
 with `mode=ro` (or `immutable=1` where a WAL file's side files cannot be created, as in a
 read-only deployment image). Exports are written in rollback-journal mode so that they can
-be read from a read-only folder. This module also owns the key: how a call or a searched
-shape maps to key columns (`call_key`), nearest-bucket matching and staleness.
+be read from a read-only folder. A forward-only entry (an inference search: at most
+DECODE_QUERIES queries per sequence) has bwd_ms and fwd_bwd_ms NaN, not timed, and the
+heuristic's backward configs; the upsert then compares forward times (`Entry.faster_than`).
+This module also owns the key: how a call or a searched shape maps to key columns
+(`call_key`), nearest-bucket matching and staleness.
 """
 
 from __future__ import annotations
@@ -145,7 +148,8 @@ def bucket_distance(entry: Entry, key: CallKey) -> float:
 
 def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
     """The entry whose buckets are nearest `key` (the faster on a tie), and a reason saying how near."""
-    best = min(entries, key=lambda e: (bucket_distance(e, key), e.fwd_bwd_ms), default=None)
+    # on a tie, an entry with a tuned backward first, then the faster
+    best = min(entries, key=lambda e: (bucket_distance(e, key), e.forward_only, e.time_ms), default=None)
     if best is None:
         return None
     if bucket_distance(best, key) == 0:
@@ -185,12 +189,12 @@ class Entry:
     fwd_config: dict = field(default_factory=dict)
     bwd_config: dict = field(default_factory=dict)  # {"dkdv": {...}, "dq": {...}}
     fwd_ms: float = math.nan
-    bwd_ms: float = math.nan
+    bwd_ms: float = math.nan  # NaN (with fwd_bwd_ms): a forward-only entry, its backward not timed
     fwd_bwd_ms: float = math.nan
-    tflops: float = math.nan
+    tflops: float = math.nan  # of the forward+backward (of the forward alone in a forward-only entry)
     sdpa_backend: str = ""
-    sdpa_ms: float = math.nan
-    speedup: float = math.nan  # SDPA fwd+bwd ms / fatune fwd+bwd ms
+    sdpa_ms: float = math.nan  # SDPA's best training step (its forward alone for a forward-only entry)
+    speedup: float = math.nan  # SDPA fwd+bwd ms / fatune fwd+bwd ms (forward ms / forward ms if forward-only)
     batch: int = 0
     heads: int = 0
     seqlen_q: int = 0
@@ -201,6 +205,23 @@ class Entry:
 
     def key(self) -> tuple:
         return tuple(getattr(self, column) for column in KEY_COLUMNS)
+
+    @property
+    def forward_only(self) -> bool:
+        """Tuned and timed for inference: the forward alone (its backward configs are the heuristic's)."""
+        return isinstance(self.fwd_bwd_ms, float) and math.isnan(self.fwd_bwd_ms)
+
+    @property
+    def time_ms(self) -> float:
+        """What the search minimised: the forward+backward, or the forward alone in a forward-only entry."""
+        return self.fwd_ms if self.forward_only else self.fwd_bwd_ms
+
+    def faster_than(self, other: Entry) -> bool:
+        """Whether this entry is faster than `other` (same key): forward+backward times, or forward times
+        when either is forward-only (like with like: a forward-only entry has no backward time)."""
+        if self.forward_only or other.forward_only:
+            return self.fwd_ms < other.fwd_ms
+        return self.fwd_bwd_ms < other.fwd_bwd_ms
 
     def describe(self) -> str:
         """A short name for messages: GPU, dtype, head dim, mask variant and buckets."""
@@ -213,6 +234,10 @@ class Entry:
             value = getattr(self, name)
             if not valid(value):
                 raise InvalidEntry(f"{name}: expected {expected}, got {value!r:.80}")
+        untimed = [name for name in ("bwd_ms", "fwd_bwd_ms") if math.isnan(getattr(self, name))]
+        if len(untimed) == 1:
+            raise InvalidEntry(f"{untimed[0]}: NaN (not timed) only in a forward-only entry, where bwd_ms and "
+                               f"fwd_bwd_ms both are; expected a time")
         if not isinstance(self.bwd_config, dict) or set(self.bwd_config) != {"dkdv", "dq"}:
             raise InvalidEntry(f"bwd_config: expected an object with exactly 'dkdv' and 'dq' launch configs, "
                                f"got {self.bwd_config!r:.80}")
@@ -307,8 +332,8 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seqlen_k_bucket": (lambda v: _is_int(v, MIN_BUCKET, MAX_BUCKET) and v & (v - 1) == 0,
                         f"a power of two in {MIN_BUCKET}..{MAX_BUCKET}"),
     "fwd_ms": (_is_time, "a finite time > 0 ms"),
-    "bwd_ms": (lambda v: _is_time(v, zero=True), "a finite time >= 0 ms"),
-    "fwd_bwd_ms": (_is_time, "a finite time > 0 ms"),
+    "bwd_ms": (lambda v: _is_time(v, zero=True, nan=True), "a finite time >= 0 ms, or NaN (forward-only)"),
+    "fwd_bwd_ms": (lambda v: _is_time(v, nan=True), "a finite time > 0 ms, or NaN (forward-only)"),
     "tflops": (lambda v: _is_time(v, zero=True, nan=True), "a finite number >= 0, or NaN"),
     "sdpa_backend": (lambda v: isinstance(v, str), "a string"),
     "sdpa_ms": (lambda v: _is_time(v, nan=True), "a finite time > 0 ms, or NaN"),
@@ -515,7 +540,8 @@ class TunedDB:
         return next(self.entries(**dict(zip(KEY_COLUMNS, key))), None)
 
     def upsert(self, entry: Entry, *, keep_faster: bool = True) -> bool:
-        """Write `entry` unless an entry with the same key is faster; True if written."""
+        """Write `entry` unless an entry with the same key is faster (Entry.faster_than: forward times when
+        either is forward-only); True if written."""
         if self.readonly:
             raise DBError(f"{self.label}: opened read-only")
         with self.transaction():
@@ -525,11 +551,15 @@ class TunedDB:
         """upsert() for a caller that holds the write transaction; InvalidEntry for an entry that is not valid."""
         entry.check()
         where, args = self._where(dict(zip(KEY_COLUMNS, entry.key())))
-        current = self.db.execute(f"select id, fwd_bwd_ms from {TABLE} where {where}", args).fetchone()
-        if current is not None:
-            if keep_faster and _is_time(current[1]) and current[1] <= entry.fwd_bwd_ms:
-                return False  # a row with a bad time never wins
-            self.db.execute(f"delete from {TABLE} where id = ?", [current[0]])
+        row = next(self.db[TABLE].rows_where(where, args), None)
+        if row is not None:
+            try:
+                current = Entry.from_row(row)
+            except InvalidEntry:
+                current = None  # an invalid row never wins
+            if keep_faster and current is not None and not entry.faster_than(current):
+                return False
+            self.db.execute(f"delete from {TABLE} where id = ?", [row["id"]])
         self.db[TABLE].insert(entry.to_row())
         return True
 

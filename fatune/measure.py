@@ -184,3 +184,18 @@ def time_training_step(attention: Callable[..., torch.Tensor], inputs: dict[str,
     fwd = bench(forward, warmup_ms, rep_ms)
     total = bench(step, warmup_ms, rep_ms, grad_to_none=[q, k, v])
     return {"fwd_ms": fwd, "bwd_ms": max(total - fwd, 0.0), "fwd_bwd_ms": total, "compile_s": compile_s}
+
+
+def time_forward(attention: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
+                 warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:
+    """Forward ms of attention(q, k, v) without autograd, as inference runs it; the backward is not timed
+    (bwd_ms and fwd_bwd_ms NaN)."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+
+    def forward():
+        with torch.no_grad():
+            return attention(q, k, v)
+
+    compile_s = compile_seconds(forward)
+    return {"fwd_ms": bench(forward, warmup_ms, rep_ms), "bwd_ms": math.nan, "fwd_bwd_ms": math.nan,
+            "compile_s": compile_s}

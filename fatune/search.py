@@ -1,7 +1,9 @@
 """`fatune search`: find the fastest correct launch configs per shape with Optuna, store the winners.
 
 Each of the forward, dK/dV and dQ configs gets its own Optuna study (multivariate TPE,
-fixed seed). The forward's minimises the forward's median time; the two backward studies
+fixed seed); an inference shape (at most DECODE_QUERIES queries per sequence: forward_only)
+gets the forward's study alone, its winner is re-timed as the forward alone and stored with
+the heuristic's backward configs (bwd_ms and fwd_bwd_ms NaN: not timed). The forward's minimises the forward's median time; the two backward studies
 both minimise the whole backward's (dQ and dK/dV kernels, with the other config at its best
 so far), because with atomic dQ one kernel does both's work and the dQ config only sizes
 the small kernels around it. A training step's forward+backward time is measured again end
@@ -55,7 +57,7 @@ import torch
 from fatune import storage as storage_module
 from fatune.db import Entry, TunedDB, key_columns, seqlen_bucket, shape_key
 from fatune.heuristics import DECODE_QUERIES, default_config
-from fatune.measure import KernelRunner, Shape, bench, make_inputs, tflops, time_training_step
+from fatune.measure import KernelRunner, Shape, bench, make_inputs, tflops, time_forward, time_training_step
 from fatune.precompile import CompilePool, compile_error
 from fatune.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, lanes
 from fatune.storage import Heartbeat, open_storage, storage_lock
@@ -75,6 +77,17 @@ POLL_S = 0.5  # how often a process waiting for others' trials of a shape looks 
 # study (tell); per shape, the fixed costs.
 TRIAL_PHASES = ("ask", "compile_wait", "build", "check", "quick", "full", "tell")
 SHAPE_PHASES = ("studies", "inputs", "reference", *TRIAL_PHASES, "census", "wait", "progress", "sdpa", "retime", "db")
+
+
+def forward_only(shape: Shape) -> bool:
+    """An inference shape (decode: at most DECODE_QUERIES queries per sequence, the test the heuristic
+    uses): only its forward is searched and timed; its backward configs are the heuristic's."""
+    return seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
+
+
+def shape_kernels(shape: Shape) -> tuple[str, ...]:
+    """The kernels whose configs are searched for `shape`, in search order."""
+    return ("fwd",) if forward_only(shape) else KERNELS
 
 
 @dataclass(frozen=True)
@@ -210,9 +223,9 @@ class ShapeResult:
     config: AttentionConfig
     kernel_ms: dict[str, float]
     fwd_ms: float
-    bwd_ms: float
+    bwd_ms: float  # NaN with fwd_bwd_ms: not timed (a forward-only shape)
     fwd_bwd_ms: float
-    trials: int  # finished trials of the three studies, by every process
+    trials: int  # finished trials of the shape's studies (three, or the forward's alone), by every process
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
     sdpa_backend: str = ""
     sdpa_ms: float = math.nan
@@ -224,12 +237,23 @@ class ShapeResult:
         return self.trials / self.seconds if self.seconds > 0 else math.nan
 
     @property
+    def forward_only(self) -> bool:
+        """Searched and timed as inference runs it: the forward alone (bwd_ms, fwd_bwd_ms NaN)."""
+        return math.isnan(self.fwd_bwd_ms)
+
+    @property
+    def time_ms(self) -> float:
+        """What was re-timed end to end: the forward+backward, or the forward of a forward-only shape."""
+        return self.fwd_ms if self.forward_only else self.fwd_bwd_ms
+
+    @property
     def tflops(self) -> float:
-        return tflops(self.shape, "fwd+bwd", self.fwd_bwd_ms)
+        return tflops(self.shape, "fwd" if self.forward_only else "fwd+bwd", self.time_ms)
 
     @property
     def speedup(self) -> float:
-        return self.sdpa_ms / self.fwd_bwd_ms if self.fwd_bwd_ms > 0 else math.nan
+        """SDPA's time over fatune's, both forward+backward, or both forward for a forward-only shape."""
+        return self.sdpa_ms / self.time_ms if self.time_ms > 0 else math.nan
 
 
 class Checker:
@@ -242,13 +266,16 @@ class Checker:
     KERNEL_OUTPUTS = {"fwd": ("out",), "dkdv": ("grad_q", "grad_k", "grad_v"), "dq": ("grad_q", "grad_k", "grad_v")}
     REFERENCE_NAMES = {"out": "out", "grad_q": "q", "grad_k": "k", "grad_v": "v"}
 
-    def __init__(self, shape: Shape, inputs: dict[str, torch.Tensor]):
+    def __init__(self, shape: Shape, inputs: dict[str, torch.Tensor], backward: bool = True):
         from fatune.competitors import sdpa_default
 
-        q, k, v = (inputs[name].detach().clone().requires_grad_() for name in ("q", "k", "v"))
+        q, k, v = (inputs[name].detach().clone().requires_grad_(backward) for name in ("q", "k", "v"))
         out = sdpa_default(shape)(q, k, v)
-        out.backward(inputs["do"])
-        self.reference = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+        if backward:
+            out.backward(inputs["do"])
+            self.reference = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+        else:  # a forward-only shape: only the forward's output is checked
+            self.reference = {"out": out.detach()}
         self.tolerance = TOLERANCE[shape.dtype]
         self._expected: dict[str, tuple[torch.Tensor, torch.Tensor | None, float]] = {}
         for name, reference in self.reference.items():
@@ -589,7 +616,7 @@ class Fixture:
         if self._made is None:
             inputs = self.inputs()
             with self.clock("reference"):
-                checker = Checker(self.shape, inputs)
+                checker = Checker(self.shape, inputs, backward=not forward_only(self.shape))
             self._made = (inputs, checker)
         return self._made
 
@@ -684,14 +711,15 @@ def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture
 def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float,
                     storage: optuna.storages.RDBStorage, seed: int, space: SearchSpace
                     ) -> tuple[AttentionConfig, list[KernelSearch]]:
-    """(the heuristic config, the shape's three studies); each kernel may start trials until its share
-    of `seconds` from now has passed."""
+    """(the heuristic config, the shape's studies: three, or the forward's alone for a forward-only shape);
+    each kernel may start trials until its share of `seconds` from now has passed."""
     started = time.time()
-    decode = seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
+    decode = forward_only(shape)  # the decode heuristic's test
     heuristic = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode)
+    kernels = shape_kernels(shape)
     searches = [KernelSearch(target, shape, kernel, heuristic, space, storage, seed, trials,
-                             deadline=started + seconds * (index + 1) / len(KERNELS))
-                for index, kernel in enumerate(KERNELS)]
+                             deadline=started + seconds * (index + 1) / len(kernels))
+                for index, kernel in enumerate(kernels)]
     return heuristic, searches
 
 
@@ -707,7 +735,8 @@ def help_search_shape(shape: Shape, target: Target, *, trials: int, seconds: flo
 
 
 def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> tuple[str, float]:
-    """The fastest torch SDPA backend on this shape, timed as a training step in this run."""
+    """The fastest torch SDPA backend on this shape, timed as a training step in this run (its forward
+    alone for a forward-only shape)."""
     if target.interpret:
         return "", math.nan
     from fatune.competitors import sdpa
@@ -716,7 +745,8 @@ def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> 
     for backend in ("cudnn", "flash", "efficient"):
         runner = sdpa(backend, shape)
         try:
-            ms = time_training_step(runner, inputs)["fwd_bwd_ms"]
+            ms = time_forward(runner, inputs)["fwd_ms"] if forward_only(shape) \
+                else time_training_step(runner, inputs)["fwd_bwd_ms"]
         except Exception:  # backend unavailable for this shape
             continue
         if ms < best[1]:
@@ -844,7 +874,8 @@ def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None
     """The winners of a shape whose studies are finished, measured end to end, and SDPA beside them.
 
     The winners' combination is compiled in the pool while SDPA is timed (the dK/dV kernel reads the
-    dQ kernel's config, so the pair is new). The result's `breakdown` says where the shape's wall time
+    dQ kernel's config, so the pair is new). A forward-only shape's forward winner goes with the
+    heuristic's backward configs, and only the forward is timed. The result's `breakdown` says where the shape's wall time
     went, its trials' and its measurement's."""
     started = time.perf_counter()
     shape, clock, searches = run.shape, run.clock, run.searches
@@ -860,8 +891,9 @@ def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None
             chosen[search.kernel], kernel_ms[search.kernel] = best, search.best_ms
             for kind, count in search.rejected().items():
                 rejected[kind] = rejected.get(kind, 0) + count
-    config = AttentionConfig(**chosen)
-    compiled = pool.submit(shape, config, "dkdv") if pool else None
+    config = run.heuristic.replace(**chosen)  # every kernel searched, or the forward alone
+    only_forward = forward_only(shape)
+    compiled = pool.submit(shape, config, "fwd" if only_forward else "dkdv") if pool else None
     inputs = run.fixture.inputs()
     with clock("sdpa"):
         backend, sdpa_ms = sdpa_best(shape, inputs, target)
@@ -871,8 +903,9 @@ def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None
     with clock("retime"):
         compile_error(compiled)
         kwargs = shape.attention_kwargs(target.device)
-        step = time_training_step(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
-            if not target.interpret else _interpreted_step(shape, config, inputs)
+        timer = time_forward if only_forward else time_training_step
+        step = timer(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
+            if not target.interpret else _interpreted_step(shape, config, inputs, backward=not only_forward)
     finished = sum(search.finished() for search in searches)
     total = run.seconds + time.perf_counter() - started  # the ledger adds this part to run.seconds when it returns
     breakdown = {phase: clock.seconds.get(phase, 0.0) for phase in SHAPE_PHASES if phase != "db"}
@@ -888,29 +921,34 @@ def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: o
     found with all their trials are added to it."""
     total = 0
     for shape in shapes:
+        kernels = shape_kernels(shape)
         if done is not None and shape in done:
-            total += trials * len(KERNELS)
+            total += trials * len(kernels)
             continue
         counted = 0
-        for kernel in KERNELS:
+        for kernel in kernels:
             try:
                 study_id = storage.get_study_id_from_name(study_name(target, shape, kernel))
             except KeyError:  # not created yet
                 continue
             counted += min(trials, storage.get_n_trials(study_id, state=FINISHED))
-        if done is not None and counted == trials * len(KERNELS):
+        if done is not None and counted == trials * len(kernels):
             done.add(shape)
         total += counted
     return total
 
 
-def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, torch.Tensor],
+                      backward: bool = True) -> dict[str, float]:
     import fatune
 
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     start = time.perf_counter()
-    out = fatune.attention(q, k, v, config=config, **shape.attention_kwargs(q.device))
+    with torch.set_grad_enabled(backward):
+        out = fatune.attention(q, k, v, config=config, **shape.attention_kwargs(q.device))
     middle = time.perf_counter()
+    if not backward:
+        return {"fwd_ms": (middle - start) * 1e3, "bwd_ms": math.nan, "fwd_bwd_ms": math.nan}
     out.backward(inputs["do"])
     end = time.perf_counter()
     return {"fwd_ms": (middle - start) * 1e3, "bwd_ms": (end - middle) * 1e3, "fwd_bwd_ms": (end - start) * 1e3}
@@ -922,7 +960,8 @@ def to_entry(result: ShapeResult, target: Target) -> Entry:
         **key_columns(target.gpu, target.capability, shape_key(result.shape)),
         fwd_config=result.config.fwd.to_dict(),
         bwd_config={"dkdv": result.config.dkdv.to_dict(), "dq": result.config.dq.to_dict()},
-        fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms, tflops=_measured(result.tflops),
+        fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms,  # NaN: forward-only
+        tflops=_measured(result.tflops),
         sdpa_backend=result.sdpa_backend, sdpa_ms=_measured(result.sdpa_ms), speedup=_measured(result.speedup),
         batch=result.shape.batch, heads=result.shape.heads, seqlen_q=result.shape.seqlen_q,
         seqlen_k=result.shape.seqlen_k, trials=result.trials, interpreted=target.interpret,

@@ -79,6 +79,8 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("which-missing-db", [*WHICH, "--seqlen", "64", "--db", "{tmp}/missing.sqlite"], 1, "no such file"),
     ("search-zero-length", [*SEARCH, "--lengths", "0"], 2, "--lengths"),
     ("search-empty-lengths", [*SEARCH, "--lengths", ""], 2, "--lengths"),
+    ("search-lengths-and-lengths-q", [*SEARCH, "--lengths-q", "16"], 2, "--lengths and --lengths-q"),
+    ("search-zero-length-q", [*SEARCH[:-6], "--lengths-q", "0"], 2, "--lengths-q"),
     ("search-negative-batch", [*SEARCH, "--batch", "-1"], 2, "--batch"),
     ("search-negative-window", [*SEARCH, "--mask", "window", "--window", "-5"], 2, "--window"),
     ("search-valid-keys-2", [*SEARCH, "--mask", "padding", "--valid-keys", "2"], 2, "--valid-keys"),

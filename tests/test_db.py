@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -383,3 +384,24 @@ def test_a_read_only_file_fails_when_opened_for_writing(tmp_path):
     db.db = sqlite_utils.Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None))
     with pytest.raises(DBError, match="read-only"):
         db._check_write_lock()
+
+
+def test_a_forward_only_entry_is_valid_round_trips_and_is_compared_by_its_forward(tmp_path):
+    inference = make_entry(bwd_ms=math.nan, fwd_bwd_ms=math.nan, fwd_ms=0.5, seqlen_q_bucket=16)
+    assert inference.check().forward_only and not make_entry().forward_only
+    for half in ({"bwd_ms": math.nan}, {"fwd_bwd_ms": math.nan}):  # one of the two alone is not forward-only
+        with pytest.raises(InvalidEntry, match=next(iter(half))):
+            make_entry(**half).check()
+    for name in ("out.json", "out.sqlite"):
+        assert export_entries([inference], tmp_path / name) == 1
+        (back,) = read_entries(tmp_path / name)
+        assert back.forward_only and back.fwd_ms == 0.5 and back.fwd_config == inference.fwd_config
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        full = replace(inference, bwd_ms=2.0, fwd_bwd_ms=3.0, fwd_ms=1.0)
+        assert db.upsert(full)
+        assert db.upsert(inference)  # forward 0.5 < 1.0 ms: like with like, not NaN against 3.0
+        assert not db.upsert(replace(full, fwd_ms=0.6))  # the forward-only entry's forward is faster
+        assert not db.upsert(replace(inference, fwd_ms=0.7))
+        assert db.get(inference.key()).forward_only and db.get(inference.key()).fwd_ms == 0.5
+        assert db.upsert(replace(full, fwd_ms=0.4))
+        assert not db.get(inference.key()).forward_only

@@ -258,7 +258,7 @@ while len(os.listdir(barrier)) < int(count):
     time.sleep(0.01)
 cli(args, prog_name="fatune")
 """
-SEARCH = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths", "16", "--batch", "1",
+SEARCH = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths", "32", "--batch", "1",
           "--heads", "1", "--mask", "none"]
 
 
@@ -351,3 +351,47 @@ def test_forward_structure_axes(dtype, kv_heads, kernel, structure):
     assert list(axes)[4:] == structure
     assert axes.get("tma", (0, 1)) == (0, 1)
     assert all(config.tma in (0, 1) for config in GPU_SPACE.grid(kernel, shape)[:50])
+
+
+DECODE_SEARCH = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths-q", "1", "--lengths-k",
+                 "64", "--heads", "4", "--kv-heads", "2", "--mask", "none", "--trials", "3"]
+
+
+def test_a_decode_search_is_forward_only_and_its_entry_is_picked_for_decode_calls(tmp_path):
+    from fatune.cli import search as search_cli
+    from fatune.heuristics import DECODE_QUERIES, default_config
+
+    assert search_cli.DECODE_QUERIES == DECODE_QUERIES  # its copy, kept off `fatune --help`'s imports
+    db_path = tmp_path / "tuned.sqlite"
+    result = CliRunner().invoke(cli, [*DECODE_SEARCH, "--db", str(db_path), "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output[result.output.index("["):])
+    # the backward is not timed: null, not 0 or NaN; TFLOP/s of the forward
+    assert row["forward_only"] and row["bwd_ms"] is None and row["fwd_bwd_ms"] is None and row["fwd_ms"] > 0
+    assert row["tflops"] > 0 and " b4 " in row["shape"]  # B * L_k = the interpreter's 256 tokens
+    with TunedDB(db_path, readonly=True) as db:
+        (entry,) = db.entries()
+    assert entry.forward_only and entry.trials == 3 and entry.fwd_ms > 0
+    assert (entry.seqlen_q_bucket, entry.seqlen_k_bucket, entry.group_size) == (16, 64, 2)
+    # one study, the forward's: its best trial is the stored forward config; the backward is the heuristic's
+    storage = default_storage_url(db_path)
+    (summary,) = optuna.get_all_study_summaries(storage)
+    assert summary.study_name.endswith(":fwd")
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    assert len(study.trials) == 3
+    config = entry.attention_config()
+    assert config.fwd == LaunchConfig.from_dict(study.best_trial.params)
+    heuristic = default_config(Shape(batch=4, heads=4, kv_heads=2, seqlen_q=1, seqlen_k=64, head_dim=16,
+                                     dtype="float16").spec, None, decode=True)
+    assert (config.dkdv, config.dq) == (heuristic.dkdv, heuristic.dq)
+    # again, as a table (the studies are done: only the re-timing runs): the backward is marked not timed
+    table = CliRunner().invoke(cli, [*DECODE_SEARCH, "--db", str(db_path)])
+    assert table.exit_code == 0, table.output
+    line = next(line for line in table.output.splitlines() if line.startswith("float16 b4 h4 hkv2 lq1 lk64"))
+    assert line.split()[8:10] == ["–", "–"] and "nan" not in line.lower()
+    # `fatune db which` (the dispatcher) picks it for a matching decode call
+    which = CliRunner().invoke(cli, ["db", "which", "--db", str(db_path), "--head-dim", "16", "--dtype", "fp16",
+                                     "--seqlen", "1", "--seqlen-k", "64", "--heads", "4", "--kv-heads", "2"])
+    assert which.exit_code == 0, which.output
+    assert "layer: user-db" in which.output and "exact bucket Lq<=16, Lk<=64" in which.output
+    assert f"fwd {config.fwd} | dkdv {config.dkdv} | dq {config.dq}" in which.output

@@ -14,6 +14,20 @@ import click
 from fatune.cli.options import int_list, optional_int_list, parse_dtype
 
 PROGRESS_S = 1.0  # the progress bar counts the storage's finished trials at most this often
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+DECODE_QUERIES = 16  # fatune.heuristics.DECODE_QUERIES (not imported here: `fatune --help` stays fast)
+
+
+def default_batch(tokens: int, seqlen_q: int, seqlen_k: int) -> int:
+    """The batch when --batch is not given: B * L_q = tokens for prefill (training) shapes; for decode shapes
+    (L_q <= DECODE_QUERIES, the query bucket fatune.search.forward_only tests; searched forward-only),
+    B * L_k = tokens: a KV cache of that many tokens."""
+    return max(1, tokens // (seqlen_k if seqlen_q <= DECODE_QUERIES else seqlen_q))
+
+
+def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    """int_list, or None when the option is not given (so that giving both of two aliases can be refused)."""
+    return None if value is None else int_list(ctx, param, value)
 
 
 def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
@@ -28,10 +42,18 @@ def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
 @click.command()
 @click.option("--head-dim", type=click.IntRange(1, 256), required=True, help="Head dim of query/key (and value).")
 @click.option("--dtype", default="bf16", show_default=True, callback=parse_dtype, help="fp16, bf16 or fp32.")
-@click.option("--lengths", callback=int_list, default="512,1024,2048,4096,8192,16384", show_default=True,
-              help="Comma-separated query lengths.")
-@click.option("--lengths-k", callback=optional_int_list, default="", help="Key lengths (default: same as --lengths).")
-@click.option("--batch", type=click.IntRange(0), default=0, help="Batch size (default: 16384 tokens / L).")
+@click.option("--lengths-q", "lengths_q", callback=_given_int_list,
+              default=None,
+              help="Comma-separated query lengths [default: 512,1024,2048,4096,8192,16384]. Lengths up to "
+                   f"{DECODE_QUERIES} are inference (decode) shapes: only the forward is searched and timed.")
+@click.option("--lengths", "lengths_old", callback=_given_int_list,
+              default=None,
+              help="The same as --lengths-q (its older name).")
+@click.option("--lengths-k", callback=optional_int_list, default="",
+              help="Key lengths (default: same as --lengths-q).")
+@click.option("--batch", type=click.IntRange(0), default=0,
+              help="Batch size (default: 16384 tokens / L_q; for decode shapes, L_q <= "
+                   f"{DECODE_QUERIES}, max(1, 16384 / L_k): a KV cache of 16384 tokens).")
 @click.option("--heads", type=click.IntRange(0), default=0, help="Query heads (default: 2048 / head dim).")
 @click.option("--kv-heads", type=click.IntRange(0), default=0,
               help="Key/value heads for GQA (default: same as --heads).")
@@ -58,11 +80,13 @@ def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
                    "less one, at most 8; 0 with --interpret).")
 @click.option("--interpret", is_flag=True, help="Run in Triton's CPU interpreter: tiny shapes, timings not meaningful.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, window, valid_keys, trials,
+def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_heads, mask, window, valid_keys, trials,
            time_budget, seed, db_path, storage, workers, compile_workers, interpret, as_json) -> None:
-    """Search launch configs for each shape, timing forward+backward, and store the winners.
+    """Search launch configs for each shape, timing forward+backward (decode: forward), and store the winners.
 
-    Each kernel (forward, dK/dV, dQ) gets its own Optuna study; winners are checked
+    Each kernel (forward, dK/dV, dQ) gets its own Optuna study; inference shapes (query
+    lengths up to 16: decode) get the forward's alone, timed without the backward, and their
+    entries keep the heuristic's backward configs. Winners are checked
     against torch, re-timed end to end and compared with torch's best SDPA backend in
     the same run. An interrupted (Ctrl-C) or killed search resumes from its Optuna storage
     when the same command runs again. Workers on this host (one per GPU) and the same command
@@ -74,7 +98,11 @@ def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, wi
         fatune search --head-dim 64 --dtype bf16
         fatune search --head-dim 128 --dtype fp16 --lengths 4096 --mask causal --trials 40
         fatune search --head-dim 64 --dtype bf16 --storage postgresql://tuner@db-host/fatune
+        fatune search --head-dim 128 --lengths-q 1 --lengths-k 8192 --heads 32 --kv-heads 8 --mask none
     """
+    if lengths_q is not None and lengths_old is not None:
+        raise click.UsageError("--lengths and --lengths-q are the same option (--lengths is the older name of "
+                               "--lengths-q): give one")
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         # triton.language decides interpreted vs compiled when first imported: start again with it set
         env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -84,19 +112,19 @@ def search(head_dim, dtype, lengths, lengths_k, batch, heads, kv_heads, mask, wi
     from fatune import workers as hosts
     from fatune.measure import Shape
 
+    # the interpreter runs tiles as numpy arrays: keep its default shapes small
+    lengths = lengths_q or lengths_old or list(DEFAULT_LENGTHS if not interpret else (64, 128))
     if len(lengths_k or lengths) != len(lengths):
         raise click.BadParameter("give as many key lengths as query lengths", param_hint="--lengths-k")
     tokens, model_dim = (256, 64) if interpret else (16384, 2048)
     heads = heads or max(1, model_dim // head_dim)
     if heads % (kv_heads or heads):
         raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}", param_hint="--kv-heads")
-    if interpret and lengths == [512, 1024, 2048, 4096, 8192, 16384]:
-        lengths = [64, 128]  # the interpreter runs tiles as numpy arrays: keep it small
     lengths_k = lengths_k or lengths
     causal_values = {"both": (False, True), "none": (False,), "causal": (True,), "window": (True,),
                      "padding": (False, True)}[mask]
-    shapes = [Shape(batch=batch or max(1, tokens // lq), heads=heads, seqlen_q=lq, seqlen_k=lk, head_dim=head_dim,
-                    dtype=dtype, causal=c, kv_heads=kv_heads or heads)
+    shapes = [Shape(batch=batch or default_batch(tokens, lq, lk), heads=heads, seqlen_q=lq, seqlen_k=lk,
+                    head_dim=head_dim, dtype=dtype, causal=c, kv_heads=kv_heads or heads)
               for c in causal_values for lq, lk in zip(lengths, lengths_k)]
     shapes = _mask_shapes(shapes, mask, window, valid_keys)
 
@@ -160,7 +188,8 @@ def _search(job, target, storage, database) -> list:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a Ctrl-C'd trial's traceback is not the user's business
     shapes = list(job.shapes)
     results = []
-    with click.progressbar(length=len(shapes) * job.trials * 3, label="search", file=sys.stderr, show_pos=True,
+    total = sum(len(tuner.shape_kernels(shape)) for shape in shapes) * job.trials
+    with click.progressbar(length=total, label="search", file=sys.stderr, show_pos=True,
                            show_eta=True) as bar, CompilePool(job.compile_workers, target.device.type) as pool:
         refreshed = [0.0]
         done: set = set()  # shapes whose studies have all their trials: not counted again
@@ -195,13 +224,24 @@ def _search(job, target, storage, database) -> list:
 def _result_json(result, stored: bool, target) -> dict:
     return {
         "shape": result.shape.label(), "config": result.config.to_dict(), "kernel_ms": result.kernel_ms,
-        "fwd_ms": result.fwd_ms, "bwd_ms": result.bwd_ms, "fwd_bwd_ms": result.fwd_bwd_ms, "tflops": result.tflops,
+        "fwd_ms": result.fwd_ms, "bwd_ms": _timed(result.bwd_ms), "fwd_bwd_ms": _timed(result.fwd_bwd_ms),
+        "forward_only": result.forward_only, "tflops": result.tflops,
         "sdpa_backend": result.sdpa_backend, "sdpa_ms": None if math.isnan(result.sdpa_ms) else result.sdpa_ms,
         "speedup": None if math.isnan(result.speedup) else result.speedup, "trials": result.trials,
         "rejected": result.rejected, "seconds": result.seconds, "trials_per_s": result.trials_per_s,
         "breakdown": result.breakdown, "stored": stored,
         "interpreted": target.interpret, "gpu": target.gpu,
     }
+
+
+def _timed(ms: float) -> float | None:
+    """A time for the JSON output: None (null) when not timed (the backward of a forward-only shape)."""
+    return None if math.isnan(ms) else ms
+
+
+def _cell(ms: float) -> str:
+    """A time for the table: '–' when not timed (the backward of a forward-only shape)."""
+    return "–" if math.isnan(ms) else f"{ms:.3f}"
 
 
 def _print_table(results, target, db_path, seconds: float, workers: int) -> None:
@@ -216,7 +256,7 @@ def _print_table(results, target, db_path, seconds: float, workers: int) -> None
         sdpa = f"{result.sdpa_backend} {result.sdpa_ms:.3f}" if result.sdpa_backend else "n/a"
         speed = f"{result.speedup:.2f}x" if not math.isnan(result.speedup) else "n/a"
         configs = f"{result.config.fwd} | {result.config.dkdv} | {result.config.dq}"
-        click.echo(f"{result.shape.label():44} {result.fwd_ms:8.3f} {result.bwd_ms:8.3f} {result.fwd_bwd_ms:8.3f} "
+        click.echo(f"{result.shape.label():44} {result.fwd_ms:8.3f} {_cell(result.bwd_ms):>8} {_cell(result.fwd_bwd_ms):>8} "
                    f"{result.tflops:8.1f} {sdpa:>16} {speed:>7} {result.trials:6d} {result.seconds:7.1f} "
                    f"{result.trials_per_s:8.2f}  {configs}{'' if stored else '  (DB kept a faster entry)'}")
     trials = sum(result.trials for result, _ in results)
