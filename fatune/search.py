@@ -1,12 +1,13 @@
 """`fatune search`: find the fastest correct launch configs per shape with Optuna, store the winners.
 
 Each of the forward, dK/dV and dQ configs gets its own Optuna study (multivariate TPE,
-fixed seed); an inference shape (at most DECODE_QUERIES queries per sequence: forward_only)
-gets the forward's study alone, its winner is re-timed as the forward alone and stored with
-the heuristic's backward configs (bwd_ms and fwd_bwd_ms NaN: not timed). The forward's minimises the forward's median time; the two backward studies
+fixed seed). The forward's minimises the forward's median time; the two backward studies
 both minimise the whole backward's (dQ and dK/dV kernels, with the other config at its best
 so far), because with atomic dQ one kernel does both's work and the dQ config only sizes
-the small kernels around it. A training step's forward+backward time is measured again end
+the small kernels around it. An inference shape (at most DECODE_QUERIES queries per
+sequence: forward_only) gets the forward's study alone; its winner is re-timed as the
+forward alone and stored with the heuristic's backward configs (bwd_ms and fwd_bwd_ms NaN:
+not timed). A training step's forward+backward time is measured again end
 to end with the winners before anything is stored.
 
 A trial is rejected before compiling when its tiles cannot fit (shared-memory estimate,
