@@ -92,6 +92,18 @@ COMPILE_CASES = [
 ]
 
 
+def _compile_in_subprocess(script: str, tmp_path) -> str:
+    """Run `script` in a fresh process with compiled (not interpreted) Triton and private caches;
+    its stdout, after asserting it succeeded."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FATUNE_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout.strip()
+
+
 def test_variants_compile_for_sm90(tmp_path):
     script = (
         "import sys\n"
@@ -105,12 +117,7 @@ def test_variants_compile_for_sm90(tmp_path):
         "    assert info.uses_wgmma == (spec.dtype != 'float32'), (kernel, spec, info)\n"
         "    print(kernel, spec.dtype, spec.head_dim, info)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FATUNE_CACHE_DIR"] = str(tmp_path)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(result.stdout.strip().splitlines()) == len(COMPILE_CASES)
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == len(COMPILE_CASES)
 
 
 # Hopper forward variants: (spec, forward config with TMA loads)
@@ -168,13 +175,7 @@ def test_hopper_variants_compile_for_sm90(tmp_path):
         "    assert info.num_warps == config.fwd.num_warps, (spec, tag, info)\n"
         "    print(spec.mask_variant, spec.dtype, spec.head_dim, tag, info)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FATUNE_CACHE_DIR"] = str(tmp_path)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                            check=False)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert len(result.stdout.strip().splitlines()) == len(HOPPER_COMPILE_CASES)
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == len(HOPPER_COMPILE_CASES)
 
 
 def test_cache_key_and_reuse(tmp_path, monkeypatch):
