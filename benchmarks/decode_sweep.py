@@ -2,13 +2,14 @@
 
 Run on the GPU from the repository root: `python3 benchmarks/decode_sweep.py OUT.json`. For each
 decode shape of fatune.bench.INFERENCE_SHAPES, every config of a small grid (16-row tiles, key tile,
-warps, stages, split count relative to the automatic choice) is timed forward-only through
+warps, stages, split count relative to the automatic choice, TMA loads) is timed forward-only through
 fatune.attention with the config forced (median of triton.testing.do_bench), outputs checked against
 the automatic config's. Prints the best configs per shape, and how the built-in heuristic ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import sys
@@ -20,8 +21,8 @@ from fatune.bench import INFERENCE_SHAPES
 from fatune.dispatch import device_arch
 from fatune.heuristics import default_config
 from fatune.launch import choose_splits, sm_count
-from fatune.measure import bench
-from fatune.spec import DTYPES, KernelSpec, LaunchConfig
+from fatune.measure import bench, kernel_times
+from fatune.spec import DTYPES, MAX_SPLITS, KernelSpec, LaunchConfig
 
 
 def main(path: str) -> None:
@@ -35,10 +36,12 @@ def main(path: str) -> None:
         with torch.no_grad():
             reference = fatune.attention(q, k, v, enable_gqa=True, config=heuristic).float()
         rows = []
-        for block_n, warps, stages, factor in itertools.product((32, 64, 128), (2, 4), (2, 3, 4, 5), (0.5, 1, 2)):
+        for block_n, warps, stages, factor, tma in itertools.product((64, 128), (4,), (2, 3, 4), (1, 2, 4), (0, 1)):
             programs = shape.kv_heads * shape.batch
-            splits = max(1, round(factor * choose_splits(programs, shape.seqlen_k // block_n, sm_count(device))))
-            config = heuristic.replace(fwd=LaunchConfig(16, block_n, warps, stages, num_splits=splits, pack_gqa=1))
+            splits = min(MAX_SPLITS, max(1, round(factor * choose_splits(programs, shape.seqlen_k // block_n,
+                                                                         sm_count(device)))))
+            config = heuristic.replace(fwd=LaunchConfig(16, block_n, warps, stages, num_splits=splits, pack_gqa=1,
+                                                        tma=tma))
             row = {"shape": shape.label, "config": str(config.fwd)}
             try:
                 with torch.no_grad():
@@ -50,12 +53,15 @@ def main(path: str) -> None:
             rows.append(row)
         with torch.no_grad():
             heuristic_us = bench(lambda: fatune.attention(q, k, v, enable_gqa=True, config=heuristic)) * 1e3
+        kernels = kernel_times(functools.partial(fatune.attention, q, k, v, enable_gqa=True, config=heuristic))
         timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         print(f"{shape.label}: heuristic {heuristic.fwd} {heuristic_us:.1f} us; best:")
+        print("   heuristic's kernels (profiler, us per call): " +
+              ", ".join(f"{name} {us:.1f}" for name, us in kernels.items()))
         for row in timed[:5]:
             print(f"   {row['config']:24} {row['us']:7.1f} us  ({shape.cache_bytes() / row['us'] / 1e6:.2f} TB/s)")
         results.append({"shape": shape.label, "heuristic": str(heuristic.fwd), "heuristic_us": heuristic_us,
-                         "rows": rows})
+                         "heuristic_kernels_us": kernels, "rows": rows})
     with open(path, "w") as handle:
         json.dump(results, handle, indent=1)
 

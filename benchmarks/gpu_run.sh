@@ -17,6 +17,8 @@ for stage in "$@"; do
   case "$stage" in
     overhead)  # host cost per call: forward and training step, fatune vs SDPA
       python3 -m fatune.cli bench --overhead 2>&1 | tee "$OUT/overhead.txt" ;;
+    host-parts)  # the pieces of a training step's host cost, real launches (tensor vs integer pointers)
+      python3 benchmarks/host_cost.py --gpu-parts 2>&1 | tee "$OUT/host-parts.txt" ;;
     compile)  # torch.compile modes from fresh processes, CUDA-graph capture
       python3 -m pytest tests/test_custom_op.py -m gpu -n 6 -q -p no:cacheprovider > "$OUT/compile.log" 2>&1; tail -n 30 "$OUT/compile.log" ;;
     accuracy)  # every gpu-marked test but the serial timing/memory ones

@@ -9,6 +9,7 @@ C++) and with an empty autograd.Function give the baselines.
 
     PYTHONPATH=. python benchmarks/host_cost.py              # table: us per call, median of rounds
     PYTHONPATH=. python benchmarks/host_cost.py --profile    # + cProfile of the fatune step
+    PYTHONPATH=. python benchmarks/host_cost.py --gpu-parts  # on a GPU: the pieces with real launches
 
 Not measured here (GPU only): `torch._C._cuda_getDevice()`, the current-stream lookup and
 the C launcher calls; CPU allocations stand in for the CUDA caching allocator's.
@@ -21,9 +22,11 @@ import cProfile
 import os
 import pstats
 import statistics
+import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # plans for CPU tensors (launches are no-ops below)
+if "--gpu-parts" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # plans for CPU tensors (launches are no-ops below)
 
 import torch
 
@@ -139,6 +142,60 @@ def parts(shape: tuple[int, int, int, int]) -> dict[str, float]:
             for name, fn in pieces.items()}
 
 
+def gpu_parts(shape: tuple[int, int, int, int]) -> dict[str, float]:
+    """Microseconds of the pieces of a fatune step on a CUDA GPU, real launches (wall time per call,
+    min over 50 repeats of 200 calls, synchronized before each repeat so launch queues never fill).
+
+    Includes the two ways of passing pointers to Triton's C launcher: tensors (the launcher calls
+    data_ptr() and cuPointerGetAttribute per pointer) and integers (what KernelLaunch passes)."""
+    import timeit
+
+    from fatune import plans
+
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for _ in range(3):
+        fatune.attention(q, k, v, is_causal=True).backward(do)
+        sdpa(q, k, v, is_causal=True).backward(do)
+    plan = plans.prepare(q, k, v, plans.Call(is_causal=True), None, None).plan
+    out, lse = plan.forward(q, k, v)
+    plan.backward(do, q, k, v, out, lse)
+    (fwd,) = plan.fwd_launches()
+    slots = plan.slots(q, k, v, out, lse, launch.NO_EXTRAS, None)
+    stream = launch.current_stream(q.device)
+    tensors = fwd.pick(slots)
+    ints = [None if t is None else t.data_ptr() for t in tensors]
+
+    def direct(pointers):
+        return lambda: fwd.direct(*fwd.grid, stream, *fwd.middle, *pointers, *fwd.tail)
+
+    def step(fn):
+        def run():
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v, is_causal=True).backward(do)
+        return run
+
+    pieces = {
+        "fatune step": step(fatune.attention),
+        "sdpa step": step(sdpa),
+        "fatune forward (grad)": lambda: fatune.attention(q, k, v, is_causal=True),
+        "sdpa forward (grad)": lambda: sdpa(q, k, v, is_causal=True),
+        "  Plan.forward": lambda: plan.forward(q, k, v),
+        "  Plan.backward": lambda: plan.backward(do, q, k, v, out, lse),
+        "  forward launch, tensor pointers": direct(tensors),
+        "  forward launch, int pointers": direct(ints),
+        "  KernelLaunch.__call__ (forward)": lambda: fwd(slots, stream),
+        "  torch.empty_strided (one)": lambda: torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device="cuda"),
+        "  current stream": lambda: launch.current_stream(q.device),
+    }
+    results = {}
+    for name, fn in pieces.items():
+        times = timeit.repeat(fn, setup=torch.cuda.synchronize, timer=time.perf_counter, number=200, repeat=50)
+        results[name] = min(times) / 200 * 1e6
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=5000)
@@ -147,9 +204,14 @@ def main() -> None:
     parser.add_argument("--sdpa-shape", default="1,1,4,8", help="SDPA's (it computes on the CPU: keep it tiny)")
     parser.add_argument("--profile", action="store_true", help="cProfile the fatune step")
     parser.add_argument("--parts", action="store_true", help="time the pieces of a fatune step")
+    parser.add_argument("--gpu-parts", action="store_true", help="time the pieces of a step on a CUDA GPU")
     args = parser.parse_args()
-    launch.KernelLaunch.__call__ = _launch_nothing
     shape = tuple(int(x) for x in args.shape.split(","))
+    if args.gpu_parts:
+        for name, value in gpu_parts(shape).items():
+            print(f"{name:36} {value:7.2f} us")
+        return
+    launch.KernelLaunch.__call__ = _launch_nothing
     sdpa_shape = tuple(int(x) for x in args.sdpa_shape.split(","))
     torch.set_num_threads(1)
     if args.parts:

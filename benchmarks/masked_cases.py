@@ -1,6 +1,6 @@
 """Masked, GQA and packed-sequence attention: fatune vs FlexAttention vs torch SDPA, one run (issue 12).
 
-    python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--quick]
+    python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--quick] [--profile]
 
 bf16, D = 128, H = 16. Cases: causal sliding windows (256, 1024, 4096 keys), GQA 8:1 causal,
 key padding (seqlens_k = L/2 and L/4), packed documents (2, 5 and 64 documents of random
@@ -13,6 +13,7 @@ case (is_causal + enable_gqa; a boolean key-padding mask). Forward and forward+b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import fatune
-from fatune.measure import bench
+from fatune.measure import bench, kernel_times
 
 D, H, DTYPE = 128, 16, torch.bfloat16
 
@@ -95,6 +96,12 @@ def time_impl(run, q, k, v, grad_out) -> dict:
     return {"fwd_ms": bench(forward), "fwd_bwd_ms": bench(step, grad_to_none=[q, k, v])}
 
 
+def step_once(run, leaves, grad_out) -> None:
+    for t in leaves:
+        t.grad = None
+    run(*leaves).backward(grad_out)
+
+
 def main() -> None:
     from torch.nn.attention import SDPBackend
 
@@ -102,6 +109,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--lengths", default="8192")
     parser.add_argument("--quick", action="store_true", help="one window and one document count")
+    parser.add_argument("--profile", action="store_true", help="also GPU time per kernel of fatune's and Flex's steps")
     args = parser.parse_args()
     results = []
     for length in (int(x) for x in args.lengths.split(",")):
@@ -137,6 +145,10 @@ def main() -> None:
                         timing["max_abs_diff_vs_fatune"] = float((run(q, k, v).float() - ours).abs().max())
                 except Exception as error:  # noqa: BLE001 - a backend that cannot run a case is reported
                     timing = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+                if args.profile and name in ("fatune", "flex") and "error" not in timing:
+                    timing["step_kernels_us"] = kernel_times(functools.partial(step_once, run, leaves, grad_out))
+                    print(f"    {name} step kernels (us): " + ", ".join(
+                        f"{kernel[:40]} {us:.1f}" for kernel, us in timing["step_kernels_us"].items()), flush=True)
                 row["impls"][name] = timing
                 for t in leaves:
                     t.grad = None

@@ -35,7 +35,7 @@ TEMPLATE_FILES: dict[str, str] = {
     "dropout_mask": "attn_dropout_mask.py.jinja",
 }
 CACHE_ENV = "FATUNE_CACHE_DIR"
-COMBINE_M = 16  # rows per program of the split-KV combine kernel
+MERGE_SPLITS = 4  # split-KV partial results a merge loads at once (decode B=1, L_k=32k on an H200: 16 splits)
 log = logging.getLogger("fatune")
 
 _TITLES = {
@@ -88,7 +88,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         structure.update({"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1,
                           "TMA": bool(config.fwd.tma)})
         if structure["SPLIT_KV"]:
-            constants["COMBINE_M"] = COMBINE_M
+            constants["MERGE_SPLITS"] = MERGE_SPLITS
         used = {"fwd": config.fwd.to_dict()}
     elif kind == "dropout_mask":
         used = {}

@@ -32,7 +32,7 @@ from fatune.spec import MAX_SPLITS, AttentionConfig, LaunchConfig
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
 SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
-         "DO", "DELTA", "DQ", "DK", "DV", "DQ_ACC")
+         "SPLIT_COUNT", "DO", "DELTA", "DQ", "DK", "DV", "DQ_ACC")
 EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")  # order of a call's extras
 NO_EXTRAS = (None,) * len(EXTRAS)
 
@@ -127,13 +127,11 @@ class KernelLaunch:
                  "tma")
 
     def __init__(self, fn: Any, kernel: str, grid: tuple[int, int, int], config: LaunchConfig,
-                 values: dict[str, Any], slot_of: dict[str, str] | None = None):
-        """`slot_of` binds pointer parameters to other slots (split-KV: the forward's O is O_PART)."""
+                 values: dict[str, Any]):
         self.fn = fn
         self.grid = grid
         self.num_warps, self.num_stages = config.num_warps, config.num_stages
-        slot_of = slot_of or {}
-        self.pick = operator.itemgetter(*(SLOTS.index(slot_of.get(name, name)) for name in signature.pointers(kernel)))
+        self.pick = operator.itemgetter(*(SLOTS.index(name) for name in signature.pointers(kernel)))
         self.tail = tuple(values[name] for name in signature.values(kernel))
         self.binary: CompiledKernel | None = None
         self.direct: Callable | None = None
@@ -148,7 +146,10 @@ class KernelLaunch:
             middle = self.middle
             if self.scratch:
                 middle = middle[:3] + (scratch_buffer(self.scratch),) + middle[4:]
-            direct(*self.grid, stream, *middle, *self.pick(slots), *self.tail)
+            # Pointers as integers: Triton's launcher would call data_ptr() and then ask the driver
+            # (cuPointerGetAttribute) whether each is device memory; the plan's checks already did.
+            direct(*self.grid, stream, *middle, *[None if t is None else t.data_ptr() for t in self.pick(slots)],
+                   *self.tail)
             return
         args = self.pick(slots) + self.tail
         if _compile_only:
@@ -247,6 +248,22 @@ def current_stream(device: torch.device) -> int | None:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
+_split_counts: dict[tuple[torch.device, int | None], torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, stream: int | None, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counts for `tiles` split-KV tiles. Each launch leaves them zero again (a
+    tile's last split resets its count), so one buffer per (device, stream) serves every launch
+    queued on that stream; under CUDA-graph capture each call gets its own (zeroed in the graph),
+    so no buffer outlives a graph's memory pool."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    counts = _split_counts.get((device, stream))
+    if counts is None or counts.numel() < tiles:
+        counts = _split_counts[(device, stream)] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counts
+
+
 class Plan:
     """Everything constant across calls of one problem shape: layouts, grids, kernel launches.
 
@@ -287,17 +304,18 @@ class Plan:
         fwd_rows = problem.max_seqlen_q * (problem.group_size if config.fwd.pack_gqa else 1)
         self.fwd_grid = (triton.cdiv(fwd_rows, config.fwd.block_m),
                          problem.kv_heads if config.fwd.pack_gqa else problem.heads, problem.batch * self.splits)
-        self.values.update(num_splits=self.splits, stride_os=0, stride_ls=0)
+        self.values["num_splits"] = self.splits
         if self.splits > 1:  # partial results: (split, batch, head, row[, dv]) in float32
             parts = (self.splits, *rows)
             self.lse_part_layout = (parts, contiguous_strides(parts))
             self.o_part_layout = ((*parts, spec.head_dim_v), contiguous_strides((*parts, spec.head_dim_v)))
-            self.combine_grid = (triton.cdiv(problem.seqlen_q, codegen.COMBINE_M), problem.heads, rows[0])
+            self.split_tiles = self.fwd_grid[0] * self.fwd_grid[1] * problem.batch
             shared = (lambda strides: (strides[0], 0, *strides[2:])) if packed else tuple  # one batch of rows
-            self.part_values = {
-                **dict(zip(signature.strides("op", dims="sbhld"), shared(self.o_part_layout[1]))),
-                **dict(zip(signature.strides("lp", dims="sbh"), shared(self.lse_part_layout[1]))),
-            }
+            self.values.update(zip(signature.strides("op", dims="sbhld"), shared(self.o_part_layout[1])))
+            self.values.update(zip(signature.strides("lp", dims="sbh"), shared(self.lse_part_layout[1])))
+        else:
+            self.values.update(dict.fromkeys(signature.strides("op", dims="sbhld") + signature.strides("lp", dims="sbh"),
+                                             0))
         self.dq_grid = (triton.cdiv(problem.max_seqlen_q, config.dq.block_m), problem.heads, problem.batch)
         self.atomic_dq = bool(config.dkdv.atomic_dq)
         if self.atomic_dq:  # dQ's float32 accumulator: (B, H, L_Q, D), or one batch of L_Q rows when packed
@@ -317,20 +335,10 @@ class Plan:
     # -- forward -----------------------------------------------------------------------------
 
     def fwd_launches(self) -> tuple[KernelLaunch, ...]:
-        """The forward kernel, and with split-KV the kernel that combines its partial results."""
+        """The forward kernel (with split-KV, its last split per tile also merges the partial results)."""
         if self._fwd is None:
             module = codegen.load("fwd", self.spec, self.config)
-            if self.splits == 1:
-                self._fwd = (KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, self.values),)
-            else:
-                part = self.part_values
-                split_values = {**self.values, **{f"stride_o{d}": part[f"stride_op{d}"] for d in "sbhld"},
-                                **{f"stride_l{d}": part[f"stride_lp{d}"] for d in "sbh"}}
-                combine_config = LaunchConfig(codegen.COMBINE_M, 16, num_warps=4, num_stages=1)
-                self._fwd = (KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, split_values,
-                                          slot_of={"O": "O_PART", "LSE": "LSE_PART"}),
-                             KernelLaunch(module.attn_fwd_combine, "attn_fwd_combine", self.combine_grid,
-                                          combine_config, {**self.values, **part}))
+            self._fwd = (KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, self.values),)
         return self._fwd
 
     def allocate_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,9 +358,9 @@ class Plan:
         out = new_buffer(*self.out_layout, self.dtype, self.device)
         lse = new_buffer(*self.lse_layout, torch.float32, self.device)
         if extras is NO_EXTRAS:
-            slots = (q, k, v, out, lse, None, None, None, None, None, seed, None, None)
+            slots = (q, k, v, out, lse, None, None, None, None, None, seed, None, None, None)
         else:
-            slots = (q, k, v, out, lse, *extras, seed, None, None)
+            slots = (q, k, v, out, lse, *extras, seed, None, None, None)
         stream = current_stream(self.device)
         for launch in launches:
             launch(slots, stream)
@@ -372,7 +380,9 @@ class Plan:
         if self.splits > 1:
             o_part = new_buffer(*self.o_part_layout, torch.float32, self.device)
             lse_part = new_buffer(*self.lse_part_layout, torch.float32, self.device)
-            slots = slots[:11] + (o_part, lse_part) + slots[13:]
+            counts = split_counts(self.device, stream, self.split_tiles)
+            first = SLOTS.index("O_PART")
+            slots = slots[:first] + (o_part, lse_part, counts) + slots[first + 3:]
         for launch in self.fwd_launches():
             launch(slots, stream)
 
@@ -424,7 +434,8 @@ class Plan:
     # -- arguments ---------------------------------------------------------------------------
 
     def slots(self, q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None) -> tuple:
-        """The forward slots (SLOTS up to LSE_PART); tensors the kernels do not read are None."""
+        """The forward slots (SLOTS up to SPLIT_COUNT; run_forward fills split-KV's); tensors the kernels
+        do not read are None."""
         if extras is NO_EXTRAS:
-            return (q, k, v, out, lse, None, None, None, None, None, seed, None, None)
-        return (q, k, v, out, lse, *extras, seed, None, None)
+            return (q, k, v, out, lse, None, None, None, None, None, seed, None, None, None)
+        return (q, k, v, out, lse, *extras, seed, None, None, None)

@@ -107,6 +107,25 @@ def bench(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100,
                                          return_mode="median"))
 
 
+def kernel_times(fn: Callable[[], object], calls: int = 50) -> dict[str, float]:
+    """GPU microseconds per call of each kernel that fn launches (torch.profiler), after a warm-up:
+    which kernel of a call is the slow one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / calls
+    return totals
+
+
 def tflops(shape: Shape, passes: str, ms: float) -> float:
     return shape.flops(passes) / (ms * 1e-3) / 1e12 if ms > 0 and math.isfinite(ms) else 0.0
 
@@ -136,7 +155,7 @@ class KernelRunner:
         self.slots = self.plan.slots(q, k, v, out, lse, call.extras, seed) + (grad_out, *buffers)
 
     def run(self, kernel: str) -> Callable[[], None]:
-        """A no-argument callable launching the forward ('fwd', with split-KV's combine kernel) or the
+        """A no-argument callable launching the forward ('fwd', split-KV's merge included) or the
         whole backward ('dq', 'dkdv' or 'bwd': its two configs share the work, and with atomic dQ one
         kernel does both's, so either is timed as the backward a training step runs)."""
         from fatune.launch import current_stream

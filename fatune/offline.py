@@ -72,6 +72,8 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
     launch = getattr(config, _LAUNCH_CONFIG[kernel])
     absent = frozenset() if config.dkdv.atomic_dq and spec.dtype != "float32" else frozenset({"DQ_ACC"})
+    if config.fwd.num_splits == 1:  # no split-KV: its buffers are not passed
+        absent |= {"O_PART", "LSE_PART", "SPLIT_COUNT"}
     types, attrs, constexprs = _signature(function_name, spec, absent)
     source = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)

@@ -530,7 +530,8 @@ class KernelSearch:
         if seconds is not None:
             clock.seconds = seconds
         if compile_failure:
-            return self._reject(trial, "compile_error", compile_failure)
+            kind = "out_of_resources" if compile_failure.startswith("OutOfResources") else "compile_error"
+            return self._reject(trial, kind, compile_failure)
         attention_config = base.replace(**{self.kernel: config})
         try:
             with clock("build"):

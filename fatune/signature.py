@@ -22,7 +22,7 @@ POINTERS: dict[str, str] = {
     "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "fp32",
     "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64",
     "DO": "io", "DELTA": "fp32", "DQ": "io", "DK": "io", "DV": "io",
-    "O_PART": "fp32", "LSE_PART": "fp32", "OUT": "i8", "DQ_ACC": "fp32",
+    "O_PART": "fp32", "LSE_PART": "fp32", "SPLIT_COUNT": "i32", "OUT": "i8", "DQ_ACC": "fp32",
 }
 FLOAT_SCALARS = frozenset({"sm_scale", "dropout_p"})
 
@@ -38,11 +38,11 @@ STAT_STRIDES = ("stride_lb", "stride_lh")  # LSE and Delta: (B, H, L) with conti
 MASK_AND_ALIBI_STRIDES = ("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah")
 
 PARAMS: dict[str, tuple[str, ...]] = {
-    # split-KV: O and LSE are the partial results' buffers, one more dim (s) per split
-    "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, *RUN_TIME, "num_splits",
-                 *strides("q", "k", "v", "o"), "stride_os", *STAT_STRIDES, "stride_ls", *MASK_AND_ALIBI_STRIDES),
-    "attn_fwd_combine": ("O", "LSE", "O_PART", "LSE_PART", "num_splits", "L_Q", *strides("o"), *STAT_STRIDES,
-                         *strides("op", dims="sbhld"), *strides("lp", dims="sbh")),
+    # split-KV: the partial results (float32, one more dim (s) per split) and the per-tile arrival counts
+    # (zeros; the last split of a tile merges and resets its count); None without it
+    "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, "O_PART", "LSE_PART", "SPLIT_COUNT", *RUN_TIME,
+                 "num_splits", *strides("q", "k", "v", "o"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES,
+                 *strides("op", dims="sbhld"), *strides("lp", dims="sbh")),
     # atomic dQ: DQ_ACC is dQ's float32 accumulator (B, H, L_Q, HEAD_DIM); the plain kernel gets None
     "attn_bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ_ACC", *OPTIONAL_INPUTS, *RUN_TIME,
                       *strides("q", "k", "v", "do", "dk", "dv", "dqa"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),

@@ -189,7 +189,7 @@ class LaunchConfig:
     block_m: query rows per tile (B_r); block_n: key/value rows per tile (B_c).
     Forward only:
     num_splits: the keys of each query tile are cut into this many runs, each a program of
-        its own, and a combine kernel merges their partial results by log-sum-exp (split-KV,
+        its own, and the last to finish merges their partial results by log-sum-exp (split-KV,
         flash-decoding); 0 = chosen when launching, from the grid and the GPU's SM count.
     pack_gqa: 1 = one program serves all query heads that share a K/V head (their rows are
         packed into the tile), so each K/V tile is loaded once per group.

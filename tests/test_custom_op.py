@@ -113,6 +113,16 @@ def test_gpu_compile_from_a_fresh_process(mode, dynamic):
     run_compile_script("cuda", "float32", "inductor", mode, dynamic)
 
 
+def warm_up_on_a_side_stream(fn) -> None:
+    """Run fn a few times on a side stream before a capture (compiles, allocator), as torch's docs do."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
 def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, monkeypatch):
@@ -137,12 +147,7 @@ def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, monkeypatch
         out.backward(grad_out)
         return out
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on a side stream (compiles, allocator) as torch's docs do
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
+    warm_up_on_a_side_stream(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -164,3 +169,28 @@ def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, monkeypatch
         monkeypatch.setattr(dropout, "draw_seed", recording_draw)
     if dropout_p:
         assert not torch.equal(outputs[0], outputs[1]), "every replay must draw a fresh dropout seed"
+
+
+@pytest.mark.gpu
+def test_gpu_split_kv_decode_replays_in_a_cuda_graph():
+    """Split-KV decode (its merge's arrival counts included) captured once, replayed on new inputs:
+    every replay equals an eager call, and eager calls after the capture still do."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert fatune.explain(q, k, v, enable_gqa=True).launched.fwd.num_splits > 1, "the shape must split"
+
+    def decode():
+        return fatune.attention(q, k, v, enable_gqa=True)
+
+    warm_up_on_a_side_stream(decode)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode()
+    for _ in range(3):
+        for tensor in (q, k, v):
+            tensor.copy_(torch.randn_like(tensor))
+        graph.replay()
+        eager = decode()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)

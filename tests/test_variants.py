@@ -289,6 +289,19 @@ def test_split_kv_packed_varlen(splits, pack, poison_outputs):
                     is_causal=True, enable_gqa=True, config=_structure(splits, pack))
 
 
+def test_split_kv_leaves_its_arrival_counts_zero():
+    """Each tile's last split resets its arrival count, so the one buffer all launches on a stream
+    share is zero again after every launch (else the next launch would merge too early)."""
+    from fatune import launch
+
+    q, k, v, kwargs = STRUCTURE_CASES[0][1]()
+    launch._split_counts.clear()
+    for splits in (3, 16, 2):
+        fatune.attention(q, k, v, config=_structure(splits, 1), **kwargs)
+        (counts,) = launch._split_counts.values()
+        assert not counts.any(), f"{splits} splits left arrival counts {counts.nonzero().flatten().tolist()} non-zero"
+
+
 def test_gqa_packing_with_dropout_regenerates_each_heads_mask(monkeypatch, poison_outputs):
     seed, p = 77, 0.3
     monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
