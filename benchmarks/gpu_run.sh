@@ -5,6 +5,9 @@
 # into $OUT/run.tar.gz (the device tool returns at most 8 files from $OUT).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# bytecode, as a normal pip install writes it: without it every process (the search's compile pool included)
+# compiles optuna's and SQLAlchemy's sources when it imports them (~5 s per process, profiled)
+python3 -m compileall -q -j 0 /tmp/site > /dev/null
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/fatune-out}
 OUT=/tmp/fatune-run
@@ -66,6 +69,13 @@ for stage in "$@"; do
           | tee -a "$OUT/search-time.txt"
         tail -n 8 "$OUT/search-cw$cw.log"
       done ;;
+    search-profile)  # cProfile of one search-time shape (fresh caches): where the owner process's time goes
+      dir=$(mktemp -d)
+      TRITON_CACHE_DIR=$dir/triton python3 -m cProfile -o "$OUT/search.prof" -m fatune.cli search --head-dim 64 \
+        --dtype bf16 --lengths 4096 --mask causal --trials 30 --db "$dir/tuned.sqlite" > "$OUT/search-profile.log" 2>&1
+      tail -n 3 "$OUT/search-profile.log"
+      python3 -c "import pstats; s = pstats.Stats('$OUT/search.prof'); s.sort_stats('cumulative').print_stats(60); \
+s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12 "ncalls" "$OUT/search-profile.txt" ;;
     sweep2)  # the default sweep (L = 512..16384, causal and not: 12 shapes) with --workers 1, then --workers 2
       # (run on the 2-GPU machine). Each run gets a fresh DB, Optuna storage and Triton cache (the second is not a
       # cache hit of the first; its two workers share one cache, as on any host). SWEEP_TRIALS per kernel per

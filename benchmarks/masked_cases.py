@@ -110,10 +110,11 @@ def main() -> None:
     parser.add_argument("--lengths", default="8192")
     parser.add_argument("--quick", action="store_true", help="one window and one document count")
     parser.add_argument("--profile", action="store_true", help="also GPU time per kernel of fatune's and Flex's steps")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = parser.parse_args()
     results = []
     for length in (int(x) for x in args.lengths.split(",")):
-        for case in cases(length, args.quick):
+        for case in (c for c in cases(length, args.quick) if args.only in c["name"]):
             torch.manual_seed(0)
             b, hkv = case["batch"], case["kv_heads"]
             q = torch.randn(b, H, length, D, device="cuda", dtype=DTYPE)
@@ -122,10 +123,14 @@ def main() -> None:
             grad_out = torch.randn_like(q)
             leaves = [t.requires_grad_() for t in (q, k, v)]
             row = {"case": case["name"], "L": length, "B": b, "H": H, "H_kv": hkv, "D": D, "impls": {}}
-            if case.get("packed"):  # fatune: (total, H, D) views of the same memory
-                def fatune_run(q_, k_, v_, kw=case["fatune"]):
-                    packed = [t[0].transpose(0, 1) for t in (q_, k_, v_)]
-                    return fatune.attention(*packed, **kw).transpose(0, 1)[None]
+            if case.get("packed"):  # fatune gets packed (total, H, D) tensors of its own, as a varlen user has
+                packed_leaves = [t[0].transpose(0, 1).detach().contiguous().requires_grad_() for t in (q, k, v)]
+                packed_grad = grad_out[0].transpose(0, 1).contiguous()
+
+                def fatune_run(q_, k_, v_, kw=case["fatune"], leaves=packed_leaves):
+                    if q_.dim() == 3:
+                        return fatune.attention(q_, k_, v_, **kw)
+                    return fatune.attention(*leaves, **kw).detach().transpose(0, 1)[None]
                 row["documents"] = case["sizes"]
             else:
                 def fatune_run(q_, k_, v_, kw=case["fatune"]):
@@ -139,18 +144,19 @@ def main() -> None:
             with torch.no_grad():
                 ours = fatune_run(q, k, v).float()
             for name, run in runners.items():
+                own = (packed_leaves, packed_grad) if case.get("packed") and name == "fatune" else (leaves, grad_out)
                 try:
-                    timing = time_impl(run, *leaves, grad_out)
+                    timing = time_impl(run, *own[0], own[1])
                     with torch.no_grad():
                         timing["max_abs_diff_vs_fatune"] = float((run(q, k, v).float() - ours).abs().max())
                 except Exception as error:  # noqa: BLE001 - a backend that cannot run a case is reported
                     timing = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
                 if args.profile and name in ("fatune", "flex") and "error" not in timing:
-                    timing["step_kernels_us"] = kernel_times(functools.partial(step_once, run, leaves, grad_out))
+                    timing["step_kernels_us"] = kernel_times(functools.partial(step_once, run, *own))
                     print(f"    {name} step kernels (us): " + ", ".join(
                         f"{kernel[:40]} {us:.1f}" for kernel, us in timing["step_kernels_us"].items()), flush=True)
                 row["impls"][name] = timing
-                for t in leaves:
+                for t in own[0]:
                     t.grad = None
             results.append(row)
             line = f"{case['name']:>28} L={length:<6}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ import torch
 from fatune import reference
 from fatune.codegen import interpreting
 from fatune.dispatch import Decision, dispatcher
-from fatune.inputs import AttentionProblem, check_contents, check_inputs
+from fatune.inputs import AttentionProblem, check_contents, check_inputs, contents_readable
 from fatune.launch import NO_EXTRAS, Plan, layout_like, new_buffer
 from fatune.spec import AttentionConfig
 
@@ -186,12 +187,33 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
     return prepared
 
 
+# Index tensors whose values were read and checked, by identity and version counter (what autograd relies on
+# to see in-place writes): an unchanged tensor is not read again, so the layers of a model that share one
+# cu_seqlens tensor cost one device-to-host copy (a sync of the GPU's queue) per step, not one per call.
+_checked: dict[tuple, tuple[tuple, tuple[int, int]]] = {}
+
+
 def _index_values(query, key, call: Call) -> tuple[int, int]:
-    """Check the seqlens_k / cu_seqlens values (a host read); the longest packed sequences, for the key."""
+    """Check the seqlens_k / cu_seqlens values (a host read, unless these very tensors were checked and
+    not written since); the longest packed sequences, for the key."""
     packed = call.cu_seqlens_q is not None
-    return check_contents(call.seqlens_k, key.shape[-2], call.cu_seqlens_q, call.cu_seqlens_k,
-                          query.shape[0] if packed else 0, key.shape[0] if packed else 0,
-                          call.max_seqlen_q, call.max_seqlen_k)
+    tensors = (call.seqlens_k, call.cu_seqlens_q, call.cu_seqlens_k)
+    try:
+        memo = (*((id(t), t._version) for t in tensors if t is not None), key.shape[-2], query.shape[0],
+                key.shape[0], call.max_seqlen_q, call.max_seqlen_k)
+    except RuntimeError:  # inference tensors have no version counter: read every time
+        memo = None
+    seen = _checked.get(memo) if memo is not None else None
+    if seen is not None and all(ref() is t for ref, t in zip(seen[0], (t for t in tensors if t is not None))):
+        return seen[1]
+    lengths = check_contents(call.seqlens_k, key.shape[-2], call.cu_seqlens_q, call.cu_seqlens_k,
+                             query.shape[0] if packed else 0, key.shape[0] if packed else 0,
+                             call.max_seqlen_q, call.max_seqlen_k)
+    if memo is not None and contents_readable() and all(t.device.type != "meta" for t in tensors if t is not None):
+        if len(_checked) >= MAX_PLANS:
+            _checked.clear()
+        _checked[memo] = (tuple(weakref.ref(t) for t in tensors if t is not None), lengths)
+    return lengths
 
 
 def _build(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> Prepared:

@@ -202,6 +202,34 @@ def test_unread_index_values_are_clamped_in_the_kernels(case, monkeypatch):
         assert out.shape == (10, 2, 16)
 
 
+def test_index_values_are_read_once_per_unchanged_tensor(monkeypatch):
+    """cu_seqlens / seqlens_k values are read (a GPU sync) once per tensor: calls with the same, unwritten
+    tensors reuse the check, an in-place write (a new version) or another tensor is read again."""
+    from fatune import inputs
+
+    reads = []
+    check = inputs.check_contents
+
+    def counting(*args):
+        reads.append(args)
+        return check(*args)
+
+    monkeypatch.setattr(plans, "check_contents", counting)
+    q, k, v = _packed_qkv()
+    cu_q, cu_k = i32([0, 4, 10]), i32([0, 5, 12])
+    first = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    again = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert len(reads) == 1 and torch.equal(first, again)
+    cu_q[1] = 7  # a new version: read again, and a bad value is still caught
+    fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert len(reads) == 2
+    cu_q[1] = 11
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    fatune.attention(q, k, v, cu_seqlens_q=i32([0, 4, 10]), cu_seqlens_k=cu_k)  # another tensor, same values
+    assert len(reads) == 4
+
+
 # The common call (no optional tensors) is looked up by a shorter key (plans.prepare_plain).
 def _count_builds(monkeypatch) -> list:
     builds = []
