@@ -104,6 +104,9 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
     masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)
       python3 benchmarks/masked_cases.py "$OUT/masked.json" ${MASKED_ARGS:-} > "$OUT/masked.log" 2>&1
       tail -n 20 "$OUT/masked.log" ;;
+    accuracy-probe)  # the fp16 D=16 dQ failure: error ratios per dQ tile, end to end and from the golden's O and LSE
+      python3 benchmarks/accuracy_probe.py "$OUT/accuracy-probe.json" > "$OUT/accuracy-probe.log" 2>&1
+      tail -n 8 "$OUT/accuracy-probe.log" ;;
     atomic-accuracy)  # the atomic-dQ backward against the accuracy rule
       python3 -m pytest tests/test_variants.py -k gpu_atomic -m gpu -n 8 -q -p no:cacheprovider \
         > "$OUT/atomic-accuracy.log" 2>&1; tail -n 8 "$OUT/atomic-accuracy.log" ;;

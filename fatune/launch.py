@@ -249,6 +249,7 @@ def current_stream(device: torch.device) -> int | None:
 
 
 _split_counts: dict[tuple[torch.device, int | None], torch.Tensor] = {}
+MAX_COUNT_BUFFERS = 64
 
 
 def split_counts(device: torch.device, stream: int | None, tiles: int) -> torch.Tensor:
@@ -260,6 +261,8 @@ def split_counts(device: torch.device, stream: int | None, tiles: int) -> torch.
         return torch.zeros(tiles, dtype=torch.int32, device=device)
     counts = _split_counts.get((device, stream))
     if counts is None or counts.numel() < tiles:
+        if len(_split_counts) >= MAX_COUNT_BUFFERS:  # streams come and go; a dropped buffer is freed in stream order
+            _split_counts.clear()
         counts = _split_counts[(device, stream)] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
     return counts
 
