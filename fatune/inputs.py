@@ -84,7 +84,9 @@ def contents_readable() -> bool:
 
 
 def _longest_packed(name: str, cu: torch.Tensor, total: int, given_max: int | None) -> int:
-    """The longest sequence of packed offsets `cu`, checked against the `total` tokens."""
+    """The longest sequence the grid must cover: `given_max` when given (as flash-attn sizes its grid;
+    checked to be >= the longest sequence of `cu` whenever `cu` can be read), else the longest
+    sequence of `cu`, whose offsets are checked against the `total` tokens."""
     if cu.device.type == "meta" or not contents_readable():
         if given_max is None:
             raise ValueError(f"max_seqlen_{name[-1]}: pass max_seqlen_q and max_seqlen_k as ints under "
@@ -100,7 +102,7 @@ def _longest_packed(name: str, cu: torch.Tensor, total: int, given_max: int | No
     given_name = f"max_seqlen_{name[-1]}"
     if given_max is not None and given_max < actual:
         raise ValueError(f"{given_name}: expected an int >= the longest sequence ({actual}), got {given_max!r}")
-    return actual
+    return actual if given_max is None else given_max
 
 
 def check_contents(seqlens_k: torch.Tensor | None, seqlen_k: int, cu_seqlens_q: torch.Tensor | None,

@@ -190,6 +190,9 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
 # Index tensors whose values were read and checked, by identity and version counter (what autograd relies on
 # to see in-place writes): an unchanged tensor is not read again, so the layers of a model that share one
 # cu_seqlens tensor cost one device-to-host copy (a sync of the GPU's queue) per step, not one per call.
+# Only where a stale check cannot size a grid wrongly: seqlens_k (the kernels clamp its values), and packed
+# sequences with max_seqlen_q/k given (they size the grid). A write the version counter does not see (through
+# .data, a raw pointer, a CUDA-graph replay) then skips the values' check, never the grid's cover.
 _checked: dict[tuple, tuple[tuple, tuple[int, int]]] = {}
 
 
@@ -198,18 +201,20 @@ def _index_values(query, key, call: Call) -> tuple[int, int]:
     not written since); the longest packed sequences, for the key."""
     packed = call.cu_seqlens_q is not None
     tensors = (call.seqlens_k, call.cu_seqlens_q, call.cu_seqlens_k)
-    try:
-        memo = (*((id(t), t._version) for t in tensors if t is not None), key.shape[-2], query.shape[0],
-                key.shape[0], call.max_seqlen_q, call.max_seqlen_k)
-    except RuntimeError:  # inference tensors have no version counter: read every time
-        memo = None
+    memo = None
+    if contents_readable() and (not packed or (call.max_seqlen_q is not None and call.max_seqlen_k is not None)):
+        try:
+            memo = (*((id(t), t._version) for t in tensors if t is not None), key.shape[-2], query.shape[0],
+                    key.shape[0], call.max_seqlen_q, call.max_seqlen_k)
+        except RuntimeError:  # inference tensors have no version counter: read every time
+            memo = None
     seen = _checked.get(memo) if memo is not None else None
     if seen is not None and all(ref() is t for ref, t in zip(seen[0], (t for t in tensors if t is not None))):
         return seen[1]
     lengths = check_contents(call.seqlens_k, key.shape[-2], call.cu_seqlens_q, call.cu_seqlens_k,
                              query.shape[0] if packed else 0, key.shape[0] if packed else 0,
                              call.max_seqlen_q, call.max_seqlen_k)
-    if memo is not None and contents_readable() and all(t.device.type != "meta" for t in tensors if t is not None):
+    if memo is not None and all(t.device.type != "meta" for t in tensors if t is not None):
         if len(_checked) >= MAX_PLANS:
             _checked.clear()
         _checked[memo] = (tuple(weakref.ref(t) for t in tensors if t is not None), lengths)

@@ -202,9 +202,7 @@ def test_unread_index_values_are_clamped_in_the_kernels(case, monkeypatch):
         assert out.shape == (10, 2, 16)
 
 
-def test_index_values_are_read_once_per_unchanged_tensor(monkeypatch):
-    """cu_seqlens / seqlens_k values are read (a GPU sync) once per tensor: calls with the same, unwritten
-    tensors reuse the check, an in-place write (a new version) or another tensor is read again."""
+def _counting_index_reads(monkeypatch) -> list:
     from fatune import inputs
 
     reads = []
@@ -215,19 +213,64 @@ def test_index_values_are_read_once_per_unchanged_tensor(monkeypatch):
         return check(*args)
 
     monkeypatch.setattr(plans, "check_contents", counting)
+    return reads
+
+
+def test_index_values_are_read_once_per_unchanged_tensor(monkeypatch):
+    """cu_seqlens / seqlens_k values are read (a GPU sync) once per tensor: calls with the same, unwritten
+    tensors reuse the check, an in-place write (a new version) or another tensor is read again."""
+    reads = _counting_index_reads(monkeypatch)
     q, k, v = _packed_qkv()
     cu_q, cu_k = i32([0, 4, 10]), i32([0, 5, 12])
-    first = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    again = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    lengths = {"max_seqlen_q": 9, "max_seqlen_k": 11}
+    first = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lengths)  # checked building its plan
+    for _ in range(3):
+        again = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lengths)
     assert len(reads) == 1 and torch.equal(first, again)
     cu_q[1] = 7  # a new version: read again, and a bad value is still caught
-    fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lengths)
     assert len(reads) == 2
     cu_q[1] = 11
     with pytest.raises(ValueError, match="cu_seqlens_q"):
-        fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    fatune.attention(q, k, v, cu_seqlens_q=i32([0, 4, 10]), cu_seqlens_k=cu_k)  # another tensor, same values
+        fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lengths)
+    fatune.attention(q, k, v, cu_seqlens_q=i32([0, 4, 10]), cu_seqlens_k=cu_k, **lengths)  # another tensor
     assert len(reads) == 4
+    padded_q, padded_k, padded_v = qkv(lq=20, lk=24)
+    seqlens = i32([5, 24])
+    for _ in range(3):
+        fatune.attention(padded_q, padded_k, padded_v, seqlens_k=seqlens)
+    assert len(reads) == 5
+
+
+def test_index_values_without_given_lengths_are_read_every_call(monkeypatch):
+    """Packed sequences without max_seqlen_q/k: the values size the grid, so a write the version counter
+    misses (through .data) must still be seen, and is."""
+    reads = _counting_index_reads(monkeypatch)
+    q, k, v = _packed_qkv()
+    cu_q, cu_k = i32([0, 4, 10]), i32([0, 5, 12])
+    for _ in range(3):  # the first call's checks run while its plan is built
+        fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert len(reads) == 2
+    cu_q.data[1] = 1  # the longest query sequence grows from 6 to 9 rows
+    out = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert len(reads) == 3
+    torch.testing.assert_close(out, fatune.attention(q, k, v, cu_seqlens_q=i32([0, 1, 10]), cu_seqlens_k=cu_k),
+                               rtol=0, atol=0)
+
+
+def test_unreadable_index_values_still_need_given_lengths(monkeypatch):
+    """Under CUDA-graph capture and torch.compile the values cannot be read: max_seqlen_q/k are required
+    there however often the same tensors were checked before (no earlier check stands in for them)."""
+    from fatune import inputs
+
+    q, k, v = _packed_qkv()
+    cu_q, cu_k = i32([0, 4, 10]), i32([0, 5, 12])
+    for _ in range(3):
+        fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=7)
+    monkeypatch.setattr(inputs, "contents_readable", lambda: False)
+    monkeypatch.setattr(plans, "contents_readable", lambda: False)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 # The common call (no optional tensors) is looked up by a shorter key (plans.prepare_plain).

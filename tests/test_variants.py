@@ -282,11 +282,18 @@ def test_split_kv_and_gqa_packing(make, splits, pack, poison_outputs):
     run_and_compare(q, k, v, config=_structure(splits, pack), **kwargs)
 
 
-@pytest.mark.parametrize("splits, pack", [(3, 1), (5, 0)])
-def test_split_kv_packed_varlen(splits, pack, poison_outputs):
-    q, k, v, cu_q, cu_k = _packed([1, 6, 2, 1], [40, 75, 3, 61], 4, 2, 32, 32, seed=splits)
-    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=75,
-                    is_causal=True, enable_gqa=True, config=_structure(splits, pack))
+@pytest.mark.parametrize("splits, pack, lengths_q, lengths_k", [
+    (3, 1, [1, 6, 2, 1], [40, 75, 3, 61]),
+    (5, 0, [1, 6, 2, 1], [40, 75, 3, 61]),
+    # query tiles past a short (or empty) sequence return before their splits count in: the counts and the
+    # other tiles' merges must not notice
+    (2, 0, [40, 3, 0, 17], [45, 30, 7, 17]),
+    (3, 1, [40, 3, 0, 17], [45, 30, 7, 17]),
+], ids=["split3-pack", "split5", "early-return-split2", "early-return-split3-pack"])
+def test_split_kv_packed_varlen(splits, pack, lengths_q, lengths_k, poison_outputs):
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, 32, 32, seed=splits)
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q),
+                    max_seqlen_k=max(lengths_k), is_causal=True, enable_gqa=True, config=_structure(splits, pack))
 
 
 def test_split_kv_leaves_its_arrival_counts_zero():
