@@ -104,6 +104,17 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
     masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)
       python3 benchmarks/masked_cases.py "$OUT/masked.json" ${MASKED_ARGS:-} > "$OUT/masked.log" 2>&1
       tail -n 20 "$OUT/masked.log" ;;
+    search-quality)  # issue 14's search-quality figure, resumable across runs (SQ_ARGS: --part grid|search
+      # [--shapes 0,1] [--seeds 0,1,2]; SQ_FROM: an earlier run's JSON to extend)
+      [ -n "${SQ_FROM:-}" ] && cp "$SQ_FROM" "$OUT/search-quality.json"
+      python3 benchmarks/search_quality.py "$OUT/search-quality.json" ${SQ_ARGS:---part grid} \
+        > "$OUT/search-quality.log" 2>&1
+      tail -n 20 "$OUT/search-quality.log" ;;
+    tuning-gain)  # issue 14: tuned vs heuristic on odd shapes, nearest-bucket loss; resumable (TG_ARGS: --part
+      # gain|nearest [--shapes 0,1] [--trials 30]; TG_FROM: an earlier run's JSON to extend)
+      [ -n "${TG_FROM:-}" ] && cp "$TG_FROM" "$OUT/tuning-gain.json"
+      python3 benchmarks/tuning_gain.py "$OUT/tuning-gain.json" ${TG_ARGS:---part gain} > "$OUT/tuning-gain.log" 2>&1
+      tail -n 20 "$OUT/tuning-gain.log" ;;
     accuracy-probe)  # the fp16 D=16 dQ failure: error ratios per dQ tile, end to end and from the golden's O and LSE
       python3 benchmarks/accuracy_probe.py "$OUT/accuracy-probe.json" > "$OUT/accuracy-probe.log" 2>&1
       tail -n 8 "$OUT/accuracy-probe.log" ;;

@@ -1,0 +1,124 @@
+"""Whether tuning pays (issue 14): tuned vs heuristic on shapes the heuristic was not written for, and
+the loss of a nearest-bucket entry against a search at the exact shape.
+
+    python benchmarks/tuning_gain.py OUT.json --part gain [--shapes 0,1] [--trials 30]     # on a GPU
+    python benchmarks/tuning_gain.py OUT.json --part nearest [--trials 30]
+    python benchmarks/tuning_gain.py OUT.json --part table
+    TRITON_INTERPRET=1 python benchmarks/tuning_gain.py OUT.json --part gain --interpret   # CPU smoke run
+
+- "gain": each shape (odd head dims 80/96/192, batch 1 with a long L, GQA 4:1 and 8:1, L_q != L_k,
+  fp16) is searched (`fatune.search.search_shape`, `--trials` per kernel, fresh storage); the winners'
+  training step and the heuristic's are timed side by side: ratio = heuristic ms / tuned ms.
+- "nearest": a shape between the representative lengths of its bucket (L = 3000 and 6000, whose
+  buckets are 4096 and 8192) is searched at the bucket's representative length (what a tuned DB built
+  at powers of two holds) and at its own length; both winners are timed at the shape's own length:
+  loss = 1 - exact ms / representative ms (goal <= 5%).
+
+Training steps are timed with `fatune.measure.time_training_step` (forward + backward through
+autograd, do_bench medians). Results accumulate in OUT.json, so runs can be split over GPU commands.
+"""
+
+from __future__ import annotations
+
+import resumable
+import torch
+
+import fatune
+from fatune import search
+from fatune.heuristics import default_config
+from fatune.measure import Shape, make_inputs, time_training_step
+from fatune.precompile import CompilePool
+from fatune.spec import AttentionConfig
+
+GAIN_SHAPES = [
+    Shape(4, 24, 4096, 4096, 80, "bfloat16", causal=True),
+    Shape(4, 20, 4096, 4096, 96, "bfloat16"),
+    Shape(4, 10, 4096, 4096, 192, "bfloat16", causal=True),
+    Shape(1, 16, 16384, 16384, 128, "bfloat16", causal=True),
+    Shape(4, 16, 4096, 4096, 128, "bfloat16", causal=True, kv_heads=4),
+    Shape(4, 16, 4096, 4096, 128, "bfloat16", causal=True, kv_heads=2),
+    Shape(4, 16, 1024, 4096, 128, "bfloat16"),
+    Shape(4, 16, 4096, 4096, 128, "float16", causal=True),
+]
+NEAREST_SHAPES = [  # (the shape, its bucket's representative length)
+    (Shape(5, 16, 3000, 3000, 128, "bfloat16", causal=True), 4096),
+    (Shape(3, 32, 6000, 6000, 64, "bfloat16"), 8192),
+]
+INTERPRETER_GAIN = [Shape(1, 2, 40, 40, 24, "float16", causal=True), Shape(1, 4, 24, 56, 16, "float16", kv_heads=2)]
+INTERPRETER_NEAREST = [(Shape(1, 2, 40, 40, 16, "float16", causal=True), 64)]
+
+
+def searched_config(shape: Shape, target: search.Target, trials: int, pool: CompilePool) -> AttentionConfig:
+    """The winners of a search of `shape` with a fresh storage."""
+    with resumable.fresh_search(shape, target, trials, 0, pool) as (result, _):
+        return result.config
+
+
+def step_ms(shape: Shape, config: AttentionConfig, target: search.Target) -> float:
+    """Training-step ms of `config` on `shape` (one wall-clock run in the interpreter)."""
+    inputs = make_inputs(shape, target.device)
+    kwargs = shape.attention_kwargs(target.device)
+
+    def attention(q, k, v):
+        return fatune.attention(q, k, v, config=config, **kwargs)
+
+    if target.interpret:
+        return search._interpreted_step(shape, config, inputs)["fwd_bwd_ms"]
+    return time_training_step(attention, inputs)["fwd_bwd_ms"]
+
+
+def short(config: AttentionConfig) -> str:
+    """'fwd 128x64/w8/s3, dkdv 32x64/w4/s3, dq 128x64/w8/s3' (LaunchConfig's short form)."""
+    return ", ".join(f"{kernel} {getattr(config, kernel)}" for kernel in ("fwd", "dkdv", "dq"))
+
+
+def heuristic_of(shape: Shape, target: search.Target) -> AttentionConfig:
+    return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability())
+
+
+def table(results: dict) -> str:
+    lines = [("| part | shape | heuristic / other config | ms (heuristic or representative) | ms (tuned or exact) "
+              "| tuned gain or nearest-bucket loss |"), "|---|---|---|---|---|---|"]
+    for label, row in results.get("gain", {}).items():
+        lines.append(f"| gain | {label} | {row['heuristic']} | {row['heuristic_ms']:.3f} | {row['tuned_ms']:.3f} "
+                     f"({row['tuned']}) | {row['heuristic_ms'] / row['tuned_ms']:.3f}x |")
+    for label, row in results.get("nearest", {}).items():
+        lines.append(f"| nearest | {label} | {row['representative']} | {row['representative_ms']:.3f} | "
+                     f"{row['exact_ms']:.3f} ({row['exact']}) | {100 * (1 - row['exact_ms'] / row['representative_ms']):.1f}% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = resumable.arguments(__doc__, ("gain", "nearest"), trials=30)
+    results = resumable.load(args.out)
+    if args.part == "table":
+        print(table(results))
+        return
+    target = search.Target.detect(args.interpret)
+    cases = {"gain": INTERPRETER_GAIN if args.interpret else GAIN_SHAPES,
+             "nearest": INTERPRETER_NEAREST if args.interpret else NEAREST_SHAPES}[args.part]
+    done = results.setdefault(args.part, {})
+    with resumable.compile_pool(args, target) as pool:
+        for case in resumable.pick(cases, args.shapes):
+            shape, length = case if args.part == "nearest" else (case, 0)
+            if shape.label() in done:
+                continue
+            if args.part == "gain":
+                tuned, heuristic = searched_config(shape, target, args.trials, pool), heuristic_of(shape, target)
+                row = {"tuned": short(tuned), "tuned_ms": step_ms(shape, tuned, target),
+                       "heuristic": short(heuristic), "heuristic_ms": step_ms(shape, heuristic, target)}
+            else:
+                representative = searched_config(shape.with_(seqlen_q=length, seqlen_k=length), target, args.trials,
+                                                 pool)
+                exact = searched_config(shape, target, args.trials, pool)
+                row = {"representative_length": length, "representative": short(representative),
+                       "representative_ms": step_ms(shape, representative, target),
+                       "exact": short(exact), "exact_ms": step_ms(shape, exact, target)}
+            done[shape.label()] = row
+            print(f"{args.part} {shape.label()}: {row}", flush=True)
+            resumable.save(args.out, results)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

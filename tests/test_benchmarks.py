@@ -1,0 +1,47 @@
+"""The resumable search benchmarks (issue 14's figures) run end to end in Triton's interpreter: a
+smoke run of each part on a tiny shape, its JSON extended rather than redone, and its table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="an interpreter smoke run")
+
+
+def run(script: str, out: Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), str(out), *args, "--interpret"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_search_quality_grid_then_search(tmp_path):
+    out = tmp_path / "quality.json"
+    run("search_quality.py", out, "--part", "grid", "--shapes", "0")
+    grid = json.loads(out.read_text())
+    (entry,) = grid.values()
+    assert set(entry["grid"]) == {"fwd", "dkdv", "dq"}
+    for kernel in entry["grid"].values():
+        assert kernel["valid"] == kernel["configs"] > 1 and kernel["best"] is not None
+    table = run("search_quality.py", out, "--part", "search", "--shapes", "0", "--seeds", "0", "--trials", "10")
+    (entry,) = json.loads(out.read_text()).values()
+    assert entry["grid"] == next(iter(grid.values()))["grid"], "a part already in the file is not run again"
+    for kernel in ("fwd", "dkdv", "dq"):
+        assert entry["search"]["0"][kernel]["10"]["config"] is not None
+    assert table.count("| float16 b1 h2 lq40 lk40 d16 |") == 3
+
+
+def test_tuning_gain_gain(tmp_path):
+    out = tmp_path / "gain.json"
+    table = run("tuning_gain.py", out, "--part", "gain", "--shapes", "1", "--trials", "3")
+    ((label, row),) = json.loads(out.read_text())["gain"].items()
+    assert row["tuned_ms"] > 0 and row["heuristic_ms"] > 0 and row["tuned"].startswith("fwd ")
+    assert f"| gain | {label} |" in table
