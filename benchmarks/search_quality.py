@@ -1,6 +1,6 @@
 """Search quality (issue 14): how close `fatune search` gets to the best config of each kernel's whole space.
 
-    python benchmarks/search_quality.py OUT.json --part grid [--shapes 0,1]      # exhaustive, on a GPU
+    python benchmarks/search_quality.py OUT.json --part grid [--shapes 0,1] [--kernels fwd]   # exhaustive, on a GPU
     python benchmarks/search_quality.py OUT.json --part search [--seeds 0,1,2] [--trials 50]
     python benchmarks/search_quality.py OUT.json --part table                    # the markdown table
     TRITON_INTERPRET=1 python benchmarks/search_quality.py OUT.json --part grid --interpret   # CPU smoke run
@@ -143,16 +143,21 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def add_seeds(parser) -> None:
+def add_options(parser) -> None:
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="for --part grid: the kernels to time "
+                        "(a forward grid is ~1,500 configs: about one GPU command per shape and kernel)")
 
 
 def main() -> None:
-    args = resumable.arguments(__doc__, ("grid", "search"), trials=50, extra=add_seeds)
+    args = resumable.arguments(__doc__, ("grid", "search"), trials=50, extra=add_options)
     results = resumable.load(args.out)
     if args.part == "table":
         print(table(results))
         return
+    kernels = args.kernels.split(",")
+    if not set(kernels) <= set(KERNELS):
+        raise SystemExit(f"--kernels: expected a comma-separated subset of {','.join(KERNELS)}, got {args.kernels!r}")
     shapes = resumable.pick(INTERPRETER_SHAPES if args.interpret else GPU_SHAPES, args.shapes)
     target = search.Target.detect(args.interpret)
     with resumable.compile_pool(args, target) as pool:
@@ -160,7 +165,7 @@ def main() -> None:
             entry = results.setdefault(shape.label(), {})
             bench = Bench(shape, target)
             if args.part == "grid":
-                for kernel in KERNELS:
+                for kernel in kernels:
                     if kernel not in entry.setdefault("grid", {}):
                         entry["grid"][kernel] = exhaustive(bench, kernel, pool)
                         print(f"{shape.label()} {kernel}: {entry['grid'][kernel]}", flush=True)
