@@ -95,6 +95,8 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("search-foreign-db", [*SEARCH, "--db", "{tmp}/foreign.sqlite"], 1, "not a fatune tuned DB"),
     ("search-newer-db", [*SEARCH, "--db", "{tmp}/newer.sqlite"], 1, "newer"),
     ("search-db-is-a-folder", [*SEARCH, "--db", "{tmp}"], 2, "is a directory"),
+    ("bench-bad-mask", ["bench", "--mask", "bogus", "--dry-run"], 2, "--mask"),
+    ("bench-negative-window", ["bench", "--mask", "window", "--window", "-3", "--dry-run"], 2, "--window"),
     ("codegen-unwritable-output", ["codegen", "--head-dim", "64", "-o", "{tmp}/file/sub"], 1, "-o"),
     ("codegen-negative-arch", ["codegen", "--head-dim", "64", "--arch", "-1.-5"], 2, "--arch"),
     ("export-json-missing-folder", ["db", "export", "--db", "{tmp}/good.sqlite", "{tmp}/missing/x.json"], 1,
@@ -106,6 +108,18 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("import-invalid-entry", ["db", "import", "--db", "{tmp}/good.sqlite", "{tmp}/invalid-entry.sqlite"], 1,
      "fwd_config.block_m"),
 ]
+
+
+@pytest.mark.parametrize("args, labels", [
+    (["--mask", "window", "--window", "1024"],  # a window is causal: --causal both gives each length once
+     ["bfloat16 b4 h16 lq4096 lk4096 d128 causal window1024", "bfloat16 b2 h16 lq8192 lk8192 d128 causal window1024"]),
+    (["--mask", "padding", "--valid-keys", "0.5", "--causal", "no", "--gqa", "8"],
+     ["bfloat16 b4 h16 hkv2 lq4096 lk4096 d128 keys50%", "bfloat16 b2 h16 hkv2 lq8192 lk8192 d128 keys50%"]),
+], ids=["window", "padding-gqa"])
+def test_bench_dry_run_lists_the_masked_shapes(args, labels):
+    result = CliRunner().invoke(cli, ["bench", "--head-dims", "128", "--lengths", "4096,8192", *args, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == labels
 
 
 def _fixtures(tmp_path: Path) -> None:

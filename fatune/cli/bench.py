@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fatune.cli.options import int_list, name_list
+from fatune.cli.options import apply_mask, int_list, mask_variant_options, name_list
 
 
 @click.command()
@@ -20,6 +20,10 @@ from fatune.cli.options import int_list, name_list
               show_default=True, callback=name_list, help="Implementations to compare.")
 @click.option("--gqa", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Query heads per key/value head (grouped-query attention).")
+@click.option("--mask", type=click.Choice(["none", "window", "padding"]), default="none", show_default=True,
+              help="A mask variant on every shape: a causal sliding window (--window keys; implies --causal yes) "
+                   "or key padding (--valid-keys of each sequence's keys); competitors get the same mask.")
+@mask_variant_options
 @click.option("--tokens", default=16384, show_default=True, help="B * L per shape.")
 @click.option("--model-dim", default=2048, show_default=True, help="H * D per shape.")
 @click.option("--warmup-ms", default=25.0, show_default=True)
@@ -33,14 +37,16 @@ from fatune.cli.options import int_list, name_list
               help="Only measure host cost per call on a tiny problem (1x8x128x64): forward and training step.")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=5, show_default=True,
               help="With --overhead: rounds per implementation (the median is reported).")
-def bench(head_dims, lengths, causal, dtypes, impls, gqa, tokens, model_dim, warmup_ms, rep_ms, output, inference,
-          overhead, rounds) -> None:
+@click.option("--dry-run", is_flag=True, help="List the shapes the run would time, and stop (no GPU needed).")
+def bench(head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_keys, tokens, model_dim, warmup_ms,
+          rep_ms, output, inference, overhead, rounds, dry_run) -> None:
     """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
 
     Example:
 
     \b
         fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
+        fatune bench --head-dims 128 --lengths 8192 --mask window --window 1024 --impls fatune,flex
         fatune bench --overhead --rounds 15
         fatune bench --inference -o results/
     """
@@ -49,6 +55,13 @@ def bench(head_dims, lengths, causal, dtypes, impls, gqa, tokens, model_dim, war
     from fatune import bench as runner
     from fatune.spec import dtype_name
 
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
+    shapes = apply_mask(runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,
+                                              tuple(dtype_name(d) for d in dtypes), tokens, model_dim, gqa),
+                        mask, window, valid_keys)
+    if dry_run:
+        click.echo("\n".join(shape.label() for shape in shapes))
+        return
     if not torch.cuda.is_available():
         raise click.ClickException("fatune bench times CUDA kernels and needs a CUDA GPU; none is visible")
     if inference:
@@ -67,9 +80,6 @@ def bench(head_dims, lengths, causal, dtypes, impls, gqa, tokens, model_dim, war
     if overhead:
         click.echo("\n".join(runner.overhead_lines(runner.host_overhead(rounds=rounds), rounds=rounds)))
         return
-    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
-    shapes = runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,
-                                   tuple(dtype_name(d) for d in dtypes), tokens, model_dim, gqa)
     rows = []
     with click.progressbar(shapes, label="bench", item_show_func=lambda s: s.label() if s else "") as bar:
         for shape in bar:

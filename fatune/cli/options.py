@@ -84,3 +84,22 @@ def parse_capability(ctx: click.Context, param: click.Parameter, value: str | No
     if not match:
         raise click.BadParameter(f"expected MAJOR.MINOR such as 9.0, got {value!r}")
     return int(match.group(1)), int(match.group(2))
+
+
+def mask_variant_options(fn: Callable) -> Callable:
+    """--window and --valid-keys: the sizes of the window and padding mask variants (--mask)."""
+    fn = click.option("--valid-keys", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.25,
+                      show_default=True, help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")(fn)
+    fn = click.option("--window", type=click.IntRange(0), default=256, show_default=True,
+                      help="Left window size for --mask window.")(fn)
+    return fn
+
+
+def apply_mask(shapes: list, mask: str, window: int, valid_keys: float) -> list:
+    """The shapes with --mask window (a causal sliding window of `window` keys) or padding (each sequence
+    keeps `valid_keys` of its keys) applied; shapes that become equal are listed once."""
+    if mask == "window":
+        shapes = [s.with_(causal=True, window=window) for s in shapes]
+    elif mask == "padding":
+        shapes = [s.with_(valid_keys=valid_keys) for s in shapes]
+    return list(dict.fromkeys(shapes))

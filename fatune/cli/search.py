@@ -11,7 +11,13 @@ from pathlib import Path
 
 import click
 
-from fatune.cli.options import int_list, optional_int_list, parse_dtype
+from fatune.cli.options import (
+    apply_mask,
+    int_list,
+    mask_variant_options,
+    optional_int_list,
+    parse_dtype,
+)
 
 PROGRESS_S = 1.0  # the progress bar counts the storage's finished trials at most this often
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -28,15 +34,6 @@ def default_batch(tokens: int, seqlen_q: int, seqlen_k: int) -> int:
 def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
     """int_list, or None when the option is not given (so that giving both of two aliases can be refused)."""
     return None if value is None else int_list(ctx, param, value)
-
-
-def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
-    """The shapes with --mask window (a causal sliding window) or padding (key lengths) applied."""
-    if mask == "window":
-        return [s.with_(causal=True, window=window) for s in shapes]
-    if mask == "padding":
-        return [s.with_(valid_keys=valid_keys) for s in shapes]
-    return shapes
 
 
 @click.command()
@@ -59,10 +56,7 @@ def _mask_shapes(shapes, mask: str, window: int, valid_keys: float):
               help="Key/value heads for GQA (default: same as --heads).")
 @click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding"]), default="both",
               show_default=True, help="Mask variant(s): both = none and causal.")
-@click.option("--window", type=click.IntRange(0), default=256, show_default=True,
-              help="Left window size for --mask window.")
-@click.option("--valid-keys", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.25,
-              show_default=True, help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")
+@mask_variant_options
 @click.option("--trials", type=click.IntRange(1), default=30, show_default=True,
               help="Optuna trials per kernel per shape, in all (every worker and host together).")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
@@ -126,7 +120,7 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     shapes = [Shape(batch=batch or default_batch(tokens, lq, lk), heads=heads, seqlen_q=lq, seqlen_k=lk,
                     head_dim=head_dim, dtype=dtype, causal=c, kv_heads=kv_heads or heads)
               for c in causal_values for lq, lk in zip(lengths, lengths_k)]
-    shapes = _mask_shapes(shapes, mask, window, valid_keys)
+    shapes = apply_mask(shapes, mask, window, valid_keys)
 
     # everything that can fail for a reason other than the search itself fails here, before any trial
     try:
