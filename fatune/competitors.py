@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -44,6 +45,8 @@ def sdpa(backend: str, shape: Shape) -> Attention | None:
     }[backend]
     if backend == "math" and 12 * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k > MATH_BUDGET_BYTES:
         return None
+    if shape.documents:  # no SDPA call takes packed documents
+        return None
     gqa = shape.kv_heads != shape.heads
     masks: dict[torch.device, torch.Tensor | None] = {}
 
@@ -59,13 +62,29 @@ def sdpa(backend: str, shape: Shape) -> Attention | None:
 
 
 def sdpa_default(shape: Shape) -> Attention:
-    """torch SDPA with its own backend choice."""
+    """torch SDPA with its own backend choice (packed documents: one call per document, the reference)."""
     gqa = shape.kv_heads != shape.heads
+    if shape.documents:
+        return per_document(shape, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal,
+                                                                                 enable_gqa=gqa))
 
     def run(q, k, v):
         mask = dense_mask(shape, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=shape.causal and mask is None,
                                               enable_gqa=gqa)
+
+    return run
+
+
+def per_document(shape: Shape, attend: Attention) -> Attention:
+    """`attend` on each packed document of `shape` (its (1, H, n, D) views of the (tokens, H, D) inputs),
+    the outputs concatenated back into (tokens, H, D); differentiable."""
+    lengths = shape.document_lengths()
+    starts = [0, *itertools.accumulate(lengths)][:-1]
+
+    def run(q, k, v):
+        return torch.cat([attend(*(t[start:start + n].transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+                          for start, n in zip(starts, lengths)])
 
     return run
 
@@ -100,7 +119,8 @@ def competitors(shape: Shape, names: tuple[str, ...] = ("cudnn", "flash", "effic
     found: dict[str, Attention] = {}
     for name in names:
         if name == "flex":
-            found["flex"] = flex(shape)
+            if not shape.documents:  # (its block mask does not describe packed documents yet)
+                found["flex"] = flex(shape)
         else:
             runner = sdpa(name, shape)
             if runner is not None:

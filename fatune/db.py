@@ -110,7 +110,7 @@ def problem_key(problem: AttentionProblem) -> CallKey:
 
 
 def shape_key(shape: Shape) -> CallKey:
-    return call_key(shape.spec, shape.heads // shape.kv_heads, shape.seqlen_q, shape.seqlen_k)
+    return call_key(shape.spec, shape.heads // shape.kv_heads, *shape.key_lengths())
 
 
 def installation(gpu: str, capability: str) -> dict[str, str]:

@@ -8,7 +8,9 @@ forward, then backward from a random dO, gradients reset between repeats.
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -34,10 +36,42 @@ class Shape:
     head_dim_v: int = 0  # 0: same as head_dim
     window: int = -1  # >= 0: causal sliding window, keys i - window .. i (flash-attn's window_size=(window, 0))
     valid_keys: float = 1.0  # < 1: key padding, each sequence keeps this fraction of its keys (seqlens_k)
+    # > 0: the batch's batch * seqlen_q tokens packed into one (tokens, H, D) tensor as this many documents of
+    # unequal lengths (cu_seqlens_q = cu_seqlens_k; self-attention, seqlen_q == seqlen_k)
+    documents: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
         object.__setattr__(self, "head_dim_v", self.head_dim_v or self.head_dim)
+        if self.documents and (self.seqlen_q != self.seqlen_k or not 0 < self.documents <= self.tokens):
+            raise ValueError(f"documents: expected 1..{self.tokens} packed documents of self-attention "
+                             f"(seqlen_q == seqlen_k), got {self.documents} for lq{self.seqlen_q} lk{self.seqlen_k}")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seqlen_q
+
+    def document_lengths(self) -> list[int]:
+        """The packed documents' lengths: a fixed pseudo-random cut of the tokens (the same for every run)."""
+        cuts = sorted(random.Random(self.documents * 1_000_003 + self.tokens).sample(range(1, self.tokens),
+                                                                                     self.documents - 1))
+        return [end - start for start, end in zip([0, *cuts], [*cuts, self.tokens])]
+
+    def key_lengths(self) -> tuple[int, int]:
+        """The lengths that size the kernels' grid and the tuned-DB key: the longest document when packed."""
+        if self.documents:
+            longest = max(self.document_lengths())
+            return longest, longest
+        return self.seqlen_q, self.seqlen_k
+
+    def input_sizes(self) -> dict[str, tuple[int, ...]]:
+        """q, k, v and dO sizes: (B, H, L, D), or (tokens, H, D) when packed."""
+        def size(heads: int, length: int, dim: int) -> tuple[int, ...]:
+            return (self.tokens, heads, dim) if self.documents else (self.batch, heads, length, dim)
+
+        return {"q": size(self.heads, self.seqlen_q, self.head_dim), "k": size(self.kv_heads, self.seqlen_k, self.head_dim),
+                "v": size(self.kv_heads, self.seqlen_k, self.head_dim_v),
+                "do": size(self.heads, self.seqlen_q, self.head_dim_v)}
 
     def attention_kwargs(self, device: torch.device | str) -> dict:
         """The fatune.attention keyword arguments that describe this shape's mask variant."""
@@ -47,6 +81,11 @@ class Shape:
         if self.valid_keys < 1.0:
             kwargs["seqlens_k"] = torch.full((self.batch,), max(1, int(self.seqlen_k * self.valid_keys)),
                                              dtype=torch.int32, device=device)
+        if self.documents:
+            offsets = torch.tensor([0, *itertools.accumulate(self.document_lengths())], dtype=torch.int32,
+                                   device=device)
+            longest, _ = self.key_lengths()
+            kwargs.update(cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=longest, max_seqlen_k=longest)
         return kwargs
 
     @property
@@ -57,17 +96,18 @@ class Shape:
         def stand_in(*shape):  # the right sizes and dtype, one element of memory
             return torch.empty((), dtype=DTYPES[self.dtype]).expand(*shape)
 
-        q = stand_in(self.batch, self.heads, self.seqlen_q, self.head_dim)
-        k = stand_in(self.batch, self.kv_heads, self.seqlen_k, self.head_dim)
-        v = stand_in(self.batch, self.kv_heads, self.seqlen_k, self.head_dim_v)
-        return check_inputs(q, k, v, **self.attention_kwargs("cpu")).spec
+        sizes = self.input_sizes()
+        return check_inputs(stand_in(*sizes["q"]), stand_in(*sizes["k"]), stand_in(*sizes["v"]),
+                            **self.attention_kwargs("cpu")).spec
 
     def with_(self, **changes) -> Shape:
         return replace(self, **changes)
 
     def flops(self, passes: str = "fwd+bwd") -> float:
         """4 B H Lq Lk D forward (halved when causal); backward 2.5x forward; fwd+bwd 3.5x."""
-        forward = 2.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
+        pairs = sum(n * n for n in self.document_lengths()) if self.documents else \
+            self.batch * self.seqlen_q * self.seqlen_k
+        forward = 2.0 * pairs * self.heads * (self.head_dim + self.head_dim_v)
         if self.causal:
             forward *= 0.5
         # work the kernels actually do (skipped tiles are not counted)
@@ -80,6 +120,7 @@ class Shape:
         gqa = f" hkv{self.kv_heads}" if self.kv_heads != self.heads else ""
         mask = (" causal" if self.causal else "") + (f" window{self.window}" if self.window >= 0 else "")
         mask += f" keys{self.valid_keys:.0%}" if self.valid_keys < 1 else ""
+        mask += f" docs{self.documents}" if self.documents else ""
         return f"{self.dtype} b{self.batch} h{self.heads}{gqa} lq{self.seqlen_q} lk{self.seqlen_k} d{self.head_dim}{mask}"
 
 
@@ -91,11 +132,11 @@ def make_inputs(shape: Shape, device: str | torch.device, seed: int = 0) -> dict
     def randn(*size):
         return torch.randn(*size, generator=generator, device=device, dtype=torch.float32).to(dtype)
 
-    q = randn(shape.batch, shape.heads, shape.seqlen_q, shape.head_dim).requires_grad_()
-    k = randn(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim).requires_grad_()
-    v = randn(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim_v).requires_grad_()
-    grad_out = randn(shape.batch, shape.heads, shape.seqlen_q, shape.head_dim_v)
-    return {"q": q, "k": k, "v": v, "do": grad_out}
+    sizes = shape.input_sizes()
+    inputs = {name: randn(*sizes[name]) for name in ("q", "k", "v", "do")}
+    for name in ("q", "k", "v"):
+        inputs[name].requires_grad_()
+    return inputs
 
 
 def bench(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100,

@@ -28,9 +28,7 @@ from fatune.spec import DTYPES, AttentionConfig
 def stand_in_inputs(shape: Shape, device: torch.device | str) -> dict[str, torch.Tensor]:
     """q, k, v and dO with the sizes, strides, dtype and device of measure.make_inputs', never written."""
     dtype = DTYPES[shape.dtype]
-    sizes = {"q": (shape.heads, shape.seqlen_q, shape.head_dim), "k": (shape.kv_heads, shape.seqlen_k, shape.head_dim),
-             "v": (shape.kv_heads, shape.seqlen_k, shape.head_dim_v), "do": (shape.heads, shape.seqlen_q, shape.head_dim_v)}
-    return {name: torch.empty((shape.batch, *size), dtype=dtype, device=device) for name, size in sizes.items()}
+    return {name: torch.empty(size, dtype=dtype, device=device) for name, size in shape.input_sizes().items()}
 
 
 def compile_trial(shape: Shape, config: AttentionConfig, kernel: str, device: str) -> str | None:

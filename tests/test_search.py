@@ -16,10 +16,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fatune import codegen, search
+import fatune
+from fatune import codegen, plans, search
 from fatune.cli import cli
 from fatune.db import TunedDB
-from fatune.measure import Shape
+from fatune.measure import Shape, make_inputs
 from fatune.precompile import CompilePool
 from fatune.search import INTERPRETER_SPACE, SearchSpace, Target, infeasible, search_shape
 from fatune.spec import KernelSpec, LaunchConfig
@@ -395,3 +396,39 @@ def test_a_decode_search_is_forward_only_and_its_entry_is_picked_for_decode_call
     assert which.exit_code == 0, which.output
     assert "layer: user-db" in which.output and "exact bucket Lq<=16, Lk<=64" in which.output
     assert f"fwd {config.fwd} | dkdv {config.dkdv} | dq {config.dq}" in which.output
+
+
+def test_a_packed_documents_search_stores_a_varlen_entry_that_packed_calls_use(tmp_path, monkeypatch):
+    """--mask packed: the batch's tokens as documents of unequal lengths (cu_seqlens); the entry is keyed by
+    the varlen kernel and the longest document, and a packed call with such documents dispatches to it."""
+    db_path = tmp_path / "tuned.sqlite"
+    result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths", "24",
+                                      "--batch", "2", "--mask", "packed", "--documents", "3", "--trials", "2",
+                                      "--db", str(db_path), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output[result.output.index("["):])
+    assert [row["shape"] for row in rows] == ["float16 b2 h4 lq24 lk24 d16 docs3", "float16 b2 h4 lq24 lk24 d16 causal docs3"]
+    shape = Shape(batch=2, heads=4, seqlen_q=24, seqlen_k=24, head_dim=16, dtype="float16", causal=True, documents=3)
+    assert sum(shape.document_lengths()) == 48 and len(set(shape.document_lengths())) > 1
+    with TunedDB(db_path, readonly=True) as db:
+        entries = {entry.mask_variant: entry for entry in db.entries()}
+    assert set(entries) == {"bottom-right+varlen", "causal+bottom-right+varlen"}
+    longest = max(shape.document_lengths())
+    assert entries["causal+bottom-right+varlen"].seqlen_q_bucket == search.seqlen_bucket(longest)
+    monkeypatch.setenv("FATUNE_DB", str(db_path))
+    plans.clear()  # forget decisions made with other DBs (and, below, this one's)
+    try:
+        inputs = make_inputs(shape, "cpu")
+        explained = fatune.explain(inputs["q"], inputs["k"], inputs["v"], **shape.attention_kwargs("cpu"))
+    finally:
+        plans.clear()
+    assert explained.decision.layer == "user-db"
+    assert explained.decision.config == entries["causal+bottom-right+varlen"].attention_config()
+
+
+def test_packed_documents_need_self_attention_lengths():
+    with pytest.raises(ValueError, match="documents"):
+        Shape(batch=1, heads=2, seqlen_q=8, seqlen_k=16, head_dim=16, dtype="float16", documents=2)
+    result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--interpret", "--lengths-q", "8", "--lengths-k",
+                                      "16", "--mask", "packed"])
+    assert result.exit_code == 2 and "--documents" in result.output and "Traceback" not in result.output

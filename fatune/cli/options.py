@@ -95,11 +95,17 @@ def mask_variant_options(fn: Callable) -> Callable:
     return fn
 
 
-def apply_mask(shapes: list, mask: str, window: int, valid_keys: float) -> list:
-    """The shapes with --mask window (a causal sliding window of `window` keys) or padding (each sequence
-    keeps `valid_keys` of its keys) applied; shapes that become equal are listed once."""
+def apply_mask(shapes: list, mask: str, window: int, valid_keys: float, documents: int = 0) -> list:
+    """The shapes with --mask window (a causal sliding window of `window` keys), padding (each sequence
+    keeps `valid_keys` of its keys) or packed (the tokens packed as `documents` documents) applied;
+    shapes that become equal are listed once."""
     if mask == "window":
         shapes = [s.with_(causal=True, window=window) for s in shapes]
     elif mask == "padding":
         shapes = [s.with_(valid_keys=valid_keys) for s in shapes]
+    elif mask == "packed":
+        try:
+            shapes = [s.with_(documents=documents) for s in shapes]
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--documents") from None
     return list(dict.fromkeys(shapes))

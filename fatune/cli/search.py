@@ -54,9 +54,12 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--heads", type=click.IntRange(0), default=0, help="Query heads (default: 2048 / head dim).")
 @click.option("--kv-heads", type=click.IntRange(0), default=0,
               help="Key/value heads for GQA (default: same as --heads).")
-@click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding"]), default="both",
-              show_default=True, help="Mask variant(s): both = none and causal.")
+@click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding", "packed"]), default="both",
+              show_default=True, help="Mask variant(s): both = none and causal; packed = the batch's tokens packed "
+                                      "as --documents documents (cu_seqlens), causal and not.")
 @mask_variant_options
+@click.option("--documents", type=click.IntRange(1), default=5, show_default=True,
+              help="Documents of unequal lengths per shape for --mask packed (query and key lengths equal).")
 @click.option("--trials", type=click.IntRange(1), default=30, show_default=True,
               help="Optuna trials per kernel per shape, in all (every worker and host together).")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
@@ -74,8 +77,8 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
                    "less one, at most 8; 0 with --interpret).")
 @click.option("--interpret", is_flag=True, help="Run in Triton's CPU interpreter: tiny shapes, timings not meaningful.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_heads, mask, window, valid_keys, trials,
-           time_budget, seed, db_path, storage, workers, compile_workers, interpret, as_json) -> None:
+def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_heads, mask, window, valid_keys,
+           documents, trials, time_budget, seed, db_path, storage, workers, compile_workers, interpret, as_json) -> None:
     """Search launch configs for each shape, timing forward+backward (decode: forward), and store the winners.
 
     Each kernel (forward, dK/dV, dQ) gets its own Optuna study; inference shapes (query
@@ -93,6 +96,7 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         fatune search --head-dim 128 --dtype fp16 --lengths 4096 --mask causal --trials 40
         fatune search --head-dim 64 --dtype bf16 --storage postgresql://tuner@db-host/fatune
         fatune search --head-dim 128 --lengths-q 1 --lengths-k 8192 --heads 32 --kv-heads 8 --mask none
+        fatune search --head-dim 128 --lengths 8192 --mask packed --documents 16
     """
     if lengths_q is not None and lengths_old is not None:
         raise click.UsageError("--lengths and --lengths-q are the same option (--lengths is the older name of "
@@ -116,11 +120,11 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}", param_hint="--kv-heads")
     lengths_k = lengths_k or lengths
     causal_values = {"both": (False, True), "none": (False,), "causal": (True,), "window": (True,),
-                     "padding": (False, True)}[mask]
+                     "padding": (False, True), "packed": (False, True)}[mask]
     shapes = [Shape(batch=batch or default_batch(tokens, lq, lk), heads=heads, seqlen_q=lq, seqlen_k=lk,
                     head_dim=head_dim, dtype=dtype, causal=c, kv_heads=kv_heads or heads)
               for c in causal_values for lq, lk in zip(lengths, lengths_k)]
-    shapes = apply_mask(shapes, mask, window, valid_keys)
+    shapes = apply_mask(shapes, mask, window, valid_keys, documents)
 
     # everything that can fail for a reason other than the search itself fails here, before any trial
     try:
