@@ -360,10 +360,7 @@ class Plan:
         # no split-KV, kernels loaded, on the current device: allocate, launch (every call after the first)
         out = new_buffer(*self.out_layout, self.dtype, self.device)
         lse = new_buffer(*self.lse_layout, torch.float32, self.device)
-        if extras is NO_EXTRAS:
-            slots = (q, k, v, out, lse, None, None, None, None, None, seed, None, None, None)
-        else:
-            slots = (q, k, v, out, lse, *extras, seed, None, None, None)
+        slots = self.slots(q, k, v, out, lse, extras, seed)
         stream = current_stream(self.device)
         for launch in launches:
             launch(slots, stream)

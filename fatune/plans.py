@@ -200,24 +200,24 @@ def _index_values(query, key, call: Call) -> tuple[int, int]:
     """Check the seqlens_k / cu_seqlens values (a host read, unless these very tensors were checked and
     not written since); the longest packed sequences, for the key."""
     packed = call.cu_seqlens_q is not None
-    tensors = (call.seqlens_k, call.cu_seqlens_q, call.cu_seqlens_k)
+    tensors = [t for t in (call.seqlens_k, call.cu_seqlens_q, call.cu_seqlens_k) if t is not None]
     memo = None
     if contents_readable() and (not packed or (call.max_seqlen_q is not None and call.max_seqlen_k is not None)):
         try:
-            memo = (*((id(t), t._version) for t in tensors if t is not None), key.shape[-2], query.shape[0],
-                    key.shape[0], call.max_seqlen_q, call.max_seqlen_k)
+            memo = (*((id(t), t._version) for t in tensors), key.shape[-2], query.shape[0], key.shape[0],
+                    call.max_seqlen_q, call.max_seqlen_k)
         except RuntimeError:  # inference tensors have no version counter: read every time
             memo = None
     seen = _checked.get(memo) if memo is not None else None
-    if seen is not None and all(ref() is t for ref, t in zip(seen[0], (t for t in tensors if t is not None))):
+    if seen is not None and all(ref() is t for ref, t in zip(seen[0], tensors)):
         return seen[1]
     lengths = check_contents(call.seqlens_k, key.shape[-2], call.cu_seqlens_q, call.cu_seqlens_k,
                              query.shape[0] if packed else 0, key.shape[0] if packed else 0,
                              call.max_seqlen_q, call.max_seqlen_k)
-    if memo is not None and all(t.device.type != "meta" for t in tensors if t is not None):
+    if memo is not None and all(t.device.type != "meta" for t in tensors):
         if len(_checked) >= MAX_PLANS:
             _checked.clear()
-        _checked[memo] = (tuple(weakref.ref(t) for t in tensors if t is not None), lengths)
+        _checked[memo] = (tuple(weakref.ref(t) for t in tensors), lengths)
     return lengths
 
 
