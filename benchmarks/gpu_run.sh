@@ -3,14 +3,21 @@
 #   bash benchmarks/gpu_run.sh STAGE [STAGE ...]
 # Stages write their logs under $RUN and keep going after a failure; after each stage everything is packed
 # into $OUT/run.tar.gz (the device tool returns at most 8 files from $OUT).
+# Two GPUs at once: install first (`gpu_run.sh install`), then one tagged run per GPU in parallel, e.g.
+#   GPU_RUN_TAG=a CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh masked & GPU_RUN_TAG=b CUDA_VISIBLE_DEVICES=1 ...
+# (a tagged run packs into $OUT/run-TAG.tar.gz, a second install is skipped).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-# bytecode, as a normal pip install writes it: without it every process (the search's compile pool included)
-# compiles optuna's and SQLAlchemy's sources when it imports them (~5 s per process, profiled)
-python3 -m compileall -q -j 0 /tmp/site > /dev/null
+if [ ! -e /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # bytecode, as a normal pip install writes it: without it every process (the search's compile pool included)
+  # compiles optuna's and SQLAlchemy's sources when it imports them (~5 s per process, profiled)
+  python3 -m compileall -q -j 0 /tmp/site > /dev/null
+  touch /tmp/site/.installed
+fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/fatune-out}
-OUT=/tmp/fatune-run
+TAG=${GPU_RUN_TAG:+-$GPU_RUN_TAG}
+OUT=/tmp/fatune-run$TAG
 mkdir -p "$OUT" "$FINAL"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/gpu.txt"
@@ -18,6 +25,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
+    install) ;;  # the wheels only (done above)
     overhead)  # host cost per call: forward and training step, fatune vs SDPA
       python3 -m fatune.cli bench --overhead 2>&1 | tee "$OUT/overhead.txt" ;;
     host-parts)  # the pieces of a training step's host cost, real launches (tensor vs integer pointers)
@@ -124,6 +132,6 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
     *)
       echo "unknown stage $stage" ;;
   esac
-  tar -czf "$FINAL/run.tar.gz" -C "$OUT" .
+  tar -czf "$FINAL/run$TAG.tar.gz" -C "$OUT" .
 done
 echo "=== done $(date -u +%H:%M:%S)"

@@ -72,6 +72,7 @@ CONTENDER_FACTOR = 1.1  # quick timing within this factor of the best so far: ti
 QUICK_BENCH, FULL_BENCH = (1, 20), (1, 100)
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 RUNNING, WAITING = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING
+SPLIT_WAVES = 4  # a forward whose fewest programs fill this many waves of the GPU gains nothing from split-KV
 POLL_S = 0.5  # how often a process waiting for others' trials of a shape looks again
 # Where a process's wall time on a shape goes (ShapeResult.breakdown, seconds): per trial, the phases each trial
 # records as its user attr "seconds" (ask, compile_wait, build, check, quick, full) and telling it to its
@@ -105,12 +106,16 @@ class SearchSpace:
     tma: tuple[int, ...] = (0, 1)  # forward only; dropped at launch where TMA cannot read the tensors
     atomic_dq: tuple[int, ...] = (0, 1)  # dK/dV only, 16-bit dtypes only
 
-    def axes(self, kernel: str, shape: Shape) -> dict[str, tuple[int, ...]]:
-        """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the forward's structure."""
+    def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
+        """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the forward's structure.
+
+        On a GPU with `sms` multiprocessors, a shape whose forward fills SPLIT_WAVES waves even with
+        its largest query tiles keeps only num_splits=0 (chosen at launch: no split there): splitting
+        its keys would add partial results and merges to a grid that already has no idle multiprocessor."""
         axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
         if kernel == "fwd":
-            axes["num_splits"] = self.num_splits
+            axes["num_splits"] = (0,) if sms and self.fills_gpu(shape, sms) else self.num_splits
             if shape.kv_heads != shape.heads:
                 axes["pack_gqa"] = self.pack_gqa
             axes["tma"] = self.tma
@@ -118,8 +123,15 @@ class SearchSpace:
             axes["atomic_dq"] = self.atomic_dq
         return axes
 
-    def grid(self, kernel: str, shape: Shape) -> list[LaunchConfig]:
-        axes = self.axes(kernel, shape)
+    def fills_gpu(self, shape: Shape, sms: int) -> bool:
+        """Whether the forward of `shape` (its length bucket, as the study is named) has at least
+        SPLIT_WAVES x `sms` programs with the largest query tile, GQA groups packed."""
+        rows = seqlen_bucket(shape.seqlen_q) * (shape.heads // shape.kv_heads)
+        programs = math.ceil(rows / max(self.block_m)) * shape.kv_heads * shape.batch
+        return programs >= SPLIT_WAVES * sms
+
+    def grid(self, kernel: str, shape: Shape, sms: int | None = None) -> list[LaunchConfig]:
+        axes = self.axes(kernel, shape, sms)
         return [LaunchConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
 
 
@@ -171,6 +183,7 @@ class Target:
     gpu: str
     capability: str
     shared_limit: int | None
+    sms: int | None = None  # multiprocessors (None: the interpreter)
 
     @classmethod
     def detect(cls, interpret: bool) -> Target:
@@ -181,7 +194,8 @@ class Target:
                                "to try it on the CPU through Triton's interpreter (timings are not meaningful there)")
         props = torch.cuda.get_device_properties(0)
         limit = getattr(props, "shared_memory_per_block_optin", None) or 227 * 1024
-        return cls(torch.device("cuda"), False, props.name, f"{props.major}.{props.minor}", int(limit))
+        return cls(torch.device("cuda"), False, props.name, f"{props.major}.{props.minor}", int(limit),
+                   props.multi_processor_count)
 
     def time_ms(self, fn: Callable[[], object], quick: bool = False) -> float:
         if self.interpret:  # one wall-clock run; the number only orders candidates roughly
@@ -382,7 +396,7 @@ class KernelSearch:
                  storage: optuna.storages.RDBStorage, seed: int, trials: int, deadline: float):
         self.target, self.shape, self.kernel, self.space = target, shape, kernel, space
         self.storage, self.trials, self.deadline = storage, trials, deadline
-        self.axes = space.axes(kernel, shape)
+        self.axes = space.axes(kernel, shape, target.sms)
         self.spec = shape.spec
         self.start = {axis: value for axis, value in getattr(heuristic, kernel).to_dict().items() if axis in self.axes}
         # what this process knows of the study without asking the storage again: the best trial as of its last

@@ -432,3 +432,17 @@ def test_packed_documents_need_self_attention_lengths():
     result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--interpret", "--lengths-q", "8", "--lengths-k",
                                       "16", "--mask", "packed"])
     assert result.exit_code == 2 and "--documents" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("shape, sms, splits", [
+    (Shape(4, 32, 4096, 4096, 64, "bfloat16"), 132, (0,)),  # 4096 programs of 128 queries: 31 waves
+    (Shape(2, 16, 8192, 8192, 128, "bfloat16", kv_heads=2), 132, (0,)),  # packed groups: still 2048 programs
+    (Shape(1, 8, 1024, 8192, 128, "bfloat16"), 132, None),  # 64 programs: under one wave
+    (Shape(8, 32, 1, 8192, 128, "bfloat16", kv_heads=8), 132, None),  # decode
+    (Shape(4, 32, 4096, 4096, 64, "bfloat16"), None, None),  # the interpreter: no multiprocessor count
+])
+def test_split_kv_is_searched_only_where_the_grid_leaves_the_gpu_idle(shape, sms, splits):
+    from fatune.search import GPU_SPACE
+
+    assert GPU_SPACE.axes("fwd", shape, sms)["num_splits"] == (splits or GPU_SPACE.num_splits)
+    assert "num_splits" not in GPU_SPACE.axes("dkdv", shape, sms)
