@@ -42,6 +42,38 @@ def golden_and_plain(q, k, v, grad_out, problem):
     return out64.detach(), lse.float(), grads64, grads16
 
 
+def worst_element(q, k, v, grad_out, out, lse, dq, dq64, problem) -> dict:
+    """The dQ element fatune misses most, recomputed in float64 under single roundings: which one
+    (Delta from the fp16 O, dS or P rounded to fp16, fatune's own LSE) lands on fatune's value."""
+    index = (dq.double() - dq64).abs().flatten().argmax().item()
+    b, h, i, d = torch.unravel_index(torch.tensor(index), dq.shape)
+    b, h, i, d = int(b), int(h), int(i), int(d)
+    keys = torch.arange(SHAPE[4], device=q.device) <= i  # causal, top-left (SDPA's is_causal)
+    qi, k_, v_ = q[b, h, i].double(), k[b, h][keys].double(), v[b, h][keys].double()
+    do_i, o16 = grad_out[b, h, i].double(), out[b, h, i].double()
+    scores = (k_ @ qi) * problem.scale
+
+    def dq_value(lse_i=None, delta_from_o16=False, ds16=False, p16=False):
+        lse_i = scores.logsumexp(0) if lse_i is None else lse_i
+        p = (scores - lse_i).exp()
+        p = p.half().double() if p16 else p
+        dp = v_ @ do_i
+        delta = do_i @ o16 if delta_from_o16 else p @ dp
+        ds = p * (dp - delta)
+        ds = ds.half().double() if ds16 else ds
+        return (problem.scale * ds @ k_)[d].item()
+
+    fatune_value = dq[b, h, i, d].item()
+    ulp = torch.finfo(torch.float16).eps * 2.0 ** torch.tensor(abs(fatune_value)).log2().floor().item()
+    hypotheses = {"exact": dq_value(), "delta_from_fp16_O": dq_value(delta_from_o16=True),
+                  "ds_fp16": dq_value(ds16=True), "p_fp16": dq_value(p16=True),
+                  "fatune_lse": dq_value(lse_i=lse[b, h, i].double()),
+                  "delta_from_fp16_O_and_fatune_lse": dq_value(lse[b, h, i].double(), delta_from_o16=True)}
+    return {"index": [b, h, i, d], "keys_seen": int(keys.sum()), "golden": dq64[b, h, i, d].item(),
+            "fatune": fatune_value, "fp16_ulp": ulp,
+            "hypothesis_minus_fatune_in_ulps": {name: (value - fatune_value) / ulp for name, value in hypotheses.items()}}
+
+
 def main(path: str | None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(stable_seed(SHAPE, DTYPE, True))
@@ -67,10 +99,13 @@ def main(path: str | None) -> None:
                         for name, g, g64, e in zip(("dq", "dk", "dv"), grads, grads64, plain_error)}
         row["lse_max_abs_error"] = (lse - lse64).abs().max().item()
         row["out_max_abs_error"] = (out.double() - out64).abs().max().item()
+        row["worst_dq"] = worst_element(q.detach(), k.detach(), v.detach(), grad_out, out, lse, end_to_end[0],
+                                        grads64[0], problem)
         rows.append(row)
         print(f"dq {row['dq']:14} end-to-end dq/dk/dv " + " ".join(f"{x:.2f}" for x in row["end_to_end"].values())
               + " | from golden O, LSE " + " ".join(f"{x:.2f}" for x in row["from_golden_o_lse"].values())
               + f" | LSE err {row['lse_max_abs_error']:.2e}, O err {row['out_max_abs_error']:.2e}", flush=True)
+        print(f"  worst dQ element: {row['worst_dq']}", flush=True)
     print(f"plain fp16 torch errors dq/dk/dv: {plain_error}; fatune.attention dispatches "
           f"{fatune.explain(q, k, v, is_causal=True).launched}")
     if path:
