@@ -147,6 +147,8 @@ class KernelSpec:
             # dS's 16-bit rounding dominates dQ's error: split dS into hi + lo in every tile, not just
             # the masked ones (fp16 d16 causal dQ was 2.06x torch's error, over the 2x rule)
             "SPLIT_DS_EVERYWHERE": self.dtype != "float32" and max(self.head_dim, self.head_dim_v) <= 32,
+            # dQ tiles whose rows see at most this many keys take Delta as sum P dP, not from O (EXACT_DELTA)
+            "EXACT_DELTA_KEYS": 128,
         }
 
     def switches(self) -> dict[str, Any]:
@@ -167,6 +169,8 @@ class KernelSpec:
             "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,
             # 16-bit dS is split into hi + lo parts in masked tiles (see attn_bwd.py.jinja)
             "SPLIT_DS": self.dtype != "float32",
+            # 16-bit O's rounding in Delta = rowsum(dO * O) matters where rows see few keys (attn_bwd.py.jinja)
+            "EXACT_DELTA": self.dtype != "float32",
             # float32 gradients are summed with Kahan compensation (see _common.py.jinja)
             "COMPENSATED": self.dtype == "float32",
             "PAD_D": lanes(self.head_dim) != self.head_dim,
