@@ -96,6 +96,51 @@ def test_same_kernel_is_deterministic():
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("window", [None, (100, 0)], ids=["causal", "window"])
+def test_delta_is_summed_from_p_dp_where_rows_see_few_keys(window):
+    """Delta = rowsum(dO O) from the 16-bit O carries O's rounding into dQ; dQ tiles whose rows see at
+    most EXACT_DELTA_KEYS keys sum P dP instead (to float32 rounding), the other tiles keep rowsum(dO O)."""
+    from fatune import plans
+    from fatune.launch import Plan
+
+    torch.manual_seed(4)
+    length, tile = 200, 32
+    q, k, v = random_qkv(1, 1, 1, length, length, 16, 16, dtype=torch.float16, device=DEVICE)
+    grad_out = torch.randn(1, 1, length, 16, dtype=torch.float16, device=DEVICE)
+    config = AttentionConfig(fwd=LaunchConfig(tile, tile, 4, 1), dkdv=LaunchConfig(tile, tile, 4, 1),
+                             dq=LaunchConfig(tile, tile, 4, 1))
+    call = plans.Call(is_causal=window is None, window_size=window or (-1, -1))
+    plan = plans.prepare(q, k, v, call, config, True).plan
+    out, lse = plan.forward(q.detach(), k.detach(), v.detach())
+    captured = []
+    allocate = Plan.allocate_backward
+
+    def capture(self):
+        captured.append(allocate(self))
+        return captured[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Plan, "allocate_backward", capture)
+        plan.backward(grad_out, q.detach(), k.detach(), v.detach(), out, lse)
+    delta = captured[0][0].reshape(length).double()
+
+    rows, cols = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    visible = cols <= rows if window is None else (cols <= rows) & (cols >= rows - window[0])
+    scores = (q[0, 0].double() @ k[0, 0].double().T) * 16 ** -0.5
+    p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    exact = (p * (grad_out[0, 0].double() @ v[0, 0].double().T)).sum(-1)
+    from_o = (grad_out[0, 0].double() * out[0, 0].double()).sum(-1)
+    exact_rows = torch.zeros(length, dtype=torch.bool)
+    for start in range(0, length, tile):  # a dQ tile's key range: from its first row's left edge to its last row
+        first = 0 if window is None else max(start - window[0], 0) // tile * tile
+        if min(start + tile, length) - first <= 128:
+            exact_rows[start:start + tile] = True
+    assert exact_rows.any() and not exact_rows.all()
+    assert torch.allclose(delta[exact_rows], exact[exact_rows], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(delta[~exact_rows], from_o[~exact_rows], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(from_o[exact_rows], exact[exact_rows], rtol=1e-5, atol=1e-5)  # the test can tell them apart
+
+
 # ---------------------------------------------------------------- GPU (pytest -m gpu)
 
 GPU_SHAPES = [
