@@ -112,7 +112,7 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
     masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)
       python3 benchmarks/masked_cases.py "$OUT/masked.json" ${MASKED_ARGS:-} > "$OUT/masked.log" 2>&1
       tail -n 20 "$OUT/masked.log" ;;
-    search-quality)  # issue 14's search-quality figure, resumable across runs (SQ_ARGS: --part grid|search
+    search-quality)  # issue 14's search-quality figure, resumable across runs (SQ_ARGS: --part grid|search|retime
       # [--shapes 0,1] [--seeds 0,1,2]; SQ_FROM: an earlier run's JSON to extend)
       [ -n "${SQ_FROM:-}" ] && cp "$SQ_FROM" "$OUT/search-quality.json"
       python3 benchmarks/search_quality.py "$OUT/search-quality.json" ${SQ_ARGS:---part grid} \

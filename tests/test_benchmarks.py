@@ -37,6 +37,13 @@ def test_search_quality_grid_then_search(tmp_path):
     for kernel in ("fwd", "dkdv", "dq"):
         assert entry["search"]["0"][kernel]["10"]["config"] is not None
     assert table.count("| float16 b1 h2 lq40 lk40 d16 |") == 3
+    table = run("search_quality.py", out, "--part", "retime", "--shapes", "0")
+    (entry,) = json.loads(out.read_text()).values()
+    for kernel in ("fwd", "dkdv", "dq"):
+        retime = entry["retime"][kernel]
+        assert entry["grid"][kernel]["best"] in retime and entry["search"]["0"][kernel]["10"]["config"] in retime
+        assert all(len(times) == 3 and all(t > 0 for t in times) for times in retime.values())
+    assert table.count(" retimed |") == 3
 
 
 def test_tuning_gain_gain(tmp_path):
