@@ -112,6 +112,17 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
     masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)
       python3 benchmarks/masked_cases.py "$OUT/masked.json" ${MASKED_ARGS:-} > "$OUT/masked.log" 2>&1
       tail -n 20 "$OUT/masked.log" ;;
+    bench-masked)  # issue 12's cases through fatune bench at L = 2048, 8192, 32768 (BM_LENGTHS): windows 256/1024/4096,
+      # key padding, packed documents 2/5/64 (Flex with a document mask), causal GQA 8:1; fatune vs Flex and SDPA
+      for args in "--mask window --window 256" "--mask window --window 1024" "--mask window --window 4096" \
+                  "--mask padding --valid-keys 0.5" "--mask packed --documents 2" "--mask packed --documents 5" \
+                  "--mask packed --documents 64" "--mask none --gqa 8"; do
+        name=$(echo "$args" | tr -c 'a-z0-9\n' '-' | tr -s '-')
+        python3 -m fatune.cli bench --head-dims 128 --lengths "${BM_LENGTHS:-2048,8192,32768}" --tokens 32768 \
+          --causal yes $args --impls fatune,flex,sdpa-cudnn,sdpa-flash,sdpa-efficient -o "$OUT/bench$name" \
+          > "$OUT/bench$name.log" 2>&1
+        grep -E "^\| |geometric" "$OUT/bench$name/bench.md" | head -12
+      done ;;
     search-quality)  # issue 14's search-quality figure, resumable across runs (SQ_ARGS: --part grid|search|retime
       # [--shapes 0,1] [--seeds 0,1,2]; SQ_FROM: an earlier run's JSON to extend)
       [ -n "${SQ_FROM:-}" ] && cp "$SQ_FROM" "$OUT/search-quality.json"

@@ -91,7 +91,10 @@ def per_document(shape: Shape, attend: Attention) -> Attention:
 
 def flex(shape: Shape, device: torch.device | str = "cuda") -> Attention:
     """torch.compile'd FlexAttention with the shape's mask as a block mask (causal, sliding window,
-    key padding), so it skips the blocks fatune skips."""
+    key padding, packed documents), so it skips the blocks fatune skips.
+
+    Packed documents: the (tokens, H, D) inputs are viewed as one (1, H, tokens, D) sequence (no
+    copy; the layout of a (B, L, H, D) model's transposed projections) under a document mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -99,18 +102,30 @@ def flex(shape: Shape, device: torch.device | str = "cuda") -> Attention:
     # fatune's alignment: top-left for is_causal alone, bottom-right with a window (equal for Lq == Lk)
     offset = shape.seqlen_k - shape.seqlen_q if shape.window >= 0 else 0
     valid = max(1, int(shape.seqlen_k * shape.valid_keys)) if shape.valid_keys < 1.0 else shape.seqlen_k
-    if shape.causal or shape.window >= 0 or valid < shape.seqlen_k:
+    q_len, k_len = (shape.tokens, shape.tokens) if shape.documents else (shape.seqlen_q, shape.seqlen_k)
+    document = None
+    if shape.documents:  # documents are self-attention: a query and a key of one document share its start
+        lengths = torch.tensor(shape.document_lengths(), device=device)
+        document = torch.repeat_interleave(torch.arange(shape.documents, device=device), lengths)
+    if shape.causal or shape.window >= 0 or valid < shape.seqlen_k or document is not None:
         def keep(b, h, q_idx, kv_idx):
-            visible = kv_idx < valid
+            visible = kv_idx < valid if document is None else document[q_idx] == document[kv_idx]
             if shape.causal or shape.window >= 0:
                 visible = visible & (kv_idx <= q_idx + offset)
             if shape.window >= 0:
                 visible = visible & (kv_idx >= q_idx + offset - shape.window)
             return visible
 
-        block_mask = create_block_mask(keep, None, None, shape.seqlen_q, shape.seqlen_k, device=device)
+        block_mask = create_block_mask(keep, None, None, q_len, k_len, device=device)
     gqa = shape.kv_heads != shape.heads
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if document is None:
+        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+    def run(q, k, v):
+        one = [t.transpose(0, 1)[None] for t in (q, k, v)]
+        return compiled(*one, block_mask=block_mask, enable_gqa=gqa)[0].transpose(0, 1)
+
+    return run
 
 
 def competitors(shape: Shape, names: tuple[str, ...] = ("cudnn", "flash", "efficient", "math", "flex")
@@ -119,8 +134,7 @@ def competitors(shape: Shape, names: tuple[str, ...] = ("cudnn", "flash", "effic
     found: dict[str, Attention] = {}
     for name in names:
         if name == "flex":
-            if not shape.documents:  # (its block mask does not describe packed documents yet)
-                found["flex"] = flex(shape)
+            found["flex"] = flex(shape)
         else:
             runner = sdpa(name, shape)
             if runner is not None:

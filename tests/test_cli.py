@@ -97,6 +97,8 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("search-db-is-a-folder", [*SEARCH, "--db", "{tmp}"], 2, "is a directory"),
     ("bench-bad-mask", ["bench", "--mask", "bogus", "--dry-run"], 2, "--mask"),
     ("bench-negative-window", ["bench", "--mask", "window", "--window", "-3", "--dry-run"], 2, "--window"),
+    ("bench-too-many-documents", ["bench", "--mask", "packed", "--documents", "99999", "--lengths", "16",
+                                  "--tokens", "16", "--dry-run"], 2, "--documents"),
     ("codegen-unwritable-output", ["codegen", "--head-dim", "64", "-o", "{tmp}/file/sub"], 1, "-o"),
     ("codegen-negative-arch", ["codegen", "--head-dim", "64", "--arch", "-1.-5"], 2, "--arch"),
     ("export-json-missing-folder", ["db", "export", "--db", "{tmp}/good.sqlite", "{tmp}/missing/x.json"], 1,
@@ -115,7 +117,9 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
      ["bfloat16 b4 h16 lq4096 lk4096 d128 causal window1024", "bfloat16 b2 h16 lq8192 lk8192 d128 causal window1024"]),
     (["--mask", "padding", "--valid-keys", "0.5", "--causal", "no", "--gqa", "8"],
      ["bfloat16 b4 h16 hkv2 lq4096 lk4096 d128 keys50%", "bfloat16 b2 h16 hkv2 lq8192 lk8192 d128 keys50%"]),
-], ids=["window", "padding-gqa"])
+    (["--mask", "packed", "--documents", "64", "--causal", "yes"],
+     ["bfloat16 b4 h16 lq4096 lk4096 d128 causal docs64", "bfloat16 b2 h16 lq8192 lk8192 d128 causal docs64"]),
+], ids=["window", "padding-gqa", "packed"])
 def test_bench_dry_run_lists_the_masked_shapes(args, labels):
     result = CliRunner().invoke(cli, ["bench", "--head-dims", "128", "--lengths", "4096,8192", *args, "--dry-run"])
     assert result.exit_code == 0, result.output

@@ -20,9 +20,11 @@ from fatune.cli.options import apply_mask, int_list, mask_variant_options, name_
               show_default=True, callback=name_list, help="Implementations to compare.")
 @click.option("--gqa", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Query heads per key/value head (grouped-query attention).")
-@click.option("--mask", type=click.Choice(["none", "window", "padding"]), default="none", show_default=True,
-              help="A mask variant on every shape: a causal sliding window (--window keys; implies --causal yes) "
-                   "or key padding (--valid-keys of each sequence's keys); competitors get the same mask.")
+@click.option("--mask", type=click.Choice(["none", "window", "padding", "packed"]), default="none", show_default=True,
+              help="A mask variant on every shape: a causal sliding window (--window keys; implies --causal yes), "
+                   "key padding (--valid-keys of each sequence's keys) or the batch's tokens packed as --documents "
+                   "documents (cu_seqlens; Flex gets a document mask, SDPA cannot take it); competitors get the "
+                   "same mask.")
 @mask_variant_options
 @click.option("--tokens", default=16384, show_default=True, help="B * L per shape.")
 @click.option("--model-dim", default=2048, show_default=True, help="H * D per shape.")
@@ -38,8 +40,8 @@ from fatune.cli.options import apply_mask, int_list, mask_variant_options, name_
 @click.option("--rounds", type=click.IntRange(1, 1000), default=5, show_default=True,
               help="With --overhead: rounds per implementation (the median is reported).")
 @click.option("--dry-run", is_flag=True, help="List the shapes the run would time, and stop (no GPU needed).")
-def bench(head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_keys, tokens, model_dim, warmup_ms,
-          rep_ms, output, inference, overhead, rounds, dry_run) -> None:
+def bench(head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_keys, documents, tokens, model_dim,
+          warmup_ms, rep_ms, output, inference, overhead, rounds, dry_run) -> None:
     """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
 
     Example:
@@ -47,6 +49,7 @@ def bench(head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_ke
     \b
         fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
         fatune bench --head-dims 128 --lengths 8192 --mask window --window 1024 --impls fatune,flex
+        fatune bench --head-dims 128 --lengths 8192 --causal yes --mask packed --documents 64 --impls fatune,flex
         fatune bench --overhead --rounds 15
         fatune bench --inference -o results/
     """
@@ -58,7 +61,7 @@ def bench(head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_ke
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
     shapes = apply_mask(runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,
                                               tuple(dtype_name(d) for d in dtypes), tokens, model_dim, gqa),
-                        mask, window, valid_keys)
+                        mask, window, valid_keys, documents)
     if dry_run:
         click.echo("\n".join(shape.label() for shape in shapes))
         return

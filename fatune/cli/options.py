@@ -87,7 +87,10 @@ def parse_capability(ctx: click.Context, param: click.Parameter, value: str | No
 
 
 def mask_variant_options(fn: Callable) -> Callable:
-    """--window and --valid-keys: the sizes of the window and padding mask variants (--mask)."""
+    """--window, --valid-keys and --documents: the sizes of the window, padding and packed mask variants (--mask)."""
+    fn = click.option("--documents", type=click.IntRange(1), default=5, show_default=True,
+                      help="Documents of unequal lengths per shape for --mask packed (query and key lengths "
+                           "equal).")(fn)
     fn = click.option("--valid-keys", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.25,
                       show_default=True, help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")(fn)
     fn = click.option("--window", type=click.IntRange(0), default=256, show_default=True,

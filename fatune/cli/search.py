@@ -58,8 +58,6 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
               show_default=True, help="Mask variant(s): both = none and causal; packed = the batch's tokens packed "
                                       "as --documents documents (cu_seqlens), causal and not.")
 @mask_variant_options
-@click.option("--documents", type=click.IntRange(1), default=5, show_default=True,
-              help="Documents of unequal lengths per shape for --mask packed (query and key lengths equal).")
 @click.option("--trials", type=click.IntRange(1), default=30, show_default=True,
               help="Optuna trials per kernel per shape, in all (every worker and host together).")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
