@@ -50,3 +50,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests import gpu_report
 
     gpu_report.write()
+
+
+def use_dispatcher(monkeypatch: pytest.MonkeyPatch, dispatcher) -> None:
+    """Route fatune.attention through `dispatcher`, with no plan cached under an earlier one (plans
+    keep their dispatch decision: a test that swaps dispatchers must not see another test's plans)."""
+    from fatune import dispatch, plans
+
+    monkeypatch.setattr(dispatch, "_dispatcher", dispatcher)
+    monkeypatch.setattr(plans, "_plans", {})

@@ -17,7 +17,7 @@ from fatune.dispatch import Dispatcher, DispatchError
 from fatune.heuristics import default_config
 from fatune.inputs import check_inputs
 from fatune.spec import AttentionConfig, LaunchConfig
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, use_dispatcher
 from tests.test_db import raw_insert, make_entry, write_bad_db
 
 GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
@@ -115,7 +115,7 @@ def test_strict_mode_refuses_the_heuristic(tmp_path):
 
 def test_explain_reports_layer_config_and_source(tmp_path, monkeypatch):
     path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))
-    monkeypatch.setattr(dispatch, "_dispatcher", Dispatcher(user_db=path, shipped=[]))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
     q = torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE)
     explanation = fatune.explain(q, q, q, is_causal=True)
     assert explanation.decision.layer == "user-db" and explanation.decision.db_path == str(path)
@@ -164,7 +164,7 @@ def test_a_corrupt_user_db_still_gives_the_right_result(tmp_path, monkeypatch):
     user = write_bad_db(tmp_path / "user.sqlite", "invalid-entry")
     raw_insert(user, gpu=GPU, capability=CAPABILITY, dtype="float32", head_dim=16, head_dim_v=16,
                 seqlen_q_bucket=32, seqlen_k_bucket=32, mask_variant="none", bwd_config='{"dkdv": null}')
-    monkeypatch.setattr(dispatch, "_dispatcher", Dispatcher(user_db=user, shipped=[]))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=user, shipped=[]))
     q, k, v = (torch.randn(1, 2, 24, 16, device=DEVICE) for _ in range(3))
     out = fatune.attention(q, k, v)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)

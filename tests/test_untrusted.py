@@ -25,7 +25,7 @@ from fatune.cli import cli
 from fatune.db import SCHEMA_VERSION, TunedDB, export_entries
 from fatune.dispatch import Dispatcher
 from fatune.inputs import check_inputs
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, use_dispatcher
 from tests.test_db import make_entry, raw_insert
 
 GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
@@ -207,7 +207,7 @@ def test_fuzzed_rows_and_files_never_break_a_call(tmp_path, monkeypatch, caplog)
                 assert decision.layer == "shipped-db" and decision.config.fwd.block_m == 16, (case, decision)
                 assert any(str(user) in r.getMessage() for r in caplog.records), case
         if case < 4:  # and the call itself still gives the right result
-            monkeypatch.setattr(dispatch, "_dispatcher", Dispatcher(user_db=user, shipped=[shipped]))
+            use_dispatcher(monkeypatch, Dispatcher(user_db=user, shipped=[shipped]))
             assert torch.allclose(fatune.attention(q, q, q), expected, atol=1e-5)
 
 
