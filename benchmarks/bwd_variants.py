@@ -1,10 +1,11 @@
-"""Backward structure on the GPU: separate dK/dV and dQ kernels vs atomic dQ, over a set of tiles.
+"""Backward structure on the GPU: separate dK/dV and dQ kernels vs atomic dQ (element atomics or TMA
+reductions), over a set of tiles.
 
     python benchmarks/bwd_variants.py OUT.json [--lengths 4096] [--head-dims 64,128,256] [--dtype bfloat16]
         [--kernels dkdv,dq] [--atomic]
 
 For each shape (B·L = 16384 tokens, H·D = 2048, causal and not) candidate configs of the dK/dV
-kernel (with --atomic also with atomic dQ; the dQ kernel from the heuristic) and of the dQ kernel
+kernel (with --atomic also with atomic dQ, both kinds; the dQ kernel from the heuristic) and of the dQ kernel
 (with a good dK/dV config) are run besides the heuristic, compiled ahead
 in a process pool, checked against torch SDPA's gradients, and timed as the whole backward
 (`KernelRunner.run("bwd")`, do_bench median, L2 flushed). The backward of SDPA's cuDNN and
@@ -64,7 +65,7 @@ def candidates(shape: Shape, kernels: str, atomic: bool) -> list[AttentionConfig
     configs = [base]
     if "dkdv" in kernels:
         for m, n, w, s in TILES[lanes]:
-            for atomic_dq in ((0, 1) if atomic else (0,)):
+            for atomic_dq in ((0, 1, 2) if atomic else (0,)):
                 configs.append(base.replace(dkdv=LaunchConfig(m, n, num_warps=w, num_stages=s, atomic_dq=atomic_dq)))
     if "dq" in kernels:
         dkdv = LaunchConfig(*DKDV_FOR_DQ_SWEEP[lanes][:2], *DKDV_FOR_DQ_SWEEP[lanes][2:])

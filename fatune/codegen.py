@@ -82,7 +82,7 @@ def template_hash() -> str:
 def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
-    structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "ATOMIC_DQ": False}
+    structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "ATOMIC_DQ": False, "TMA_DQ": False}
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         structure.update({"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1,
@@ -102,6 +102,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         used = {"dkdv": config.dkdv.to_dict(), "dq": config.dq.to_dict()}
         # float32 gradients are Kahan-summed, which atomics cannot do (launch.resolve drops it too)
         structure["ATOMIC_DQ"] = bool(config.dkdv.atomic_dq) and spec.dtype != "float32"
+        structure["TMA_DQ"] = structure["ATOMIC_DQ"] and config.dkdv.atomic_dq == 2
     return {
         "template_name": TEMPLATE_FILES[kind],
         "title": _TITLES[kind],
@@ -190,6 +191,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _interpreter_reductions() -> None:
+    """Triton 3.6's interpreter has no TMA reduction (`tensor_descriptor.atomic_add`, which the
+    TMA-dQ backward uses): give it one that makes the same adds element by element."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if hasattr(builder, "create_descriptor_reduce"):
+        return
+    ir = interpreter._ir
+
+    def create_descriptor_reduce(self, kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"TMA reduction {kind} in Triton's interpreter (fatune emulates ADD only)")
+        pointers, mask = desc.materialize_pointers(indices)
+        op = ir.ATOMIC_OP.FADD if np.issubdtype(value.data.dtype, np.floating) else ir.ATOMIC_OP.ADD
+        return self.create_atomic_rmw(op, pointers, value, mask, ir.MEM_SEMANTIC.RELAXED, None)
+
+    builder.create_descriptor_reduce = create_descriptor_reduce
+
+
 def load(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> ModuleType:
     """Import the generated module for (kind, spec, config), rendering it into the cache if needed.
 
@@ -199,6 +221,8 @@ def load(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> ModuleType:
     module = _modules.get(memo_key)
     if module is not None:
         return module
+    if memo_key[-1]:
+        _interpreter_reductions()
     with _lock:
         module = _modules.get(memo_key)
         if module is None:

@@ -137,7 +137,7 @@ class KernelLaunch:
         self.direct: Callable | None = None
         self.middle: tuple = ()
         self.scratch = 0  # global scratch bytes of one launch (TMA descriptors), known once compiled
-        self.tma = bool(getattr(config, "tma", 0)) and not codegen.interpreting()
+        self.tma = bool(config.tma or config.atomic_dq == 2) and not codegen.interpreting()
 
     def __call__(self, slots: tuple, stream: int | None) -> None:
         direct = self.direct
@@ -215,10 +215,13 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
             tensors: Sequence[torch.Tensor]) -> AttentionConfig:
     """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
     only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
-    have it and for tensors it can read, and no atomic dQ for float32 (its gradients are
-    Kahan-summed, which atomics cannot do)."""
+    have it and for tensors it can read, no atomic dQ for float32 (its gradients are
+    Kahan-summed, which atomics cannot do), and dQ's TMA reductions only where TMA can make them."""
     if config.dkdv.atomic_dq and problem.spec.dtype == "float32":
         config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
+    if config.dkdv.atomic_dq == 2 and not (tma_available(device) and problem.spec.head_dim % 4 == 0):
+        # TMA reduces into dQ's float32 accumulator rows of head_dim * 4 bytes: they must be 16-byte multiples
+        config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=1))
     fwd = config.fwd
     pack = fwd.pack_gqa if problem.group_size > 1 else 0
     splits = fwd.num_splits

@@ -34,7 +34,7 @@ class CompiledKernel:
     registers: int
     spill_bytes: int  # local-memory stack frame; > 0 means registers spilled
     uses_wgmma: bool
-    uses_tma: bool = False  # bulk tensor copies (cp.async.bulk.tensor) from TMA descriptors
+    uses_tma: bool = False  # bulk tensor copies or reductions (cp.async.bulk.tensor, cp.reduce.async.bulk.tensor)
     num_warps: int = 0  # warps launched
 
     @property
@@ -91,6 +91,6 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
         registers=int(registers.group(1)) if registers else 0,
         spill_bytes=int(stack.group(1)) if stack else 0,
         uses_wgmma="wgmma.mma_async" in compiled.asm["ptx"],
-        uses_tma="cp.async.bulk.tensor" in compiled.asm["ptx"],
+        uses_tma=any(op in compiled.asm["ptx"] for op in ("cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor")),
         num_warps=int(compiled.metadata.num_warps),
     )

@@ -104,7 +104,7 @@ class SearchSpace:
     num_splits: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)  # forward only; 0 = chosen at launch
     pack_gqa: tuple[int, ...] = (0, 1)  # forward only, GQA shapes only
     tma: tuple[int, ...] = (0, 1)  # forward only; dropped at launch where TMA cannot read the tensors
-    atomic_dq: tuple[int, ...] = (0, 1)  # dK/dV only, 16-bit dtypes only
+    atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, 16-bit dtypes only; 2 = TMA reductions (1 where TMA cannot)
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the forward's structure.
@@ -138,7 +138,7 @@ class SearchSpace:
 GPU_SPACE = SearchSpace()
 # The interpreter runs tiles as numpy arrays: a small space keeps CPU searches short.
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2),
-                                pack_gqa=(1,), atomic_dq=(0, 1))
+                                pack_gqa=(1,), atomic_dq=(0, 1, 2))
 
 
 def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> int:
@@ -151,8 +151,8 @@ def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> 
     m, n, stages = config.block_m, config.block_n, config.num_stages
     if kernel == "fwd":  # Q tile resident, K and V tiles streamed
         return element * (m * d + stages * n * (d + dv))
-    if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed
-        return element * (n * (d + dv) + stages * m * (d + dv))
+    if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed; TMA-reduced dQ staged (~2 B/element)
+        return element * (n * (d + dv) + stages * m * (d + dv)) + (2 * m * d if config.atomic_dq == 2 else 0)
     return element * (m * (d + dv) + stages * n * (d + dv))  # dq: Q, dO resident, K, V streamed
 
 

@@ -32,7 +32,7 @@ _DTYPE_ALIASES = {
     "f32": "float32",
 }
 MAX_HEAD_DIM = 256
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a)?")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a([12])?)?")
 MAX_SPLITS = 128
 _POW2_TILES = (16, 32, 64, 128, 256)
 
@@ -206,6 +206,9 @@ class LaunchConfig:
     atomic_dq: 1 = the dK/dV kernel also computes dQ (dS K, added to a float32 buffer with
         atomic adds), so the backward runs 5 tile products instead of 7 and no dQ kernel;
         the dQ config then only sizes the small kernels around it (Delta, dQ's final store).
+        2 = the same, each tile's dS K added in one TMA bulk reduction (cp.reduce.async.bulk)
+        instead of one atomic per element: Hopper and newer, head dims that are a multiple of
+        4 (launches elsewhere take 1, fatune.launch.resolve).
     """
 
     block_m: int
@@ -229,10 +232,12 @@ class LaunchConfig:
         if not _is_int(self.num_splits) or not 0 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0 = chosen at launch), "
                              f"got {self.num_splits!r}")
-        for field in ("pack_gqa", "tma", "atomic_dq"):
+        for field in ("pack_gqa", "tma"):
             value = getattr(self, field)
             if value not in (0, 1) or not _is_int(value):
                 raise ValueError(f"{field}: expected 0 or 1, got {value!r}")
+        if self.atomic_dq not in (0, 1, 2) or not _is_int(self.atomic_dq):
+            raise ValueError(f"atomic_dq: expected 0, 1 or 2, got {self.atomic_dq!r}")
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -250,19 +255,20 @@ class LaunchConfig:
         text = f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
         if self.num_splits != 1:
             text += f"/k{self.num_splits}"
-        return text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + ("/a" if self.atomic_dq else "")
+        atomic = {0: "", 1: "/a", 2: "/a2"}[self.atomic_dq]
+        return text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + atomic
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a]', e.g. '128x64/w4/s3',
+        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2]', e.g. '128x64/w4/s3',
         '64x64/w4/s2/k8/g' or '128x64/w8/s3/t' (forward) or '64x128/w8/s2/a' (dK/dV)."""
         match = _CONFIG_RE.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a] such as "
+            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2] such as "
                              f"128x64/w4/s3, got {text!r}")
-        block_m, block_n, warps, stages, splits, pack, tma, atomic = match.groups()
+        block_m, block_n, warps, stages, splits, pack, tma, atomic, atomic_kind = match.groups()
         return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)),
-                   tma=int(bool(tma)), atomic_dq=int(bool(atomic)))
+                   tma=int(bool(tma)), atomic_dq=int(atomic_kind or 1) if atomic else 0)
 
 
 def _is_int(value: Any) -> bool:

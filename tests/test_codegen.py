@@ -158,24 +158,48 @@ def test_hopper_variants_render(spec, tag):
     assert source.count("acc, l_i, m_i = attend_key_tiles(") == 2 + spec.window_left
 
 
-def test_hopper_variants_compile_for_sm90(tmp_path):
-    """Every TMA variant lowers to an sm_90 cubin with TMA copies and the warps it asked for."""
-    cases = [(s.to_dict(), tag) for s, tag in HOPPER_COMPILE_CASES]
+def _compile_variants_for_sm90(cases: list, kernel: str, checks: str, tmp_path) -> None:
+    """Compile `kernel` for each (spec, config tag of that kernel) in a fresh process; `checks`: assert
+    lines on `info` (offline.CompiledKernel), `spec`, `tag` and `config`, indented as a loop body."""
     script = (
         "from fatune import offline\n"
         "from fatune.heuristics import default_config\n"
         "from fatune.spec import KernelSpec, LaunchConfig\n"
-        f"for args, tag in {cases!r}:\n"
+        f"for args, tag in {[(s.to_dict(), tag) for s, tag in cases]!r}:\n"
         "    spec = KernelSpec(**args)\n"
-        "    config = default_config(spec, (9, 0)).replace(fwd=LaunchConfig.parse(tag))\n"
-        "    info = offline.compile_kernel('fwd', spec, config)\n"
+        f"    config = default_config(spec, (9, 0)).replace({kernel}=LaunchConfig.parse(tag))\n"
+        f"    info = offline.compile_kernel({kernel!r}, spec, config)\n"
+        f"{checks}"
+        "    print(spec.mask_variant, spec.dtype, spec.head_dim, tag, info)\n"
+    )
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == len(cases)
+
+
+def test_hopper_variants_compile_for_sm90(tmp_path):
+    """Every TMA variant lowers to an sm_90 cubin with TMA copies and the warps it asked for."""
+    _compile_variants_for_sm90(HOPPER_COMPILE_CASES, "fwd", (
         "    assert info.uses_tma, (spec, tag, info)\n"
         "    assert info.uses_wgmma == (spec.dtype != 'float32'), (spec, tag, info)\n"
         "    assert spec.dtype == 'float32' or not info.spills, (spec, tag, info)  # float32 spills without TMA too\n"
-        "    assert info.num_warps == config.fwd.num_warps, (spec, tag, info)\n"
-        "    print(spec.mask_variant, spec.dtype, spec.head_dim, tag, info)\n"
-    )
-    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == len(HOPPER_COMPILE_CASES)
+        "    assert info.num_warps == config.fwd.num_warps, (spec, tag, info)\n"), tmp_path)
+
+
+# backward with dQ added by TMA reductions: (spec, dK/dV config)
+TMA_DQ_COMPILE_CASES = [
+    (KernelSpec("bfloat16", 128, causal=True), "64x128/w8/s2/a2"),
+    (KernelSpec("float16", 40, 24, causal=True), "64x64/w4/s2/a2"),  # padded lanes past the head dim
+    (KernelSpec("bfloat16", 96, seqlens="varlen", causal=True, bottom_right=True), "64x64/w4/s2/a2"),
+]
+
+
+def test_tma_dq_renders_one_descriptor_per_head_and_compiles_for_sm90(tmp_path):
+    """dQ's shares go through one TMA descriptor per (batch, head) and bulk reductions (cp.reduce.async.bulk)."""
+    for spec, tag in TMA_DQ_COMPILE_CASES:
+        source = codegen.render("bwd", spec, default_config(spec, (9, 0)).replace(dkdv=LaunchConfig.parse(tag)))
+        assert source.count("tl.make_tensor_descriptor(") == 1 and ".atomic_add([start_m, 0], dq)" in source
+        assert "tl.atomic_add(" not in source.split("def attn_bwd_dq_store")[0]
+    _compile_variants_for_sm90(TMA_DQ_COMPILE_CASES, "dkdv", "    assert info.uses_tma and info.uses_wgmma, (spec, tag, info)\n",
+                               tmp_path)
 
 
 def test_cache_key_and_reuse(tmp_path, monkeypatch):
@@ -222,6 +246,7 @@ def test_config_round_trip():
     ("128x64/w4/s3/t", {"tma": 1}),
     ("64x64/w4/s2/k8/g/t", {"num_splits": 8, "pack_gqa": 1, "tma": 1}),
     ("64x128/w8/s2/a", {"atomic_dq": 1}),
+    ("64x128/w8/s2/a2", {"atomic_dq": 2}),
 ])
 def test_structure_suffixes_round_trip(text, fields):
     config = LaunchConfig.parse(text)
@@ -235,7 +260,9 @@ def test_structure_suffixes_round_trip(text, fields):
     (lambda: LaunchConfig(64, 64, tma=2), "tma"),
     (lambda: LaunchConfig(64, 64, tma=True), "tma"),
     (lambda: LaunchConfig.parse("64x64/w4/s3/t/g"), "config"),  # suffixes in their order only
-    (lambda: LaunchConfig.parse("64x64/w4/s3/t/x"), r"config: expected .*\[/t\]\[/a\]"),  # unknown suffix
+    (lambda: LaunchConfig.parse("64x64/w4/s3/t/x"), r"config: expected .*\[/t\]\[/a\|/a2\]"),  # unknown suffix
+    (lambda: LaunchConfig(64, 64, atomic_dq=3), "atomic_dq: expected 0, 1 or 2"),
+    (lambda: LaunchConfig.parse("64x64/w4/s3/a3"), "config"),
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1), LaunchConfig(64, 64)), "tma"),
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1)), "tma"),
 ])

@@ -319,10 +319,10 @@ def test_gqa_packing_with_dropout_regenerates_each_heads_mask(monkeypatch, poiso
 
 # ------------------------------------------------------------------ atomic dQ (backward structure)
 
-def _atomic_dq(dkdv=(16, 32)):
+def _atomic_dq(dkdv=(16, 32), kind=1):
     from fatune.heuristics import INTERPRETER_CONFIG
 
-    return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(*dkdv, atomic_dq=1))
+    return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(*dkdv, atomic_dq=kind))
 
 
 # (case id, factory -> (q, k, v, kwargs)): every code path of the dK/dV kernel's query loop (band edges,
@@ -340,23 +340,38 @@ ATOMIC_DQ_CASES = [
 ]
 
 
+@pytest.mark.parametrize("kind", [1, 2], ids=["atomics", "tma-reduce"])
 @pytest.mark.parametrize("dkdv", [(16, 32), (32, 16)], ids=["16x32", "32x16"])
 @pytest.mark.parametrize("make", [case[1] for case in ATOMIC_DQ_CASES], ids=[case[0] for case in ATOMIC_DQ_CASES])
-def test_atomic_dq(make, dkdv, poison_outputs):
-    """The dK/dV kernel that also accumulates dQ gives the same gradients as the separate dQ kernel."""
+def test_atomic_dq(make, dkdv, kind, poison_outputs):
+    """The dK/dV kernel that also accumulates dQ (element atomics, or TMA reductions: emulated in the
+    interpreter) gives the same gradients as the separate dQ kernel."""
     q, k, v, kwargs = make()
-    run_and_compare(q, k, v, config=_atomic_dq(dkdv), **kwargs)
+    run_and_compare(q, k, v, config=_atomic_dq(dkdv, kind), **kwargs)
 
 
-def test_atomic_dq_packed_varlen_and_dropout(monkeypatch, poison_outputs):
+@pytest.mark.parametrize("kind", [1, 2], ids=["atomics", "tma-reduce"])
+def test_atomic_dq_packed_varlen_and_dropout(kind, monkeypatch, poison_outputs):
     q, k, v, cu_q, cu_k = _packed([1, 16, 7], [40, 21, 3], 4, 2, 32, 32, seed=3)
     run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16, max_seqlen_k=40,
-                    is_causal=True, enable_gqa=True, config=_atomic_dq())
+                    is_causal=True, enable_gqa=True, config=_atomic_dq(kind=kind))
     seed, p = 99, 0.25
     monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
     q, k, v = _qkv(lq=20, lk=36, seed=18)
     keep = dropout.keep_mask(seed, p, 2, 2, 20, 36, DEVICE)
-    run_and_compare(q, k, v, dropout_p=p, is_causal=True, dropout_keep=keep, config=_atomic_dq())
+    run_and_compare(q, k, v, dropout_p=p, is_causal=True, dropout_keep=keep, config=_atomic_dq(kind=kind))
+
+
+@pytest.mark.parametrize("head_dim, dtype, expected", [(32, torch.float16, 2), (24, torch.float16, 2),
+                                                         (30, torch.float16, 1), (32, torch.float32, 0)])
+def test_tma_dq_is_kept_where_tma_can_reduce_into_the_accumulator(head_dim, dtype, expected):
+    """atomic_dq=2 needs accumulator rows of a 16-byte multiple (head_dim % 4 == 0); float32 keeps the dQ kernel."""
+    from fatune.launch import resolve
+    from fatune.plans import Call
+
+    q, k, v = _qkv(lq=20, lk=36, d=head_dim, dv=head_dim, dtype=dtype, seed=20)
+    problem = Call(is_causal=True).check(q, k, v)
+    assert resolve(_atomic_dq(kind=2), problem, q.device, (q, k, v)).dkdv.atomic_dq == expected
 
 
 def test_atomic_dq_launches_no_dq_kernel():
@@ -366,11 +381,12 @@ def test_atomic_dq_launches_no_dq_kernel():
     q, k, v = _qkv(lq=20, lk=36, seed=19)
     call = Call(is_causal=True)
     names = {}
-    for atomic in (0, 1):
-        config = _atomic_dq() if atomic else _atomic_dq().replace(dkdv=fatune.LaunchConfig(16, 32))
+    for atomic in (0, 1, 2):
+        config = _atomic_dq(kind=atomic) if atomic else _atomic_dq().replace(dkdv=fatune.LaunchConfig(16, 32))
         plan = Plan(call.check(q, k, v), config, q.device, q, k, v)
         names[atomic] = [launch.fn.__name__ for launch in plan.bwd_launches(torch.empty_like(q))]
-    assert names == {0: ["attn_bwd_dq", "attn_bwd_dkdv"], 1: ["attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq_store"]}
+    fused = ["attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq_store"]
+    assert names == {0: ["attn_bwd_dq", "attn_bwd_dkdv"], 1: fused, 2: fused}
     q32, k32, v32 = (t.float() for t in (q, k, v))
     plan = Plan(call.check(q32, k32, v32), _atomic_dq(), q.device, q32, k32, v32)
     assert not plan.atomic_dq and plan.config.dkdv.atomic_dq == 0  # Kahan-summed float32 keeps the dQ kernel
@@ -685,8 +701,9 @@ def test_gpu_atomic_dq(name, dtype, poison_outputs, record_gpu_errors):
 
     q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed("atomic", name, dtype)), dtype)
     base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], q.shape[-1]), device_arch(q.device))
-    config = base.replace(dkdv=dataclasses.replace(base.dkdv, atomic_dq=1))
-    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+    for kind in (1, 2):  # element atomics, TMA reductions
+        config = base.replace(dkdv=dataclasses.replace(base.dkdv, atomic_dq=kind))
+        record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
 
 
 GPU_INFERENCE_CASES = [
