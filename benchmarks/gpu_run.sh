@@ -84,6 +84,34 @@ for stage in "$@"; do
       tail -n 3 "$OUT/search-profile.log"
       python3 -c "import pstats; s = pstats.Stats('$OUT/search.prof'); s.sort_stats('cumulative').print_stats(60); \
 s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12 "ncalls" "$OUT/search-profile.txt" ;;
+    ship-db)  # issue 14's shipped H200 DB, built over several GPU commands (run it on the 2-GPU machine: --workers
+      # defaults to one per GPU). Resumable: the DB (tuned_db/) and its Optuna storage (benchmarks/results/; commit both after each
+      # run); a search whose studies are complete only re-times and stores its winners. SHIP_DEADLINE (s, default
+      # 480): no new search starts after it. Build it once the templates stop changing: their hash keys every entry.
+      db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
+      deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
+      while read -r dtype dims masks; do
+        for d in ${dims//,/ }; do
+          for mask in ${masks//,/ }; do
+            [ "$(date +%s)" -ge "$deadline" ] && break 3
+            case "$mask" in
+              gqa4|gqa8) extra="--mask both --heads 32 --kv-heads $(( 32 / ${mask#gqa} ))" ;;
+              *) extra="--mask $mask" ;;
+            esac
+            echo "--- $dtype d$d $mask $(date -u +%H:%M:%S)" | tee -a "$OUT/ship-db.txt"
+            python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths 512,2048,8192,32768 $extra \
+              --trials "${SHIP_TRIALS:-20}" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
+            echo "rc $?" >> "$OUT/ship-db.txt"
+          done
+        done
+      done <<'GRID'
+bf16 128,64 both,window,padding,gqa4,gqa8
+fp16 128,64 both,window,padding,gqa4,gqa8
+bf16 80,96,192,256 both,window,padding,gqa4,gqa8
+fp16 80,96,192,256 both,window,padding,gqa4,gqa8
+GRID
+      cp "$db" benchmarks/results/ship-db-h200-optuna.sqlite "$OUT/" 2>/dev/null
+      python3 -m fatune.cli db list --db "$db" | tail -n 5 ;;
     sweep2)  # the default sweep (L = 512..16384, causal and not: 12 shapes) with --workers 1, then --workers 2
       # (run on the 2-GPU machine). Each run gets a fresh DB, Optuna storage and Triton cache (the second is not a
       # cache hit of the first; its two workers share one cache, as on any host). SWEEP_TRIALS per kernel per
