@@ -60,7 +60,7 @@ from fatune.db import Entry, TunedDB, key_columns, seqlen_bucket, shape_key
 from fatune.heuristics import DECODE_QUERIES, default_config
 from fatune.measure import KernelRunner, Shape, bench, make_inputs, tflops, time_forward, time_training_step
 from fatune.precompile import CompilePool, compile_error
-from fatune.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, lanes
+from fatune.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, atomic_dq_kinds, lanes
 from fatune.storage import Heartbeat, open_storage, storage_lock
 
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -104,7 +104,7 @@ class SearchSpace:
     num_splits: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)  # forward only; 0 = chosen at launch
     pack_gqa: tuple[int, ...] = (0, 1)  # forward only, GQA shapes only
     tma: tuple[int, ...] = (0, 1)  # forward only; dropped at launch where TMA cannot read the tensors
-    atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, 16-bit dtypes only; 2 = TMA reductions (1 where TMA cannot)
+    atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, where fatune.spec.atomic_dq_kinds allows; 2 = TMA reductions
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the forward's structure.
@@ -119,8 +119,9 @@ class SearchSpace:
             if shape.kv_heads != shape.heads:
                 axes["pack_gqa"] = self.pack_gqa
             axes["tma"] = self.tma
-        if kernel == "dkdv" and shape.dtype != "float32":
-            axes["atomic_dq"] = self.atomic_dq
+        kinds = tuple(kind for kind in self.atomic_dq if kind in atomic_dq_kinds(shape.spec))
+        if kernel == "dkdv" and len(kinds) > 1:
+            axes["atomic_dq"] = kinds
         return axes
 
     def fills_gpu(self, shape: Shape, sms: int) -> bool:
@@ -151,8 +152,9 @@ def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> 
     m, n, stages = config.block_m, config.block_n, config.num_stages
     if kernel == "fwd":  # Q tile resident, K and V tiles streamed
         return element * (m * d + stages * n * (d + dv))
-    if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed; TMA-reduced dQ staged (~2 B/element)
-        return element * (n * (d + dv) + stages * m * (d + dv)) + (2 * m * d if config.atomic_dq == 2 else 0)
+    if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed; atomic dQ stages its float32 dS K tile
+        # (and TMA reductions more): a rough fit to fatune.offline's reports, the compile decides near the limit
+        return element * (n * (d + dv) + stages * m * (d + dv)) + {0: 0, 1: 4, 2: 6}[config.atomic_dq] * m * d
     return element * (m * (d + dv) + stages * n * (d + dv))  # dq: Q, dO resident, K, V streamed
 
 

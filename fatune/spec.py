@@ -282,6 +282,16 @@ KERNELS = ("fwd", "dkdv", "dq")
 STRUCTURE_OWNER = {"num_splits": "fwd", "pack_gqa": "fwd", "tma": "fwd", "atomic_dq": "dkdv"}
 
 
+def atomic_dq_kinds(spec: KernelSpec) -> tuple[int, ...]:
+    """The atomic_dq values that run as themselves for `spec` (fatune.launch.resolve lowers the others):
+    only 0 for float32 (its gradients are Kahan-summed, which atomics cannot do) and at head dims up to
+    16 (atomic dQ's Delta comes from the 16-bit O, whose rounding reaches the dQ of rows that see few
+    keys: too coarse there); 2 only where TMA can address dQ's float32 rows (head dim a multiple of 4)."""
+    if spec.dtype == "float32" or max(spec.head_dim, spec.head_dim_v) <= 16:
+        return (0,)
+    return (0, 1, 2) if spec.head_dim % 4 == 0 else (0, 1)
+
+
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
     """The structure fields `config` sets that do not belong to `kernel` (sorted)."""
     return sorted(name for name in config.structure if STRUCTURE_OWNER[name] != kernel)

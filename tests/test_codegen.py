@@ -192,11 +192,13 @@ TMA_DQ_COMPILE_CASES = [
 ]
 
 
-def test_tma_dq_renders_one_descriptor_per_head_and_compiles_for_sm90(tmp_path):
-    """dQ's shares go through one TMA descriptor per (batch, head) and bulk reductions (cp.reduce.async.bulk)."""
+def test_tma_dq_renders_one_descriptor_per_program_and_compiles_for_sm90(tmp_path):
+    """dQ's shares go through bulk reductions (cp.reduce.async.bulk) into one TMA descriptor per program,
+    built before the GQA head loop (rebuilding it per head could rewrite it under running reductions)."""
     for spec, tag in TMA_DQ_COMPILE_CASES:
         source = codegen.render("bwd", spec, default_config(spec, (9, 0)).replace(dkdv=LaunchConfig.parse(tag)))
-        assert source.count("tl.make_tensor_descriptor(") == 1 and ".atomic_add([start_m, 0], dq)" in source
+        assert source.count("tl.make_tensor_descriptor(") == 1 and ".atomic_add([head.to(tl.int32), start_m, 0]" in source
+        assert source.index("tl.make_tensor_descriptor(") < source.index("for g in range(0, GROUP)")
         assert "tl.atomic_add(" not in source.split("def attn_bwd_dq_store")[0]
     _compile_variants_for_sm90(TMA_DQ_COMPILE_CASES, "dkdv", "    assert info.uses_tma and info.uses_wgmma, (spec, tag, info)\n",
                                tmp_path)

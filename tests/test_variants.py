@@ -363,9 +363,11 @@ def test_atomic_dq_packed_varlen_and_dropout(kind, monkeypatch, poison_outputs):
 
 
 @pytest.mark.parametrize("head_dim, dtype, expected", [(32, torch.float16, 2), (24, torch.float16, 2),
-                                                         (30, torch.float16, 1), (32, torch.float32, 0)])
+                                                         (30, torch.float16, 1), (32, torch.float32, 0),
+                                                         (16, torch.float16, 0)])
 def test_tma_dq_is_kept_where_tma_can_reduce_into_the_accumulator(head_dim, dtype, expected):
-    """atomic_dq=2 needs accumulator rows of a 16-byte multiple (head_dim % 4 == 0); float32 keeps the dQ kernel."""
+    """atomic_dq=2 needs accumulator rows of a 16-byte multiple (head_dim % 4 == 0); float32 (Kahan sums)
+    and head dims up to 16 (atomic dQ's Delta from the 16-bit O is too coarse there) keep the dQ kernel."""
     from fatune.launch import resolve
     from fatune.plans import Call
 
