@@ -28,7 +28,7 @@ from triton.compiler import CompiledKernel
 from fatune import codegen, signature
 from fatune.dispatch import device_arch
 from fatune.inputs import AttentionProblem
-from fatune.spec import MAX_SPLITS, AttentionConfig, LaunchConfig, atomic_dq_kinds
+from fatune.spec import MAX_SPLITS, AttentionConfig, LaunchConfig, with_runnable_atomic_dq
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
 SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
@@ -217,12 +217,7 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
     have it and for tensors it can read, and atomic dQ only where it runs as asked
     (fatune.spec.atomic_dq_kinds; TMA reductions only on GPUs with TMA), else the next kind down."""
-    kinds = atomic_dq_kinds(problem.spec)
-    if not tma_available(device):
-        kinds = tuple(kind for kind in kinds if kind != 2)
-    if config.dkdv.atomic_dq not in kinds:
-        config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=max(k for k in kinds
-                                                                                    if k < config.dkdv.atomic_dq)))
+    config = with_runnable_atomic_dq(config, problem.spec, tma_available(device))
     fwd = config.fwd
     pack = fwd.pack_gqa if problem.group_size > 1 else 0
     splits = fwd.num_splits

@@ -292,6 +292,16 @@ def atomic_dq_kinds(spec: KernelSpec) -> tuple[int, ...]:
     return (0, 1, 2) if spec.head_dim % 4 == 0 else (0, 1)
 
 
+def with_runnable_atomic_dq(config: AttentionConfig, spec: KernelSpec, tma: bool) -> AttentionConfig:
+    """`config` with its dK/dV atomic_dq lowered to the next kind that runs for `spec` (atomic_dq_kinds;
+    TMA reductions only when `tma`), as a launch runs it."""
+    kinds = [kind for kind in atomic_dq_kinds(spec) if tma or kind != 2]
+    if config.dkdv.atomic_dq in kinds:
+        return config
+    lower = max(kind for kind in kinds if kind < config.dkdv.atomic_dq)
+    return config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=lower))
+
+
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
     """The structure fields `config` sets that do not belong to `kernel` (sorted)."""
     return sorted(name for name in config.structure if STRUCTURE_OWNER[name] != kernel)
