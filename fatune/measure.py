@@ -246,6 +246,19 @@ def time_training_step(attention: Callable[..., torch.Tensor], inputs: dict[str,
     return {"fwd_ms": fwd, "bwd_ms": max(total - fwd, 0.0), "fwd_bwd_ms": total, "compile_s": compile_s}
 
 
+def time_step_only(attention: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
+                   warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Forward+backward ms of attention(q, k, v) through autograd, its first call untimed: the training
+    step alone, for a yardstick that needs no forward/backward split."""
+    q, k, v, grad_out = inputs["q"], inputs["k"], inputs["v"], inputs["do"]
+
+    def step():
+        attention(q, k, v).backward(grad_out)
+
+    compile_seconds(step)
+    return bench(step, warmup_ms, rep_ms, grad_to_none=[q, k, v])
+
+
 def time_forward(attention: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
                  warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:
     """Forward ms of attention(q, k, v) without autograd, as inference runs it; the backward is not timed

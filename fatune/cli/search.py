@@ -148,7 +148,11 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         database = tuned_db.TunedDB(db_path)
     except tuned_db.DBError as error:
         raise click.ClickException(str(error)) from None
-    with database:
+    from fatune.precompile import CompilePool
+
+    # started first: its processes import torch and Triton while this one opens the storage and the GPU and
+    # starts the helpers (the first candidates' compiles wait for the pool's start)
+    with CompilePool(job.compile_workers, "cpu" if interpret else "cuda") as pool, database:
         try:
             storage = studies.open_storage(storage)
         except ValueError as error:
@@ -160,7 +164,7 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         started = time.time()
         try:
             with hosts.Helpers(job, workers) as helpers:
-                results = _search(job, target, storage, database)
+                results = _search(job, target, storage, database, pool)
         except KeyboardInterrupt:
             click.echo("\nfatune search: interrupted; finished shapes are stored, and running the same command "
                        "again resumes from the Optuna storage", err=True)
@@ -173,20 +177,19 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     _print_table(results, target, database.path, time.time() - started, workers)
 
 
-def _search(job, target, storage, database) -> list:
+def _search(job, target, storage, database, pool) -> list:
     """Search the shapes with a progress bar on stderr (trials finished by every worker and host, and an
     ETA) and store each one's winners as soon as they are measured; [(result, stored)]."""
     import optuna
 
     from fatune import search as tuner
-    from fatune.precompile import CompilePool
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a Ctrl-C'd trial's traceback is not the user's business
     shapes = list(job.shapes)
     results = []
     total = sum(len(tuner.shape_kernels(shape)) for shape in shapes) * job.trials
     with click.progressbar(length=total, label="search", file=sys.stderr, show_pos=True,
-                           show_eta=True) as bar, CompilePool(job.compile_workers, target.device.type) as pool:
+                           show_eta=True) as bar:
         refreshed = [0.0]
         done: set = set()  # shapes whose studies have all their trials: not counted again
 
