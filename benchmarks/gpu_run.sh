@@ -12,6 +12,11 @@ if [ ! -e /tmp/site/.installed ]; then
   # bytecode, as a normal pip install writes it: without it every process (the search's compile pool included)
   # compiles optuna's and SQLAlchemy's sources when it imports them (~5 s per process, profiled)
   python3 -m compileall -q -j 0 /tmp/site > /dev/null
+  # likewise the machine's torch environment, found without bytecode (its first backward imports sympy: seconds
+  # of source compiling inside the search's first shape, which a user's pip-installed torch never pays)
+  site=$(python3 -c "import os, sympy; print(os.path.dirname(os.path.dirname(sympy.__file__)))")
+  [ -d "$site/sympy/__pycache__" ] || echo "no bytecode in $site: compiling sympy, mpmath, torch" | tee /tmp/site/bytecode.txt
+  python3 -m compileall -q -j 0 "$site/sympy" "$site/mpmath" "$site/torch" > /dev/null 2>&1
   touch /tmp/site/.installed
 fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -86,9 +91,11 @@ for stage in "$@"; do
 s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12 "ncalls" "$OUT/search-profile.txt" ;;
     ship-db)  # issue 14's shipped H200 DB, built over several GPU commands (run it on the 2-GPU machine: --workers
       # defaults to one per GPU). Resumable: the DB (tuned_db/) and its Optuna storage (benchmarks/results/; commit both after each
-      # run); a search whose studies are complete only re-times and stores its winners. SHIP_DEADLINE (s, default
+      # run); searches listed in benchmarks/results/ship-db-h200-done.txt are skipped, an interrupted one resumes its
+      # studies from the storage. SHIP_DEADLINE (s, default
       # 480): no new search starts after it. Build it once the templates stop changing: their hash keys every entry.
       db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
+      stored=benchmarks/results/ship-db-h200-done.txt  # the searches whose winners are stored (commit it with the DB)
       deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
       while read -r dtype dims masks; do
         for d in ${dims//,/ }; do
@@ -98,10 +105,13 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
               gqa4|gqa8) extra="--mask both --heads 32 --kv-heads $(( 32 / ${mask#gqa} ))" ;;
               *) extra="--mask $mask" ;;
             esac
+            grep -qx "$dtype d$d $mask" "$stored" 2>/dev/null && continue  # stored by an earlier run
             echo "--- $dtype d$d $mask $(date -u +%H:%M:%S)" | tee -a "$OUT/ship-db.txt"
             python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths 512,2048,8192,32768 $extra \
               --trials "${SHIP_TRIALS:-20}" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
-            echo "rc $?" >> "$OUT/ship-db.txt"
+            rc=$?
+            echo "rc $rc" >> "$OUT/ship-db.txt"
+            [ $rc = 0 ] && echo "$dtype d$d $mask" >> "$stored"
           done
         done
       done <<'GRID'
@@ -110,7 +120,9 @@ fp16 128,64 both,window,padding,gqa4,gqa8
 bf16 80,96,192,256 both,window,padding,gqa4,gqa8
 fp16 80,96,192,256 both,window,padding,gqa4,gqa8
 GRID
-      cp "$db" benchmarks/results/ship-db-h200-optuna.sqlite "$OUT/" 2>/dev/null
+      # shipped in rollback-journal mode: a read-only site-packages cannot hold a WAL file's -wal/-shm companions
+      python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"
+      cp "$db" benchmarks/results/ship-db-h200-optuna.sqlite "$stored" "$OUT/" 2>/dev/null
       python3 -m fatune.cli db list --db "$db" | tail -n 5 ;;
     sweep2)  # the default sweep (L = 512..16384, causal and not: 12 shapes) with --workers 1, then --workers 2
       # (run on the 2-GPU machine). Each run gets a fresh DB, Optuna storage and Triton cache (the second is not a
@@ -135,7 +147,7 @@ GRID
       python3 benchmarks/bwd_variants.py "$OUT/bwd-atomic.json" --head-dims 64 --lengths 1024,16384 --atomic \
         > "$OUT/bwd-atomic.log" 2>&1; tail -n 60 "$OUT/bwd-atomic.log" ;;
     bwd-tma-dq)  # dQ added by TMA reductions (atomic_dq=2) vs element atomics vs the separate dQ kernel, per dK/dV tile
-      python3 benchmarks/bwd_variants.py "$OUT/bwd-tma-dq.json" --head-dims 64,128 --lengths ${BWD_LENGTHS:-4096} \
+      python3 benchmarks/bwd_variants.py "$OUT/bwd-tma-dq.json" --head-dims ${BWD_DIMS:-64,128} --lengths ${BWD_LENGTHS:-4096} \
         --kernels dkdv --atomic > "$OUT/bwd-tma-dq.log" 2>&1; tail -n 80 "$OUT/bwd-tma-dq.log" ;;
     fwd-variants)  # forward plain vs TMA variants per tile, d64/128/256 and GQA 8:1 (FWD_ARGS: --quick ...)
       python3 benchmarks/fwd_variants.py --out "$OUT/fwd-variants.json" --jobs 16 ${FWD_ARGS:-} > "$OUT/fwd-variants.log" 2>&1
