@@ -12,7 +12,7 @@ import torch
 
 import fatune
 from fatune import dispatch
-from fatune.db import TunedDB
+from fatune.db import TunedDB, is_stale
 from fatune.dispatch import Dispatcher, DispatchError
 from fatune.heuristics import default_config
 from fatune.inputs import check_inputs
@@ -171,3 +171,30 @@ def test_a_corrupt_user_db_still_gives_the_right_result(tmp_path, monkeypatch):
     assert torch.allclose(out, expected, atol=1e-5)
     decision = fatune.explain(q, k, v).decision
     assert decision.layer == "heuristic" and "bwd_config" in decision.skipped[0]
+
+
+SHIPPED_H200_CALLS = [  # (seqlen, kwargs of check_inputs): what tuned_db/nvidia-h200.sqlite covers, lengths between buckets
+    (4096, {"is_causal": True}),
+    (3000, {}),
+    (600, {"is_causal": True, "window_size": (256, 0)}),
+    (20000, {"seqlens_k": "half"}),
+    (20000, {"is_causal": True, "seqlens_k": "half"}),
+]
+
+
+@pytest.mark.parametrize("seqlen, kwargs", SHIPPED_H200_CALLS)
+def test_the_shipped_h200_db_answers_h200_calls(tmp_path, seqlen, kwargs):
+    """The DB in the package is current for these templates and Triton (a template edit makes every entry
+    stale: rebuild it with `benchmarks/gpu_run.sh ship-db`), and an H200 call finds it with no user DB."""
+    shipped = dispatch.shipped_dbs()
+    assert [path.name for path in shipped] == ["nvidia-h200.sqlite"]
+    assert shipped[0].read_bytes()[18:20] == b"\x01\x01", "ship it in rollback-journal mode (no -wal/-shm files)"
+    with TunedDB(shipped[0], readonly=True) as db:
+        entries = list(db.entries(on_invalid=pytest.fail))
+    assert entries and all(not is_stale(e) and (e.gpu, e.capability) == ("NVIDIA H200", "9.0") for e in entries)
+    q = torch.empty(2, 16, seqlen, 128, dtype=torch.bfloat16, device="meta")
+    if kwargs.get("seqlens_k") == "half":
+        kwargs = {**kwargs, "seqlens_k": torch.full((2,), seqlen // 2, dtype=torch.int32, device="meta")}
+    decision = Dispatcher(user_db=tmp_path / "none.sqlite", shipped=shipped).lookup(
+        check_inputs(q, q, q, **kwargs), "NVIDIA H200", "9.0", None)
+    assert decision.layer == "shipped-db", decision
