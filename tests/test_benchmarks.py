@@ -52,3 +52,13 @@ def test_tuning_gain_gain(tmp_path):
     ((label, row),) = json.loads(out.read_text())["gain"].items()
     assert row["tuned_ms"] > 0 and row["heuristic_ms"] > 0 and row["tuned"].startswith("fwd ")
     assert f"| gain | {label} |" in table
+
+
+def test_tuning_gain_nearest(tmp_path):
+    out = tmp_path / "nearest.json"
+    table = run("tuning_gain.py", out, "--part", "nearest", "--trials", "3")
+    ((label, row),) = json.loads(out.read_text())["nearest"].items()
+    assert row["representative_length"] == 64 and row["exact_ms"] > 0 and row["representative_ms"] > 0
+    if row["exact"] == row["representative"]:  # one timing for both: the loss is exactly 0
+        assert row["exact_ms"] == row["representative_ms"]
+    assert f"| nearest | {label} |" in table
