@@ -1,7 +1,7 @@
 """Search quality (issue 14): how close `fatune search` gets to the best config of each kernel's whole space.
 
     python benchmarks/search_quality.py OUT.json --part grid [--shapes 0,1] [--kernels fwd]   # exhaustive, on a GPU
-    python benchmarks/search_quality.py OUT.json --part search [--seeds 0,1,2] [--trials 50]
+    python benchmarks/search_quality.py OUT.json --part search [--seeds 0,1,2] [--trials 50] [--sampler random]
     python benchmarks/search_quality.py OUT.json --part retime                   # the compared configs, alike
     python benchmarks/search_quality.py OUT.json --part table                    # the markdown table
     TRITON_INTERPRET=1 python benchmarks/search_quality.py OUT.json --part grid --interpret   # CPU smoke run
@@ -18,8 +18,11 @@ whole backward with the other kernel at the heuristic's config):
   storage), then re-times in full the config that kernel's study held as best after N = 10, 20, 30,
   50 finished trials.
 
+  `--sampler` draws the trials with another of `fatune.search.SAMPLERS` (kept apart in OUT.json;
+  the table's second part compares the samplers after each checkpoint).
 - "retime" (after both) times in full, RETIME_ROUNDS times round-robin, every config the table
-  compares for a kernel (the grid's best, the heuristic's, each seed's best after each checkpoint):
+  compares for a kernel (the grid's best, the heuristic's, each seed's best after each checkpoint, of
+  every sampler; all again when a sampler's search added configs):
   the grid's best is the minimum of several full timings, which favours it by the timing noise
   (~2%); retimed, all are measured alike and the table uses the medians.
 
@@ -131,13 +134,23 @@ def searched(bench: Bench, seed: int, trials: int, pool: CompilePool) -> dict:
     return row
 
 
+def search_key(sampler: str) -> str:
+    """Where a sampler's searches are kept in a shape's entry ("search" for the default sampler)."""
+    return "search" if sampler == search.SAMPLERS[0] else f"search-{sampler}"
+
+
+def searches(entry: dict) -> dict[str, dict]:
+    """sampler -> {seed: its row} of every sampler searched on this shape."""
+    return {sampler: entry[search_key(sampler)] for sampler in search.SAMPLERS if entry.get(search_key(sampler))}
+
+
 def compared_configs(entry: dict, kernel: str) -> list[str]:
     """The configs the table compares for `kernel`: the grid's best and the heuristic's, and each seed's
-    best after each checkpoint."""
+    best after each checkpoint, of every sampler."""
     grid = entry["grid"][kernel]
     names = {grid["best"], grid["heuristic"]} | {
-        cell["config"] for row in entry.get("search", {}).values() for cell in row.get(kernel, {}).values()
-        if cell["config"]}
+        cell["config"] for rows in searches(entry).values() for row in rows.values()
+        for cell in row.get(kernel, {}).values() if cell["config"]}
     return sorted(name for name in names if name)
 
 
@@ -158,8 +171,47 @@ def timings(entry: dict, kernel: str) -> tuple[Callable[[str, float], float], st
     return lambda name, first: first, "first timing"
 
 
+def exhaustive_best(entry: dict, kernel: str) -> tuple[float, str, float]:
+    """(best ms, its config, the heuristic's ms): the heuristic's config is in the grid, so when its own
+    timing beats the grid's best (timing noise between two full timings of one config) it is the best."""
+    grid = entry["grid"][kernel]
+    ms, _ = timings(entry, kernel)
+    heuristic_ms = ms(grid["heuristic"], grid["heuristic_ms"])
+    best_ms, best = min((ms(grid["best"], grid["best_ms"]), grid["best"]), (heuristic_ms, grid["heuristic"]))
+    return best_ms, best, heuristic_ms
+
+
+def fraction_after(entry: dict, kernel: str, rows: dict, n: int) -> str:
+    """The median over seeds of exhaustive best ms / the seed's best after n trials, or '–'."""
+    ms, _ = timings(entry, kernel)
+    best_ms = exhaustive_best(entry, kernel)[0]
+    fractions = [best_ms / ms(row[kernel][str(n)]["config"], row[kernel][str(n)]["ms"])
+                 for row in rows.values() if str(n) in row.get(kernel, {})]
+    return f"{statistics.median(fractions):.3f}" if fractions else "–"
+
+
+def sampler_table(results: dict) -> str:
+    """Markdown: per shape and kernel, each sampler's median fraction after N trials (shapes with more than
+    one sampler searched)."""
+    lines = ["| shape | kernel | sampler | seeds | " + " | ".join(f"after {n}" for n in CHECKPOINTS) + " |",
+             "|---|---|---|---|" + "---|" * len(CHECKPOINTS)]
+    for label, entry in results.items():
+        found = searches(entry)
+        if len(found) < 2:
+            continue
+        for kernel in KERNELS:
+            if kernel not in entry.get("grid", {}):
+                continue
+            for sampler, rows in found.items():
+                cells = [label, kernel, sampler, str(len(rows)), *(fraction_after(entry, kernel, rows, n)
+                                                                   for n in CHECKPOINTS)]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def table(results: dict) -> str:
-    """Markdown: per shape and kernel, exhaustive best and the median fraction after N trials."""
+    """Markdown: per shape and kernel, exhaustive best and the median fraction after N trials (the default
+    sampler), then the samplers compared where several were searched."""
     lines = ["| shape | kernel | configs (valid) | exhaustive best ms (config) | heuristic (fraction) | "
              + " | ".join(f"after {n}" for n in CHECKPOINTS) + " | timings |",
              "|---|---|---|---|---|" + "---|" * len(CHECKPOINTS) + "---|"]
@@ -168,23 +220,20 @@ def table(results: dict) -> str:
             grid = entry.get("grid", {}).get(kernel)
             if not grid:
                 continue
-            ms, how = timings(entry, kernel)
-            heuristic_ms = ms(grid["heuristic"], grid["heuristic_ms"])
-            # the heuristic's config is in the grid: when its own timing beats the grid's (timing noise
-            # between two full timings of one config), it is the exhaustive best
-            best_ms, best = min((ms(grid["best"], grid["best_ms"]), grid["best"]), (heuristic_ms, grid["heuristic"]))
+            how = timings(entry, kernel)[1]
+            best_ms, best, heuristic_ms = exhaustive_best(entry, kernel)
             cells = [label, kernel, f"{grid['configs']} ({grid['valid']})", f"{best_ms:.3f} ({best})",
-                     f"{best_ms / heuristic_ms:.3f}"]
-            for n in CHECKPOINTS:
-                fractions = [best_ms / ms(seed_row[kernel][str(n)]["config"], seed_row[kernel][str(n)]["ms"])
-                             for seed_row in entry.get("search", {}).values() if str(n) in seed_row.get(kernel, {})]
-                cells.append(f"{statistics.median(fractions):.3f}" if fractions else "–")
+                     f"{best_ms / heuristic_ms:.3f}",
+                     *(fraction_after(entry, kernel, entry.get("search", {}), n) for n in CHECKPOINTS)]
             lines.append("| " + " | ".join([*cells, how]) + " |")
-    return "\n".join(lines)
+    samplers = sampler_table(results)
+    return "\n".join(lines) + (f"\n\n{samplers}" if samplers else "")
 
 
 def add_options(parser) -> None:
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--sampler", default=search.SAMPLERS[0], choices=search.SAMPLERS,
+                        help="for --part search: how the trials are drawn (fatune.search.SAMPLERS)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help="for --part grid: the kernels to time "
                         "(the forward's grid is the largest: 330-660 configs on the H200 shapes)")
 
@@ -212,16 +261,18 @@ def main() -> None:
                         resumable.save(args.out, results)
             elif args.part == "retime":
                 for kernel in kernels:
-                    if kernel in entry.get("grid", {}) and entry.get("search") \
-                            and kernel not in entry.setdefault("retime", {}):
+                    if kernel in entry.get("grid", {}) and searches(entry) \
+                            and set(compared_configs(entry, kernel)) - set(entry.setdefault("retime", {}).get(kernel, {})):
                         entry["retime"][kernel] = retimed(bench, entry, kernel)
                         print(f"{shape.label()} {kernel} retimed: {entry['retime'][kernel]}", flush=True)
                         resumable.save(args.out, results)
             else:
+                search.SAMPLER = args.sampler
+                rows = entry.setdefault(search_key(args.sampler), {})
                 for seed in (int(s) for s in args.seeds.split(",")):
-                    if str(seed) not in entry.setdefault("search", {}):
-                        entry["search"][str(seed)] = searched(bench, seed, args.trials, pool)
-                        print(f"{shape.label()} seed {seed}: {entry['search'][str(seed)]}", flush=True)
+                    if str(seed) not in rows:
+                        rows[str(seed)] = searched(bench, seed, args.trials, pool)
+                        print(f"{shape.label()} {args.sampler} seed {seed}: {rows[str(seed)]}", flush=True)
                         resumable.save(args.out, results)
     print(table(results))
 

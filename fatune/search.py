@@ -345,38 +345,49 @@ def study_name(target: Target, shape: Shape, kernel: str) -> str:
     ])
 
 
+# How a study draws its trials (benchmarks/search_quality.py --sampler compares them): multivariate TPE over all
+# axes at once, TPE per axis, uniform random draws.
+SAMPLERS = ("tpe", "tpe-independent", "random")
+SAMPLER = "tpe"  # the one searches use
+
+
 class TrialSeededSampler(optuna.samplers.BaseSampler):
-    """Multivariate TPE whose random draws for trial n come from (seed, n): the same seed gives the
-    same trials, and processes sharing a study do not all draw the same startup trials."""
+    """An Optuna sampler (SAMPLERS; multivariate TPE by default) whose random draws for trial n come from
+    (seed, n): the same seed gives the same trials, and processes sharing a study do not all draw the same
+    startup trials."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
-        self._by_trial: dict[int, optuna.samplers.TPESampler] = {}
+    def __init__(self, seed: int, kind: str = "tpe"):
+        if kind not in SAMPLERS:
+            raise ValueError(f"sampler: expected one of {', '.join(SAMPLERS)}, got {kind!r}")
+        self.seed, self.kind = seed, kind
+        self._by_trial: dict[int, optuna.samplers.BaseSampler] = {}
 
-    def _tpe(self, trial: optuna.trial.FrozenTrial) -> optuna.samplers.TPESampler:
+    def _sampler(self, trial: optuna.trial.FrozenTrial) -> optuna.samplers.BaseSampler:
         sampler = self._by_trial.get(trial.number)
         if sampler is None:
+            seed = (self.seed * 1_000_003 + trial.number) % 2**32
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                sampler = optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + trial.number) % 2**32,
-                                                     n_startup_trials=10, multivariate=True, constant_liar=True)
+                sampler = optuna.samplers.RandomSampler(seed=seed) if self.kind == "random" else \
+                    optuna.samplers.TPESampler(seed=seed, n_startup_trials=10, multivariate=self.kind == "tpe",
+                                               constant_liar=True)
             self._by_trial[trial.number] = sampler
         return sampler
 
     def infer_relative_search_space(self, study, trial):
-        return self._tpe(trial).infer_relative_search_space(study, trial)
+        return self._sampler(trial).infer_relative_search_space(study, trial)
 
     def sample_relative(self, study, trial, search_space):
-        return self._tpe(trial).sample_relative(study, trial, search_space)
+        return self._sampler(trial).sample_relative(study, trial, search_space)
 
     def sample_independent(self, study, trial, param_name, param_distribution):
-        return self._tpe(trial).sample_independent(study, trial, param_name, param_distribution)
+        return self._sampler(trial).sample_independent(study, trial, param_name, param_distribution)
 
     def before_trial(self, study, trial) -> None:
-        self._tpe(trial).before_trial(study, trial)
+        self._sampler(trial).before_trial(study, trial)
 
     def after_trial(self, study, trial, state, values) -> None:
-        self._tpe(trial).after_trial(study, trial, state, values)
+        self._sampler(trial).after_trial(study, trial, state, values)
         self._by_trial.pop(trial.number, None)
 
 
@@ -428,7 +439,7 @@ class KernelSearch:
         self._full_until = -math.inf
         with storage_lock(storage.url):
             self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
-                                             sampler=TrialSeededSampler(seed), direction="minimize",
+                                             sampler=TrialSeededSampler(seed, SAMPLER), direction="minimize",
                                              load_if_exists=True)
         self.ensure_heuristic()
 

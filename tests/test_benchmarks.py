@@ -39,11 +39,23 @@ def test_search_quality_grid_then_search(tmp_path):
     assert table.count("| float16 b1 h2 lq40 lk40 d16 |") == 3
     table = run("search_quality.py", out, "--part", "retime", "--shapes", "0")
     (entry,) = json.loads(out.read_text()).values()
+    retimed_entry = entry
     for kernel in ("fwd", "dkdv", "dq"):
         retime = entry["retime"][kernel]
         assert entry["grid"][kernel]["best"] in retime and entry["search"]["0"][kernel]["10"]["config"] in retime
         assert all(len(times) == 3 and all(t > 0 for t in times) for times in retime.values())
     assert table.count(" retimed |") == 3
+    table = run("search_quality.py", out, "--part", "search", "--shapes", "0", "--seeds", "0", "--trials", "10",
+                "--sampler", "random")
+    (entry,) = json.loads(out.read_text()).values()
+    assert entry["search"]["0"] == retimed_entry["search"]["0"], "another sampler's searches are kept apart"
+    assert all(entry["search-random"]["0"][kernel]["10"]["config"] for kernel in ("fwd", "dkdv", "dq"))
+    for sampler in ("tpe", "random"):
+        assert table.count(f"| {sampler} | 1 |") == 3, table
+    run("search_quality.py", out, "--part", "retime", "--shapes", "0")
+    (entry,) = json.loads(out.read_text()).values()
+    for kernel in ("fwd", "dkdv", "dq"):  # the random search's picks are re-timed with the others
+        assert entry["search-random"]["0"][kernel]["10"]["config"] in entry["retime"][kernel]
 
 
 def test_tuning_gain_gain(tmp_path):

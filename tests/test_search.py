@@ -446,3 +446,22 @@ def test_split_kv_is_searched_only_where_the_grid_leaves_the_gpu_idle(shape, sms
 
     assert GPU_SPACE.axes("fwd", shape, sms)["num_splits"] == (splits or GPU_SPACE.num_splits)
     assert "num_splits" not in GPU_SPACE.axes("dkdv", shape, sms)
+
+
+@pytest.mark.parametrize("kind", search.SAMPLERS)
+def test_every_sampler_draws_the_same_trials_from_the_same_seed(kind):
+    def draws(seed):
+        study = optuna.create_study(sampler=search.TrialSeededSampler(seed, kind))
+        for _ in range(14):  # past TPE's 10 startup trials
+            trial = study.ask()
+            block = trial.suggest_categorical("block_m", [16, 32, 64, 128])
+            warps = trial.suggest_categorical("num_warps", [2, 4, 8])
+            study.tell(trial, block / warps)
+        return [t.params for t in study.trials]
+
+    assert draws(0) == draws(0) != draws(1)
+
+
+def test_an_unknown_sampler_is_refused_by_name():
+    with pytest.raises(ValueError, match="sampler: expected one of tpe, tpe-independent, random, got 'cma'"):
+        search.TrialSeededSampler(0, "cma")
