@@ -130,13 +130,21 @@ def key_columns(gpu: str, capability: str, key: CallKey) -> dict[str, Any]:
 
 
 def is_stale(entry: Entry) -> list[str]:
-    """Why `entry` cannot be used by this installation (other Triton version or templates); [] if it can."""
-    here = installation(entry.gpu, entry.capability)
+    """Why `entry` cannot be used by this installation (another Triton version, or kernels these templates
+    render differently from the ones it was measured with: its template_hash column holds the hash of
+    those kernels, `codegen.kernel_hash`); [] if it can."""
+    import triton
+
     reasons = []
-    if entry.triton_version != here["triton_version"]:
-        reasons.append(f"Triton {entry.triton_version} (running {here['triton_version']})")
-    if entry.template_hash != here["template_hash"]:
-        reasons.append(f"template hash {entry.template_hash} (running {here['template_hash']})")
+    if entry.triton_version != triton.__version__:
+        reasons.append(f"Triton {entry.triton_version} (running {triton.__version__})")
+    try:
+        expected = entry.kernel_hash()
+    except Exception as error:  # noqa: BLE001 - a config these templates cannot render is stale too
+        expected = f"none ({type(error).__name__})"
+    if entry.template_hash != expected:
+        reasons.append(f"kernels that have changed since (kernel hash {entry.template_hash}, these templates "
+                       f"render {expected})")
     return reasons
 
 
@@ -159,13 +167,23 @@ def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
 
 
 @functools.lru_cache(maxsize=1)
+def variant_fields() -> dict[str, dict[str, Any]]:
+    """Every name KernelSpec.mask_variant can give (the only ones an entry may carry), with the KernelSpec
+    fields that give it."""
+    flags = ("causal", "window_left", "window_right", "bottom_right", "alibi", "dropout")
+    variants = {}
+    for values in itertools.product((False, True), repeat=len(flags)):
+        for mask in MASK_KINDS:
+            for seqlens in SEQLEN_MODES:
+                fields = {"attn_mask": mask, "seqlens": seqlens, **dict(zip(flags, values))}
+                variants[KernelSpec("float16", 16, **fields).mask_variant] = fields
+    return variants
+
+
+@functools.lru_cache(maxsize=1)
 def mask_variants() -> frozenset[str]:
     """Every name KernelSpec.mask_variant can give: the only ones an entry may carry."""
-    flags = ("causal", "window_left", "window_right", "bottom_right", "alibi", "dropout")
-    return frozenset(
-        KernelSpec("float16", 16, attn_mask=mask, seqlens=seqlens, **dict(zip(flags, values))).mask_variant
-        for values in itertools.product((False, True), repeat=len(flags)) for mask in MASK_KINDS
-        for seqlens in SEQLEN_MODES)
+    return frozenset(variant_fields())
 
 
 # -- entries ---------------------------------------------------------------------------------
@@ -248,6 +266,16 @@ class Entry:
                 raise InvalidEntry(f"{name}: {misplaced} do not apply to the {kernel} kernel")
         return self
 
+    def spec(self) -> KernelSpec:
+        """The kernel spec this entry was tuned for (its dtype, head dims and mask variant)."""
+        return KernelSpec(self.dtype, self.head_dim, self.head_dim_v, **variant_fields()[self.mask_variant])
+
+    def kernel_hash(self) -> str:
+        """The hash of the kernels this entry's configs render to with these templates (`codegen.kernel_hash`)."""
+        from fatune import codegen
+
+        return codegen.kernel_hash(self.spec(), self.attention_config())
+
     def attention_config(self) -> AttentionConfig:
         """The three kernels' launch configs this entry stores."""
         return AttentionConfig(fwd=LaunchConfig.from_dict(self.fwd_config),
@@ -320,7 +348,7 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "capability": (lambda v: _is_text(v, r"\d+\.\d+|cpu"), "'MAJOR.MINOR' such as '9.0', or 'cpu'"),
     "triton_version": (_is_text, "a Triton version"),
     "torch_version": (_is_text, "a torch version"),
-    "template_hash": (_is_text, "a template hash"),
+    "template_hash": (_is_text, "a kernel hash"),
     "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
     "head_dim": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),
     "head_dim_v": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),
@@ -678,7 +706,7 @@ def import_entries(db: TunedDB, path: str | os.PathLike, *, force: bool = False)
     """Merge `path` into `db`, keeping the faster entry per key; (written, kept) counts.
 
     The whole file is read and checked first: an unreadable, foreign or invalid file, or a
-    stale one (another Triton version or template hash, unless force), raises DBError and
+    stale one (another Triton version or changed kernels, unless force), raises DBError and
     `db` is left untouched.
     """
     entries = read_entries(path)

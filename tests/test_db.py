@@ -3,6 +3,7 @@ entry validation, the key, read-only opening and writability checks."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -21,13 +22,15 @@ import triton
 
 from fatune import codegen
 from fatune.db import (SCHEMA_VERSION, DBError, Entry, InvalidEntry, TunedDB, export_entries, import_entries,
-                       read_entries, seqlen_bucket)
+                       is_stale, read_entries, seqlen_bucket)
 from fatune.spec import DTYPES, KernelSpec
 
 ASSETS = Path(__file__).parent / "assets"
 
 
 def make_entry(**changes) -> Entry:
+    """A valid, current entry (its template_hash the hash of the kernels its configs render to), with
+    `changes`; an entry the changes make invalid keeps a placeholder hash."""
     entry = Entry(gpu="NVIDIA H200", capability="9.0", triton_version=triton.__version__, torch_version="2.11.0",
                   template_hash=codegen.template_hash(), dtype="bfloat16", head_dim=64, head_dim_v=64,
                   mask_variant="causal", group_size=1, seqlen_q_bucket=4096, seqlen_k_bucket=4096,
@@ -35,7 +38,11 @@ def make_entry(**changes) -> Entry:
                   bwd_config={"dkdv": {"block_m": 32, "block_n": 128, "num_warps": 4, "num_stages": 3},
                               "dq": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}},
                   fwd_ms=1.0, bwd_ms=2.0, fwd_bwd_ms=3.0, tflops=400.0, trials=30)
-    return replace(entry, **changes)
+    entry = replace(entry, **changes)
+    if "template_hash" not in changes:
+        with contextlib.suppress(Exception):
+            entry = replace(entry, template_hash=entry.check().kernel_hash())
+    return entry
 
 
 @pytest.fixture(params=["flat", "nested"])
@@ -123,7 +130,7 @@ def test_import_refuses_bad_files_and_leaves_the_db_untouched(tmp_path, content)
         import_entries(db, bad)
     message = str(raised.value)
     expected = {"garbage": "not a usable SQLite", "json-garbage": "not a fatune tuned-DB export",
-                "foreign": "not a fatune tuned DB", "newer": "newer", "stale": "template hash",
+                "foreign": "not a fatune tuned DB", "newer": "newer", "stale": "kernel hash 0123456789abcdef",
                 "invalid-entry": "fwd_config.block_m"}[content]
     assert expected in message and str(bad) in message
     assert [asdict(e) for e in db.entries()] == before
@@ -405,3 +412,26 @@ def test_a_forward_only_entry_is_valid_round_trips_and_is_compared_by_its_forwar
         assert db.get(inference.key()).forward_only and db.get(inference.key()).fwd_ms == 0.5
         assert db.upsert(replace(full, fwd_ms=0.4))
         assert not db.get(inference.key()).forward_only
+
+
+def test_an_entry_goes_stale_only_when_its_own_kernels_change(tmp_path, monkeypatch):
+    """An entry keeps the hash of the kernels it measured: a template edit in code only other configs
+    render (here: TMA forwards) leaves it current; the entries whose kernels it changes go stale."""
+    plain = make_entry()
+    tma = make_entry(fwd_config={**plain.fwd_config, "tma": 1})
+    assert plain.template_hash != tma.template_hash and not is_stale(plain) and not is_stale(tma)
+    templates = tmp_path / "templates"
+    shutil.copytree(codegen.template_dir(), templates)
+    fwd = templates / "attn_fwd.py.jinja"
+    fwd.write_text(fwd.read_text() + "{% if TMA %}\n# only TMA forwards render this line\n{% endif %}\n")
+    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
+    caches = (codegen.template_hash, codegen._environment, codegen.kernel_hash)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        assert is_stale(plain) == []
+        (reason,) = is_stale(tma)
+        assert reason.startswith(f"kernels that have changed since (kernel hash {tma.template_hash}")
+    finally:
+        for cache in caches:
+            cache.cache_clear()

@@ -184,8 +184,9 @@ SHIPPED_H200_CALLS = [  # (seqlen, kwargs of check_inputs): what tuned_db/nvidia
 
 @pytest.mark.parametrize("seqlen, kwargs", SHIPPED_H200_CALLS)
 def test_the_shipped_h200_db_answers_h200_calls(tmp_path, seqlen, kwargs):
-    """The DB in the package is current for these templates and Triton (a template edit makes every entry
-    stale: rebuild it with `benchmarks/gpu_run.sh ship-db`), and an H200 call finds it with no user DB."""
+    """The DB in the package is current for these templates and Triton (a template edit that changes its
+    entries' kernels makes them stale: rebuild it with `benchmarks/gpu_run.sh ship-db`), and an H200 call
+    finds it with no user DB."""
     shipped = dispatch.shipped_dbs()
     assert [path.name for path in shipped] == ["nvidia-h200.sqlite"]
     assert shipped[0].read_bytes()[18:20] == b"\x01\x01", "ship it in rollback-journal mode (no -wal/-shm files)"

@@ -45,7 +45,7 @@ def test_cli_search_writes_db_rows_with_the_right_keys(tmp_path):
         (entry,) = db.entries()
     assert (entry.gpu, entry.dtype, entry.head_dim, entry.mask_variant, entry.seqlen_q_bucket) == \
         ("triton-interpreter", "float16", 16, "causal", 64)
-    assert entry.template_hash == codegen.template_hash() and entry.interpreted and entry.trials == 9
+    assert entry.template_hash == entry.kernel_hash() and entry.interpreted and entry.trials == 9
     assert entry.attention_config().to_dict() == row["config"]
     # where the wall time went: every phase, none negative, and all of them make up the shape's wall time
     breakdown = row["breakdown"]

@@ -116,7 +116,8 @@ def export_db(db_path, gpu, dtype, head_dim, mask_variant, output) -> None:
 @db.command("import")
 @db_option
 @click.argument("source", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--force", is_flag=True, help="Import entries tuned with another Triton version or template hash.")
+@click.option("--force", is_flag=True,
+              help="Import entries tuned with another Triton version or kernels that have changed since.")
 def import_db(db_path, source, force) -> None:
     """Merge SOURCE (tuned DB or its JSON export) into the DB, keeping the faster entry per key.
 
@@ -141,10 +142,11 @@ def import_db(db_path, source, force) -> None:
 @db_option
 @filter_options
 @click.option("--stale/--all", default=True, show_default=True,
-              help="Drop only entries tuned with another Triton version or template hash, or every match.")
+              help="Drop only entries tuned with another Triton version or kernels that have changed since, "
+                   "or every match.")
 @click.option("--dry-run", is_flag=True, help="Only say what would be dropped.")
 def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
-    """Drop stale entries (another Triton version or template hash), or every matching entry.
+    """Drop stale entries (another Triton version, or kernels that have changed since), or every matching entry.
 
     Example:
 
