@@ -79,16 +79,6 @@ def template_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=4096)
-def kernel_hash(spec: KernelSpec, config: AttentionConfig) -> str:
-    """Hash of the forward and backward sources `config` renders for `spec`: what a tuned entry was
-    measured with. A template edit that leaves these kernels' code alone leaves it unchanged."""
-    digest = hashlib.sha256()
-    for kind in ("fwd", "bwd"):
-        digest.update(render(kind, spec, config).encode())
-    return digest.hexdigest()[:16]
-
-
 def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()

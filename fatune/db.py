@@ -1,6 +1,6 @@
 """The tuned database: winning launch configs per GPU, versions, kernel spec and shape bucket.
 
-A SQLite file written with sqlite-utils. One row per key (see KEY_COLUMNS); an upsert keeps
+A SQLite file written with sqlite-utils. One row per key (KEY_COLUMNS but the kernel hash); an upsert keeps
 the faster entry. WAL journaling and a busy timeout let several searching processes write
 one file without losing rows; every write runs in an IMMEDIATE transaction. The schema
 version lives in the `meta` table: older files are migrated, newer or foreign ones refused.
@@ -132,7 +132,7 @@ def key_columns(gpu: str, capability: str, key: CallKey) -> dict[str, Any]:
 def is_stale(entry: Entry) -> list[str]:
     """Why `entry` cannot be used by this installation (another Triton version, or kernels these templates
     render differently from the ones it was measured with: its template_hash column holds the hash of
-    those kernels, `codegen.kernel_hash`); [] if it can."""
+    those kernels, `launch.kernel_hash`); [] if it can."""
     import triton
 
     reasons = []
@@ -271,10 +271,10 @@ class Entry:
         return KernelSpec(self.dtype, self.head_dim, self.head_dim_v, **variant_fields()[self.mask_variant])
 
     def kernel_hash(self) -> str:
-        """The hash of the kernels this entry's configs render to with these templates (`codegen.kernel_hash`)."""
-        from fatune import codegen
+        """The hash of the kernels this entry's configs launch with these templates (`launch.kernel_hash`)."""
+        from fatune import launch
 
-        return codegen.kernel_hash(self.spec(), self.attention_config())
+        return launch.kernel_hash(self.spec(), self.attention_config(), self.group_size > 1)
 
     def attention_config(self) -> AttentionConfig:
         """The three kernels' launch configs this entry stores."""
@@ -568,8 +568,9 @@ class TunedDB:
         return next(self.entries(**dict(zip(KEY_COLUMNS, key))), None)
 
     def upsert(self, entry: Entry, *, keep_faster: bool = True) -> bool:
-        """Write `entry` unless an entry with the same key is faster (Entry.faster_than: forward times when
-        either is forward-only); True if written."""
+        """Write `entry` unless a current entry with the same key is faster (Entry.faster_than: forward times
+        when either is forward-only); the kernel hash is not part of that key, invalid rows of it never win,
+        stale ones lose to a current entry. True if written (it then replaces them all)."""
         if self.readonly:
             raise DBError(f"{self.label}: opened read-only")
         with self.transaction():
@@ -578,15 +579,18 @@ class TunedDB:
     def upsert_in_transaction(self, entry: Entry, *, keep_faster: bool = True) -> bool:
         """upsert() for a caller that holds the write transaction; InvalidEntry for an entry that is not valid."""
         entry.check()
-        where, args = self._where(dict(zip(KEY_COLUMNS, entry.key())))
-        row = next(self.db[TABLE].rows_where(where, args), None)
-        if row is not None:
+        key = {column: value for column, value in zip(KEY_COLUMNS, entry.key()) if column != "template_hash"}
+        where, args = self._where(key)
+        rows = list(self.db[TABLE].rows_where(where, args))
+        for row in rows:
             try:
                 current = Entry.from_row(row)
             except InvalidEntry:
-                current = None  # an invalid row never wins
-            if keep_faster and current is not None and not entry.faster_than(current):
+                continue  # an invalid row never wins
+            # a stale row loses to a current entry; otherwise the faster stays
+            if keep_faster and (not is_stale(current) or is_stale(entry)) and not entry.faster_than(current):
                 return False
+        for row in rows:
             self.db.execute(f"delete from {TABLE} where id = ?", [row["id"]])
         self.db[TABLE].insert(entry.to_row())
         return True
@@ -616,9 +620,11 @@ class TunedDB:
         usable = []
         for entry in self.entries(on_invalid=report, **filters):
             stale = is_stale(entry)
-            if stale:
-                report(f"{self.label}: entries tuned with {' and '.join(stale)} are not used; "
-                       f"run `fatune search` again")
+            if stale:  # one message per file and kind (a log line each), not per entry
+                kinds = ["another Triton version" if reason.startswith("Triton") else "kernels that have changed since"
+                         for reason in stale]
+                report(f"{self.label}: entries tuned with {' and '.join(kinds)} are not used; "
+                       f"run `fatune search` again (`fatune db list` shows them)")
                 continue
             usable.append(entry)
         return nearest(usable, key)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import operator
 from typing import Any, Callable, Sequence
 
@@ -28,7 +29,7 @@ from triton.compiler import CompiledKernel
 from fatune import codegen, signature
 from fatune.dispatch import device_arch
 from fatune.inputs import AttentionProblem
-from fatune.spec import MAX_SPLITS, AttentionConfig, LaunchConfig, with_runnable_atomic_dq
+from fatune.spec import MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, with_runnable_atomic_dq
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
 SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
@@ -229,6 +230,32 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     tma = fwd.tma if fwd.tma and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors) else 0
     resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=tma)
     return config if resolved == fwd else config.replace(fwd=resolved)
+
+
+def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> list[AttentionConfig]:
+    """Every config `resolve` can turn `config` into for calls of `spec` (with GQA groups or not), whatever
+    their tensors and GPU: key splits chosen (one, or several) when 0, TMA kept or dropped, atomic dQ as
+    asked or lowered; in a fixed order."""
+    fwd = config.fwd
+    fwds = {dataclasses.replace(fwd, pack_gqa=fwd.pack_gqa if grouped else 0, num_splits=splits, tma=tma)
+            for splits in ((1, 2) if fwd.num_splits == 0 else (fwd.num_splits,)) for tma in {fwd.tma, 0}}
+    dkdvs = {with_runnable_atomic_dq(config, spec, tma).dkdv for tma in (True, False)}
+    return [config.replace(fwd=f, dkdv=d) for f in sorted(fwds, key=str) for d in sorted(dkdvs, key=str)]
+
+
+@functools.lru_cache(maxsize=4096)
+def kernel_hash(spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
+    """Hash of every forward and backward source `config` can launch for `spec` (its `resolutions`,
+    rendered): what a tuned entry was measured with. A template edit in code none of them contains
+    leaves it unchanged."""
+    resolved = resolutions(config, spec, grouped)
+    forwards = {c.fwd: c for c in resolved}  # each forward and each backward rendered once
+    backwards = {(c.dkdv, c.dq): c for c in resolved}
+    digest = hashlib.sha256()
+    for kind, configs in (("fwd", forwards), ("bwd", backwards)):
+        for variant in sorted(configs, key=str):
+            digest.update(codegen.render(kind, spec, configs[variant]).encode())
+    return digest.hexdigest()[:16]
 
 
 _compile_only = False

@@ -55,7 +55,6 @@ from typing import Callable, Iterator
 import optuna
 import torch
 
-from fatune import codegen
 from fatune import storage as storage_module
 from fatune.db import Entry, TunedDB, key_columns, seqlen_bucket, shape_key
 from fatune.heuristics import DECODE_QUERIES, default_config
@@ -1005,10 +1004,13 @@ def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, t
 
 def to_entry(result: ShapeResult, target: Target) -> Entry:
     """The tuned-DB entry of a shape's winners; its key is built by fatune.db like the dispatcher's, its
-    template_hash is the hash of the kernels it measured (`codegen.kernel_hash`)."""
+    template_hash is the hash of the kernels it measured (`launch.kernel_hash`)."""
+    from fatune import launch
+
     return Entry(
         **{**key_columns(target.gpu, target.capability, shape_key(result.shape)),
-           "template_hash": codegen.kernel_hash(result.shape.spec, result.config)},
+           "template_hash": launch.kernel_hash(result.shape.spec, result.config,
+                                               result.shape.heads > result.shape.kv_heads)},
         fwd_config=result.config.fwd.to_dict(),
         bwd_config={"dkdv": result.config.dkdv.to_dict(), "dq": result.config.dq.to_dict()},
         fwd_ms=result.fwd_ms, bwd_ms=result.bwd_ms, fwd_bwd_ms=result.fwd_bwd_ms,  # NaN: forward-only

@@ -20,7 +20,7 @@ import sqlite_utils
 import torch
 import triton
 
-from fatune import codegen
+from fatune import codegen, launch
 from fatune.db import (SCHEMA_VERSION, DBError, Entry, InvalidEntry, TunedDB, export_entries, import_entries,
                        is_stale, read_entries, seqlen_bucket)
 from fatune.spec import DTYPES, KernelSpec
@@ -425,7 +425,7 @@ def test_an_entry_goes_stale_only_when_its_own_kernels_change(tmp_path, monkeypa
     fwd = templates / "attn_fwd.py.jinja"
     fwd.write_text(fwd.read_text() + "{% if TMA %}\n# only TMA forwards render this line\n{% endif %}\n")
     monkeypatch.setattr(codegen, "template_dir", lambda: templates)
-    caches = (codegen.template_hash, codegen._environment, codegen.kernel_hash)
+    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash)
     for cache in caches:
         cache.cache_clear()
     try:
@@ -435,3 +435,46 @@ def test_an_entry_goes_stale_only_when_its_own_kernels_change(tmp_path, monkeypa
     finally:
         for cache in caches:
             cache.cache_clear()
+
+
+@pytest.mark.parametrize("num_splits, stale", [(0, True), (4, False)])
+def test_an_entry_hashes_every_kernel_a_launch_can_make_of_it(tmp_path, monkeypatch, num_splits, stale):
+    """A forward stored with num_splits=0 (chosen per call) runs unsplit on a full grid: an edit in code
+    only unsplit forwards render makes it stale, and leaves an entry that always splits current."""
+    entry = make_entry(fwd_config={**make_entry().fwd_config, "num_splits": num_splits})
+    templates = tmp_path / "templates"
+    shutil.copytree(codegen.template_dir(), templates)
+    fwd = templates / "attn_fwd.py.jinja"
+    fwd.write_text(fwd.read_text() + "{% if not SPLIT_KV %}\n# only unsplit forwards render this line\n{% endif %}\n")
+    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
+    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        assert bool(is_stale(entry)) == stale
+    finally:
+        for cache in caches:
+            cache.cache_clear()
+
+
+def test_one_row_per_key_whatever_the_kernels(tmp_path):
+    """The kernel hash is not part of the key: a slower config of the same shape is not added beside the
+    faster one, a faster one replaces it, and a stale row loses even to a slower current entry."""
+    fast = make_entry(fwd_bwd_ms=3.0)
+    other_tiles = make_entry(fwd_config={**fast.fwd_config, "num_stages": 2}, fwd_bwd_ms=4.0)
+    assert other_tiles.template_hash != fast.template_hash
+    with TunedDB(tmp_path / "t.sqlite") as db:
+        assert db.upsert(fast) and not db.upsert(other_tiles) and db.count() == 1
+        assert db.upsert(replace(other_tiles, fwd_bwd_ms=2.0)) and db.count() == 1
+        assert next(db.entries()).fwd_config["num_stages"] == 2
+        db.delete(db.entries())
+        assert db.upsert(replace(fast, template_hash="0123456789abcdef", fwd_bwd_ms=1.0))
+        assert db.upsert(other_tiles) and db.count() == 1 and next(db.entries()).fwd_bwd_ms == 4.0
+
+
+def test_between_two_stale_rows_the_faster_stays(tmp_path):
+    old = make_entry(triton_version="3.0.0", fwd_bwd_ms=3.0)
+    with TunedDB(tmp_path / "t.sqlite") as db:
+        assert db.upsert(old)
+        assert not db.upsert(replace(old, fwd_config={**old.fwd_config, "num_stages": 2}, fwd_bwd_ms=9.0))
+        assert db.count() == 1 and next(db.entries()).fwd_bwd_ms == 3.0
