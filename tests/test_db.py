@@ -414,27 +414,34 @@ def test_a_forward_only_entry_is_valid_round_trips_and_is_compared_by_its_forwar
         assert not db.get(inference.key()).forward_only
 
 
+@contextlib.contextmanager
+def edited_template(tmp_path, monkeypatch, name: str, addition: str):
+    """The templates with `addition` appended to `name`, for the duration (kernel hashes recomputed)."""
+    templates = tmp_path / "templates"
+    shutil.copytree(codegen.template_dir(), templates)
+    (templates / name).write_text((templates / name).read_text() + addition)
+    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
+    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        for cache in caches:
+            cache.cache_clear()
+
+
 def test_an_entry_goes_stale_only_when_its_own_kernels_change(tmp_path, monkeypatch):
     """An entry keeps the hash of the kernels it measured: a template edit in code only other configs
     render (here: TMA forwards) leaves it current; the entries whose kernels it changes go stale."""
     plain = make_entry()
     tma = make_entry(fwd_config={**plain.fwd_config, "tma": 1})
     assert plain.template_hash != tma.template_hash and not is_stale(plain) and not is_stale(tma)
-    templates = tmp_path / "templates"
-    shutil.copytree(codegen.template_dir(), templates)
-    fwd = templates / "attn_fwd.py.jinja"
-    fwd.write_text(fwd.read_text() + "{% if TMA %}\n# only TMA forwards render this line\n{% endif %}\n")
-    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
-    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash)
-    for cache in caches:
-        cache.cache_clear()
-    try:
+    with edited_template(tmp_path, monkeypatch, "attn_fwd.py.jinja",
+                         "{% if TMA %}\n# only TMA forwards render this line\n{% endif %}\n"):
         assert is_stale(plain) == []
         (reason,) = is_stale(tma)
         assert reason.startswith(f"kernels that have changed since (kernel hash {tma.template_hash}")
-    finally:
-        for cache in caches:
-            cache.cache_clear()
 
 
 @pytest.mark.parametrize("num_splits, stale", [(0, True), (4, False)])
@@ -442,19 +449,9 @@ def test_an_entry_hashes_every_kernel_a_launch_can_make_of_it(tmp_path, monkeypa
     """A forward stored with num_splits=0 (chosen per call) runs unsplit on a full grid: an edit in code
     only unsplit forwards render makes it stale, and leaves an entry that always splits current."""
     entry = make_entry(fwd_config={**make_entry().fwd_config, "num_splits": num_splits})
-    templates = tmp_path / "templates"
-    shutil.copytree(codegen.template_dir(), templates)
-    fwd = templates / "attn_fwd.py.jinja"
-    fwd.write_text(fwd.read_text() + "{% if not SPLIT_KV %}\n# only unsplit forwards render this line\n{% endif %}\n")
-    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
-    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash)
-    for cache in caches:
-        cache.cache_clear()
-    try:
+    with edited_template(tmp_path, monkeypatch, "attn_fwd.py.jinja",
+                         "{% if not SPLIT_KV %}\n# only unsplit forwards render this line\n{% endif %}\n"):
         assert bool(is_stale(entry)) == stale
-    finally:
-        for cache in caches:
-            cache.cache_clear()
 
 
 def test_one_row_per_key_whatever_the_kernels(tmp_path):
