@@ -2,10 +2,11 @@
 reductions), over a set of tiles.
 
     python benchmarks/bwd_variants.py OUT.json [--lengths 4096] [--head-dims 64,128,256] [--dtype bfloat16]
-        [--kernels dkdv,dq] [--atomic]
+        [--kernels dkdv,dq] [--atomic] [--tma]
 
 For each shape (B·L = 16384 tokens, H·D = 2048, causal and not) candidate configs of the dK/dV
-kernel (with --atomic also with atomic dQ, both kinds; the dQ kernel from the heuristic) and of the dQ kernel
+kernel (with --atomic also with atomic dQ, both kinds; with --tma also with TMA query and dO loads; the dQ
+kernel from the heuristic) and of the dQ kernel
 (with a good dK/dV config) are run besides the heuristic, compiled ahead
 in a process pool, checked against torch SDPA's gradients, and timed as the whole backward
 (`KernelRunner.run("bwd")`, do_bench median, L2 flushed). The backward of SDPA's cuDNN and
@@ -59,14 +60,16 @@ def shapes(lengths: list[int], head_dims: list[int], dtype: str) -> list[Shape]:
     return out
 
 
-def candidates(shape: Shape, kernels: str, atomic: bool) -> list[AttentionConfig]:
+def candidates(shape: Shape, kernels: str, atomic: bool, tma: bool = False) -> list[AttentionConfig]:
     base = default_config(shape.spec, torch.cuda.get_device_capability())
     lanes = min(t for t in TILES if t >= shape.head_dim)
     configs = [base]
     if "dkdv" in kernels:
         for m, n, w, s in TILES[lanes]:
             for atomic_dq in ((0, 1, 2) if atomic else (0,)):
-                configs.append(base.replace(dkdv=LaunchConfig(m, n, num_warps=w, num_stages=s, atomic_dq=atomic_dq)))
+                for loads in ((0, 1) if tma else (0,)):
+                    configs.append(base.replace(dkdv=LaunchConfig(m, n, num_warps=w, num_stages=s, tma=loads,
+                                                                  atomic_dq=atomic_dq)))
     if "dq" in kernels:
         dkdv = LaunchConfig(*DKDV_FOR_DQ_SWEEP[lanes][:2], *DKDV_FOR_DQ_SWEEP[lanes][2:])
         for m, n, w, s in DQ_TILES[lanes]:
@@ -101,11 +104,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kernels", default="dkdv", help="which configs to vary: dkdv, dq or dkdv,dq")
     parser.add_argument("--atomic", action="store_true", help="also try each dK/dV tile with atomic dQ")
+    parser.add_argument("--tma", action="store_true", help="also try each dK/dV tile with TMA query and dO loads")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend
 
     todo = shapes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.head_dims.split(",")], args.dtype)
-    plan = [(shape, config) for shape in todo for config in candidates(shape, args.kernels, args.atomic)]
+    plan = [(shape, config) for shape in todo for config in candidates(shape, args.kernels, args.atomic, args.tma)]
     started = time.time()
     with CompilePool(min(16, os.cpu_count() or 1)) as pool:
         futures = [pool.submit(shape, config, "dkdv") for shape, config in plan]

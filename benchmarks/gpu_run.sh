@@ -149,6 +149,9 @@ GRID
     bwd-tma-dq)  # dQ added by TMA reductions (atomic_dq=2) vs element atomics vs the separate dQ kernel, per dK/dV tile
       python3 benchmarks/bwd_variants.py "$OUT/bwd-tma-dq.json" --head-dims ${BWD_DIMS:-64,128} --lengths ${BWD_LENGTHS:-4096} \
         --kernels dkdv --atomic > "$OUT/bwd-tma-dq.log" 2>&1; tail -n 80 "$OUT/bwd-tma-dq.log" ;;
+    bwd-tma)  # dK/dV with TMA query and dO loads vs pointer loads per tile (with atomic dQ kinds: BWD_ARGS=--atomic)
+      python3 benchmarks/bwd_variants.py "$OUT/bwd-tma.json" --head-dims ${BWD_DIMS:-64,128} --lengths ${BWD_LENGTHS:-4096} \
+        --kernels dkdv --tma ${BWD_ARGS:-} > "$OUT/bwd-tma.log" 2>&1; tail -n 80 "$OUT/bwd-tma.log" ;;
     fwd-variants)  # forward plain vs TMA variants per tile, d64/128/256 and GQA 8:1 (FWD_ARGS: --quick ...)
       python3 benchmarks/fwd_variants.py --out "$OUT/fwd-variants.json" --jobs 16 ${FWD_ARGS:-} > "$OUT/fwd-variants.log" 2>&1
       tail -n 60 "$OUT/fwd-variants.log" ;;
@@ -180,8 +183,8 @@ GRID
     accuracy-probe)  # the fp16 D=16 dQ failure: error ratios per dQ tile, end to end and from the golden's O and LSE
       python3 benchmarks/accuracy_probe.py "$OUT/accuracy-probe.json" > "$OUT/accuracy-probe.log" 2>&1
       tail -n 8 "$OUT/accuracy-probe.log" ;;
-    atomic-accuracy)  # the atomic-dQ backward (element atomics and TMA reductions) against the accuracy rule
-      python3 -m pytest tests/test_variants.py -k gpu_atomic -m gpu -n 8 -q -p no:cacheprovider \
+    atomic-accuracy)  # the backward's structures (atomic dQ: element atomics, TMA reductions; TMA dK/dV loads)
+      python3 -m pytest tests/test_variants.py -k "gpu_atomic or gpu_tma_dkdv" -m gpu -n 8 -q -p no:cacheprovider \
         > "$OUT/atomic-accuracy.log" 2>&1; tail -n 8 "$OUT/atomic-accuracy.log" ;;
     *)
       echo "unknown stage $stage" ;;

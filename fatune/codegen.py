@@ -82,7 +82,8 @@ def template_hash() -> str:
 def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> dict[str, Any]:
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
-    structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "ATOMIC_DQ": False, "TMA_DQ": False}
+    structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "ATOMIC_DQ": False, "TMA_DQ": False,
+                 "TMA_BWD": False}
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         structure.update({"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1,
@@ -103,6 +104,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         # float32 gradients are Kahan-summed, which atomics cannot do (launch.resolve drops it too)
         structure["ATOMIC_DQ"] = bool(config.dkdv.atomic_dq) and spec.dtype != "float32"
         structure["TMA_DQ"] = structure["ATOMIC_DQ"] and config.dkdv.atomic_dq == 2
+        structure["TMA_BWD"] = bool(config.dkdv.tma)
     return {
         "template_name": TEMPLATE_FILES[kind],
         "title": _TITLES[kind],

@@ -227,19 +227,21 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
         programs = triton.cdiv(rows, fwd.block_m) * (problem.kv_heads if pack else problem.heads) * problem.batch
         splits = choose_splits(programs, triton.cdiv(problem.max_seqlen_k, fwd.block_n), sm_count(device))
     seq_dim = 0 if problem.packed else 2
-    tma = fwd.tma if fwd.tma and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors) else 0
-    resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=tma)
-    return config if resolved == fwd else config.replace(fwd=resolved)
+    tma = tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors)
+    resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=fwd.tma if tma else 0)
+    dkdv = config.dkdv if tma or not config.dkdv.tma else dataclasses.replace(config.dkdv, tma=0)
+    return config if (resolved, dkdv) == (fwd, config.dkdv) else config.replace(fwd=resolved, dkdv=dkdv)
 
 
 def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> list[AttentionConfig]:
-    """Every config `resolve` can turn `config` into for calls of `spec` (with GQA groups or not), whatever
-    their tensors and GPU: key splits chosen (one, or several) when 0, TMA kept or dropped, atomic dQ as
-    asked or lowered; in a fixed order."""
+    """Every config `resolve` (and the backward, for its dO) can turn `config` into for calls of `spec` (with
+    GQA groups or not), whatever their tensors and GPU: key splits chosen (one, or several) when 0, TMA kept
+    or dropped, atomic dQ as asked or lowered; in a fixed order."""
     fwd = config.fwd
     fwds = {dataclasses.replace(fwd, pack_gqa=fwd.pack_gqa if grouped else 0, num_splits=splits, tma=tma)
             for splits in ((1, 2) if fwd.num_splits == 0 else (fwd.num_splits,)) for tma in {fwd.tma, 0}}
-    dkdvs = {with_runnable_atomic_dq(config, spec, tma).dkdv for tma in (True, False)}
+    dkdvs = {dataclasses.replace(with_runnable_atomic_dq(config, spec, tma_dq).dkdv, tma=tma)
+             for tma_dq in (True, False) for tma in {config.dkdv.tma, 0}}
     return [config.replace(fwd=f, dkdv=d) for f in sorted(fwds, key=str) for d in sorted(dkdvs, key=str)]
 
 
@@ -421,10 +423,13 @@ class Plan:
         key = (grad_out.stride(), grad_out.data_ptr() % 16)
         launches = self._bwd.get(key)
         if launches is None:
-            module = codegen.load("bwd", self.spec, self.config)
+            config = self.config
+            if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2):  # dO TMA cannot read
+                config = config.replace(dkdv=dataclasses.replace(config.dkdv, tma=0))
+            module = codegen.load("bwd", self.spec, config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
-            dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, self.config.dkdv, values)
+            dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, config.dkdv, values)
             if self.atomic_dq:
                 launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.rows_grid, self.config.dq, values),
                             dkdv,

@@ -122,11 +122,11 @@ class SearchSpace:
 
     num_splits: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)  # forward only; 0 = chosen at launch
     pack_gqa: tuple[int, ...] = (0, 1)  # forward only, GQA shapes only
-    tma: tuple[int, ...] = (0, 1)  # forward only; dropped at launch where TMA cannot read the tensors
+    tma: tuple[int, ...] = (0, 1)  # forward and dK/dV; dropped at launch where TMA cannot read the tensors
     atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, where fatune.spec.atomic_dq_kinds allows; 2 = TMA reductions
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
-        """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the forward's structure.
+        """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the structure fields it owns.
 
         On a GPU with `sms` multiprocessors, a shape whose forward fills SPLIT_WAVES waves even with
         its largest query tiles keeps only num_splits=0 (chosen at launch: no split there): splitting
@@ -141,6 +141,8 @@ class SearchSpace:
         kinds = tuple(kind for kind in self.atomic_dq if kind in atomic_dq_kinds(shape.spec))
         if kernel == "dkdv" and len(kinds) > 1:
             axes["atomic_dq"] = kinds
+        if kernel == "dkdv":
+            axes["tma"] = self.tma
         return axes
 
     def fills_gpu(self, shape: Shape, sms: int) -> bool:

@@ -201,7 +201,9 @@ class LaunchConfig:
         tensor descriptors, one per (batch, head) program; the hardware's bounds check
         zero-fills rows past the sequence. Hopper (sm_90) and newer, and only for tensors
         TMA can read (unit head-dim stride, 16-byte aligned base and strides): launches
-        elsewhere drop it (fatune.launch.resolve).
+        elsewhere drop it (fatune.launch.resolve). Also a dK/dV field: the query and dO
+        tiles streaming past the key tile are read through TMA descriptors (dropped
+        likewise, and for a dO TMA cannot read).
     dK/dV only:
     atomic_dq: 1 = the dK/dV kernel also computes dQ (dS K, added to a float32 buffer with
         atomic adds), so the backward runs 5 tile products instead of 7 and no dQ kernel;
@@ -278,8 +280,8 @@ def _is_int(value: Any) -> bool:
 # the code-structure fields and their plain-kernel values
 STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "atomic_dq": 0}
 KERNELS = ("fwd", "dkdv", "dq")
-# the kernel whose code each structure field changes (the others keep the plain value)
-STRUCTURE_OWNER = {"num_splits": "fwd", "pack_gqa": "fwd", "tma": "fwd", "atomic_dq": "dkdv"}
+# the kernels whose code each structure field changes (the others keep the plain value)
+STRUCTURE_OWNER = {"num_splits": ("fwd",), "pack_gqa": ("fwd",), "tma": ("fwd", "dkdv"), "atomic_dq": ("dkdv",)}
 
 
 def atomic_dq_kinds(spec: KernelSpec) -> tuple[int, ...]:
@@ -304,7 +306,7 @@ def with_runnable_atomic_dq(config: AttentionConfig, spec: KernelSpec, tma: bool
 
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
     """The structure fields `config` sets that do not belong to `kernel` (sorted)."""
-    return sorted(name for name in config.structure if STRUCTURE_OWNER[name] != kernel)
+    return sorted(name for name in config.structure if kernel not in STRUCTURE_OWNER[name])
 
 
 @dataclass(frozen=True)
@@ -319,7 +321,7 @@ class AttentionConfig:
         for name in KERNELS:
             misplaced = misplaced_structure(name, getattr(self, name))
             if misplaced:
-                owners = ", ".join(f"{field}: {STRUCTURE_OWNER[field]}" for field in misplaced)
+                owners = ", ".join(f"{field}: {'/'.join(STRUCTURE_OWNER[field])}" for field in misplaced)
                 raise ValueError(f"{name}: {misplaced} belong to another kernel ({owners})")
 
     def replace(self, **changes: LaunchConfig) -> AttentionConfig:

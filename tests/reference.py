@@ -140,6 +140,10 @@ def run_and_compare(q, k, v, *, grad_layout: str = "dense", dropout_keep: torch.
     grad_out = torch.randn_like(out)
     if grad_layout == "transposed":
         grad_out = grad_out.transpose(-2, -3).contiguous().transpose(-2, -3)
+    elif grad_layout == "every-other-lane":  # head-dim stride 2: TMA cannot read it
+        wide = torch.zeros(*grad_out.shape[:-1], 2 * grad_out.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
+        wide[..., ::2] = grad_out
+        grad_out = wide[..., ::2]
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     problem = check_inputs(q, k, v, **{key: value for key, value in kwargs.items() if key not in ("config", "strict")})
 

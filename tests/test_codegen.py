@@ -205,6 +205,28 @@ def test_tma_dq_renders_one_descriptor_per_program_and_compiles_for_sm90(tmp_pat
                                "(spec, tag, info)\n", tmp_path)
 
 
+# backward with the query and dO tiles read by TMA: (spec, dK/dV config)
+TMA_DKDV_COMPILE_CASES = [
+    (KernelSpec("bfloat16", 128, causal=True), "64x64/w4/s2/t"),
+    (KernelSpec("float16", 40, 24, causal=True), "64x64/w4/s2/t"),  # padded lanes past the head dims
+    (KernelSpec("bfloat16", 96, seqlens="varlen", causal=True, bottom_right=True), "64x128/w8/s2/t/a2"),
+    (KernelSpec("bfloat16", 64, window_left=True, causal=True), "32x64/w4/s3/t"),
+]
+
+
+def test_tma_dkdv_builds_its_descriptors_once_and_compiles_for_sm90(tmp_path):
+    """The dK/dV kernel's query and dO tiles come through two TMA descriptors per program, built before the
+    GQA head loop and indexed by the head, and the kernel lowers to bulk tensor copies on sm_90."""
+    for spec, tag in TMA_DKDV_COMPILE_CASES:
+        source = codegen.render("bwd", spec, default_config(spec, (9, 0)).replace(dkdv=LaunchConfig.parse(tag)))
+        dkdv = source.split("def attn_bwd_dkdv")[1].split("def key_tile_p_dp")[0]
+        assert dkdv.count("tl.make_tensor_descriptor(") == 2 + ("/a2" in tag), tag
+        assert dkdv.rindex("tl.make_tensor_descriptor(") < dkdv.index("for g in range(0, GROUP)")
+        assert "Q_head.load([head.to(tl.int32), start_m, 0])" in source
+    _compile_variants_for_sm90(TMA_DKDV_COMPILE_CASES, "dkdv", "    assert info.uses_wgmma and info.uses_tma, "
+                               "(spec, tag, info)\n", tmp_path)
+
+
 def test_cache_key_and_reuse(tmp_path, monkeypatch):
     monkeypatch.setenv(codegen.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(codegen, "_modules", {})  # as in a fresh process

@@ -190,7 +190,7 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("fwd_config", {**GOOD_CONFIG, "tma": 2}, "fwd_config.tma"),
     # a field this version does not know (e.g. a removed switch) makes the entry invalid
     ("fwd_config", {**GOOD_CONFIG, "tma": 1, "retired_switch": 1}, "fwd_config: expected an object"),
-    ("bwd_config", {"dkdv": {**GOOD_CONFIG, "tma": 1}, "dq": GOOD_CONFIG}, "bwd_config.dkdv: ['tma']"),
+    ("bwd_config", {"dkdv": {**GOOD_CONFIG, "num_splits": 2}, "dq": GOOD_CONFIG}, "bwd_config.dkdv: ['num_splits']"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "tma": 1}}, "bwd_config.dq: ['tma']"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "retired_switch": 0}}, "bwd_config.dq: expected"),
     ("fwd_bwd_ms", -1.0, "fwd_bwd_ms"),

@@ -341,7 +341,8 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     ("float16", 2, "fwd", ["num_splits", "tma"]),
     ("bfloat16", 1, "fwd", ["num_splits", "pack_gqa", "tma"]),
     ("float32", 2, "fwd", ["num_splits", "tma"]),
-    ("float16", 2, "dkdv", ["atomic_dq"]),  # float32 dK/dV keeps its Kahan-summed dQ kernel
+    ("float16", 2, "dkdv", ["atomic_dq", "tma"]),
+    ("float32", 2, "dkdv", ["tma"]),  # float32 dK/dV keeps its Kahan-summed dQ kernel
     ("float16", 2, "dq", []),
 ])
 def test_forward_structure_axes(dtype, kv_heads, kernel, structure):

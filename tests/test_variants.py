@@ -362,6 +362,43 @@ def test_atomic_dq_packed_varlen_and_dropout(kind, monkeypatch, poison_outputs):
     run_and_compare(q, k, v, dropout_p=p, is_causal=True, dropout_keep=keep, config=_atomic_dq(kind=kind))
 
 
+# ------------------------------------------------------------------ TMA loads in dK/dV (backward structure)
+
+def _tma_dkdv(atomic=0):
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(16, 32, tma=1, atomic_dq=atomic))
+
+
+@pytest.mark.parametrize("atomic", [0, 2], ids=["dq-kernel", "tma-reduce"])
+@pytest.mark.parametrize("make", [case[1] for case in ATOMIC_DQ_CASES], ids=[case[0] for case in ATOMIC_DQ_CASES])
+def test_tma_dkdv(make, atomic, poison_outputs):
+    """The dK/dV kernel reading its query and dO tiles through TMA descriptors (zero-filled past the
+    sequence and the head dim) gives the same gradients, on every code path of its query loop."""
+    q, k, v, kwargs = make()
+    run_and_compare(q, k, v, config=_tma_dkdv(atomic), **kwargs)
+
+
+def test_tma_dkdv_packed_varlen(poison_outputs):
+    q, k, v, cu_q, cu_k = _packed([1, 16, 7], [40, 21, 3], 4, 2, 32, 32, seed=4)
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16, max_seqlen_k=40,
+                    is_causal=True, enable_gqa=True, config=_tma_dkdv())
+
+
+@pytest.mark.parametrize("grad_layout, tma", [("dense", 1), ("transposed", 1), ("every-other-lane", 0)])
+def test_tma_dkdv_reads_do_only_where_tma_can(grad_layout, tma, monkeypatch, poison_outputs):
+    """dO comes from autograd in any layout: the backward keeps TMA loads for a dO TMA can read and
+    compiles the pointer loads for one it cannot."""
+    from fatune import codegen
+
+    loaded = []
+    load = codegen.load
+    monkeypatch.setattr(codegen, "load", lambda kind, spec, config: loaded.append((kind, config)) or load(kind, spec, config))
+    q, k, v = _qkv(lq=29, lk=41, seed=31)
+    run_and_compare(q, k, v, is_causal=True, config=_tma_dkdv(), grad_layout=grad_layout)
+    assert [config.dkdv.tma for kind, config in loaded if kind == "bwd"] == [tma]
+
+
 @pytest.mark.parametrize("head_dim, dtype, expected", [(32, torch.float16, 2), (24, torch.float16, 2),
                                                          (30, torch.float16, 1), (32, torch.float32, 0),
                                                          (16, torch.float16, 0)])
@@ -493,9 +530,10 @@ def test_resolve_keeps_tma_only_for_tensors_tma_can_read(case, tensors, kept, mo
         problem = _problem(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
     else:
         problem = _problem(q, k, v)
-    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x32/w4/s2/t"))
-    fwd = launch.resolve(config, problem, torch.device("cpu"), (q, k, v)).fwd
-    assert fwd.tma == kept, fwd
+    config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x32/w4/s2/t"),
+                                        dkdv=fatune.LaunchConfig.parse("32x64/w4/s2/t"))
+    resolved = launch.resolve(config, problem, torch.device("cpu"), (q, k, v))
+    assert resolved.fwd.tma == resolved.dkdv.tma == kept, resolved
 
 
 @pytest.mark.parametrize("arch, interpreting, available", [
@@ -706,6 +744,23 @@ def test_gpu_atomic_dq(name, dtype, poison_outputs, record_gpu_errors):
     for kind in (1, 2):  # element atomics, TMA reductions
         config = base.replace(dkdv=dataclasses.replace(base.dkdv, atomic_dq=kind))
         record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["causal-bottom-right", "gqa-8", "key-padding", "window", "head-dim-80",
+                                  "head-dim-256", "alibi", "mask-bool"])
+def test_gpu_tma_dkdv(name, dtype, poison_outputs, record_gpu_errors):
+    """The dK/dV kernel with TMA query and dO loads (with the dQ kernel, and with TMA-reduced dQ) on GPU
+    tiles, against the accuracy rule; dO also in a layout TMA cannot read (the pointer loads then)."""
+    from fatune.dispatch import device_arch
+    from fatune.heuristics import default_config
+
+    q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed("tma-dkdv", name, dtype)), dtype)
+    base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], q.shape[-1]), device_arch(q.device))
+    for atomic, grad_layout in ((0, "dense"), (2, "dense"), (0, "every-other-lane")):
+        config = base.replace(dkdv=dataclasses.replace(base.dkdv, tma=1, atomic_dq=atomic))
+        record_gpu_errors(run_and_compare(q, k, v, config=config, grad_layout=grad_layout, **kwargs))
 
 
 GPU_INFERENCE_CASES = [
