@@ -288,7 +288,7 @@ def test_structure_suffixes_round_trip(text, fields):
     (lambda: LaunchConfig.parse("64x64/w4/s3/t/x"), r"config: expected .*\[/t\]\[/a\|/a2\]"),  # unknown suffix
     (lambda: LaunchConfig(64, 64, atomic_dq=3), "atomic_dq: expected 0, 1 or 2"),
     (lambda: LaunchConfig.parse("64x64/w4/s3/a3"), "config"),
-    (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1), LaunchConfig(64, 64)), "tma"),
+    (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64, pack_gqa=1), LaunchConfig(64, 64)), "pack_gqa"),
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1)), "tma"),
 ])
 def test_bad_structure_fields_name_the_field(make, message):
