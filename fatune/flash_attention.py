@@ -156,8 +156,9 @@ class Explanation:
                  f"d={self.spec.head_dim}, dv={self.spec.head_dim_v})", f"why: {self.reason}"]
         if self.decision is not None:
             lines.append(self.decision.describe())
-            if self.launched is not None and self.launched.fwd != self.decision.config.fwd:
-                lines.append(f"launched: fwd {self.launched.fwd} (choices made for these tensors and this GPU)")
+            if self.launched is not None and self.launched != self.decision.config:
+                lines.append(f"launched: fwd {self.launched.fwd} | dkdv {self.launched.dkdv} | dq {self.launched.dq} "
+                             f"(choices made for these tensors and this GPU)")
         lines += [f"source ({kind}): {path}" for kind, path in self.sources.items()]
         return "\n".join(lines)
 

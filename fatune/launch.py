@@ -195,15 +195,16 @@ def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
     return max(1, min(MAX_SPLITS, sms // programs, key_tiles // 2))
 
 
-def tma_readable(tensor: torch.Tensor, seq_dim: int) -> bool:
+def tma_readable(tensor: torch.Tensor, seq_dim: int, every_head: bool = False) -> bool:
     """Whether TMA can read `tensor`'s rows tile by tile: unit head-dim stride, a 16-byte aligned
-    base, a 16-byte multiple as the row (`seq_dim`) stride, and as the other strides where their
-    dim has more than one index (the kernel offsets its base by them)."""
+    base, a positive 16-byte multiple as the row (`seq_dim`) stride, and as the other strides where
+    their dim has more than one index (the kernel offsets its base by them). `every_head`: one
+    descriptor spans all heads (dim 1), so the head stride is one of its strides, however many heads."""
     size = tensor.element_size()
     if tensor.data_ptr() % 16 or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
         return False
-    return all((stride * size) % 16 == 0 for dim, stride in enumerate(tensor.stride()[:-1])
-               if dim == seq_dim or tensor.shape[dim] > 1)
+    return all(stride > 0 and (stride * size) % 16 == 0 for dim, stride in enumerate(tensor.stride()[:-1])
+               if dim == seq_dim or tensor.shape[dim] > 1 or (every_head and dim == 1))
 
 
 def tma_available(device: torch.device) -> bool:
@@ -216,7 +217,7 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
             tensors: Sequence[torch.Tensor]) -> AttentionConfig:
     """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
     only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
-    have it and for tensors it can read, and atomic dQ only where it runs as asked
+    have it and for tensors it can read (dK/dV's: the query's), and atomic dQ only where it runs as asked
     (fatune.spec.atomic_dq_kinds; TMA reductions only on GPUs with TMA), else the next kind down."""
     config = with_runnable_atomic_dq(config, problem.spec, tma_available(device))
     fwd = config.fwd
@@ -227,9 +228,11 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
         programs = triton.cdiv(rows, fwd.block_m) * (problem.kv_heads if pack else problem.heads) * problem.batch
         splits = choose_splits(programs, triton.cdiv(problem.max_seqlen_k, fwd.block_n), sm_count(device))
     seq_dim = 0 if problem.packed else 2
-    tma = tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors)
-    resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=fwd.tma if tma else 0)
-    dkdv = config.dkdv if tma or not config.dkdv.tma else dataclasses.replace(config.dkdv, tma=0)
+    tma = bool(fwd.tma) and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors)
+    resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=int(tma))
+    # dK/dV reads the query rows (and dO's, checked per backward) of every head through one descriptor
+    dkdv_tma = bool(config.dkdv.tma) and tma_available(device) and tma_readable(tensors[0], seq_dim, every_head=True)
+    dkdv = dataclasses.replace(config.dkdv, tma=int(dkdv_tma))
     return config if (resolved, dkdv) == (fwd, config.dkdv) else config.replace(fwd=resolved, dkdv=dkdv)
 
 
@@ -424,7 +427,7 @@ class Plan:
         launches = self._bwd.get(key)
         if launches is None:
             config = self.config
-            if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2):  # dO TMA cannot read
+            if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2, every_head=True):
                 config = config.replace(dkdv=dataclasses.replace(config.dkdv, tma=0))
             module = codegen.load("bwd", self.spec, config)
             values = dict(self.values)

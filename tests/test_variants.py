@@ -385,6 +385,13 @@ def test_tma_dkdv_packed_varlen(poison_outputs):
                     is_causal=True, enable_gqa=True, config=_tma_dkdv())
 
 
+def test_tma_dkdv_one_head_with_an_odd_head_stride(poison_outputs):
+    """One query head whose head stride is no 16-byte multiple: the forward keeps its TMA loads (it only
+    offsets by the head), dK/dV's descriptors over every head's rows cannot take it (pointer loads)."""
+    q, k, v = (t.requires_grad_() for t in _one_head_odd_head_stride(DEVICE))
+    run_and_compare(q, k, v, is_causal=True, config=_tma_dkdv())
+
+
 @pytest.mark.parametrize("grad_layout, tma", [("dense", 1), ("transposed", 1), ("every-other-lane", 0)])
 def test_tma_dkdv_reads_do_only_where_tma_can(grad_layout, tma, monkeypatch, poison_outputs):
     """dO comes from autograd in any layout: the backward keeps TMA loads for a dO TMA can read and
@@ -506,7 +513,13 @@ def _tensors(layout="bhld", d=32, dtype=F16, offset=0, packed=False):
     return [torch.empty(2 * 2 * 24 * d + offset, dtype=dtype)[offset:].view(shape) for _ in range(3)]
 
 
-TMA_LAYOUTS = [
+def _one_head_odd_head_stride(device="cpu"):
+    """(2, 1, 29, 36) views whose head stride (36 elements: 72 bytes) TMA cannot use as a stride."""
+    return [torch.randn(2, 29, 40, dtype=F16, device=device)[..., :36].unsqueeze(2).transpose(1, 2)
+            for _ in range(3)]
+
+
+TMA_LAYOUTS = [  # (case, tensors, TMA kept in the forward, in dK/dV: its descriptors span every head)
     ("contiguous", lambda: _tensors(), 1),
     ("blhd", lambda: _tensors("blhd"), 1),
     ("float32-d4", lambda: _tensors(d=4, dtype=torch.float32), 1),
@@ -515,6 +528,8 @@ TMA_LAYOUTS = [
     ("base-not-16-bytes", lambda: _tensors(offset=1), 0),
     ("packed", lambda: _tensors(packed=True), 1),
     ("packed-base-not-16-bytes", lambda: _tensors(packed=True, offset=4), 0),
+    ("one-head-odd-head-stride", _one_head_odd_head_stride, (1, 0)),
+    ("expanded-heads", lambda: [t[:, :1].expand(2, 2, 24, 32) for t in _tensors()], 0),
 ]
 
 
@@ -533,7 +548,7 @@ def test_resolve_keeps_tma_only_for_tensors_tma_can_read(case, tensors, kept, mo
     config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x32/w4/s2/t"),
                                         dkdv=fatune.LaunchConfig.parse("32x64/w4/s2/t"))
     resolved = launch.resolve(config, problem, torch.device("cpu"), (q, k, v))
-    assert resolved.fwd.tma == resolved.dkdv.tma == kept, resolved
+    assert (resolved.fwd.tma, resolved.dkdv.tma) == (kept if isinstance(kept, tuple) else (kept, kept)), resolved
 
 
 @pytest.mark.parametrize("arch, interpreting, available", [
