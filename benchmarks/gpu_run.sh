@@ -72,15 +72,16 @@ for stage in "$@"; do
     search-time)  # wall time per shape (one shape, 30 trials per kernel) and where it goes (the breakdown table
       # at the end of each log); fresh DB, Optuna storage and Triton cache per run, so nothing is a cache hit.
       # SEARCH_TIME_CW: the --compile-workers values to run ("default" = fatune's own choice), ~30-60 s each.
+      i=0
       for cw in ${SEARCH_TIME_CW:-default}; do
-        dir=$(mktemp -d)
+        i=$((i + 1)) dir=$(mktemp -d)
         flag=$([ "$cw" = default ] || echo "--compile-workers $cw")
         start=$(date +%s.%N)
         TRITON_CACHE_DIR=$dir/triton python3 -m fatune.cli search --head-dim 64 --dtype bf16 --lengths 4096 \
-          --mask causal --trials 30 $flag --db "$dir/tuned.sqlite" > "$OUT/search-cw$cw.log" 2>&1
+          --mask causal --trials 30 $flag --db "$dir/tuned.sqlite" > "$OUT/search-$i-cw$cw.log" 2>&1
         echo "compile-workers $cw: rc $? wall $(python3 -c "import time; print(round(time.time() - $start, 1))") s" \
           | tee -a "$OUT/search-time.txt"
-        tail -n 8 "$OUT/search-cw$cw.log"
+        tail -n 8 "$OUT/search-$i-cw$cw.log"
       done ;;
     search-profile)  # cProfile of one search-time shape (fresh caches): where the owner process's time goes
       dir=$(mktemp -d)

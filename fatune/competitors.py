@@ -97,6 +97,9 @@ def flex(shape: Shape, device: torch.device | str = "cuda") -> Attention:
     copy; the layout of a (B, L, H, D) model's transposed projections) under a document mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # a fresh compile per shape: past dynamo's recompile limit (8 per function; a bench's fifth shape) Flex
+    # would silently run its unfused eager path, materialising the scores
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     # fatune's alignment: top-left for is_causal alone, bottom-right with a window (equal for Lq == Lk)

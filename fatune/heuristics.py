@@ -21,8 +21,10 @@ def _hopper(block_d: int, dtype: str, causal: bool) -> AttentionConfig:
     if block_d <= 64 and not wide:
         return AttentionConfig(
             fwd=LaunchConfig(128, 64, num_warps=8, num_stages=3),  # 4% over 64x64/w4; TMA gains nothing here
-            # causal: shorter key tiles waste less of the diagonal (backward 2.52 vs 2.68 ms at L=4096)
-            dkdv=LaunchConfig(32, 64 if causal else 128, num_warps=4, num_stages=3),
+            # causal: dQ added by TMA reductions from the dK/dV kernel, its query and dO through TMA
+            # (backward 2.20 vs 2.51 ms with the separate dQ kernel at L=4096); not causal: 4.00 vs 3.96, kept
+            dkdv=LaunchConfig(64, 64, num_warps=4, num_stages=3, tma=1, atomic_dq=2) if causal
+            else LaunchConfig(32, 128, num_warps=4, num_stages=3),
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
         )
     if block_d <= 128 and not wide:
@@ -30,13 +32,14 @@ def _hopper(block_d: int, dtype: str, causal: bool) -> AttentionConfig:
             # TMA loads: 3-6% over pointer loads at d128 (causal 0.647 vs 0.675 ms, L=4096)
             fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3, tma=1) if causal
             else LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=1),
-            dkdv=LaunchConfig(64, 64, num_warps=4, num_stages=2),
+            dkdv=LaunchConfig(64, 64, num_warps=4, num_stages=2, tma=1),  # TMA query/dO: 3.20 vs 3.37 ms, L=4096
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
         )
     if not wide:  # head dims 129..256: 64-row tiles (forward 1.109 vs 1.952 ms, backward 7.1 vs 22.3 at d256, L=4096)
         return AttentionConfig(
             fwd=LaunchConfig(64, 64, num_warps=4, num_stages=3, tma=1),
-            dkdv=LaunchConfig(64, 64, num_warps=8, num_stages=1),
+            # TMA query/dO loads: 6.59 vs 7.23 ms (causal 3.57 vs 4.67) over 64x64/w8, d256 L=4096
+            dkdv=LaunchConfig(64, 32, num_warps=4, num_stages=1, tma=1),
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=1),
         )
     return AttentionConfig(

@@ -81,4 +81,4 @@ def test_gpu_a_candidate_compiled_in_the_pool_is_a_cache_hit(tmp_path, monkeypat
     runner.prepare()
     runner.run("dkdv")()
     torch.cuda.synchronize()
-    assert hits == [True, True, True]  # forward, dQ (prepare), dK/dV
+    assert len(hits) >= 3 and all(hits), hits  # forward, the backward's kernels (dQ or its accumulator), dK/dV
