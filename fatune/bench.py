@@ -37,6 +37,7 @@ class BenchRow:
     peak_bytes: int = 0
     max_abs_diff: float = math.nan  # output vs torch SDPA's default backend on the same inputs
     error: str = ""
+    note: str = ""  # fatune's: the dispatch layer and the configs launched (fatune.explain)
 
     @property
     def fwd_tflops(self) -> float:
@@ -58,20 +59,41 @@ class BenchRow:
         return data
 
 
-def fatune_impl(name: str, shape: Shape) -> Attention:
-    import fatune
+def _fatune_config(name: str, shape: Shape, device: torch.device):
+    """The config an implementation named in FATUNE_IMPLS forces on `device` (None: dispatched)."""
     from fatune.db import seqlen_bucket
     from fatune.dispatch import device_arch
     from fatune.heuristics import DECODE_QUERIES, default_config
 
-    config = None
-    if name in ("fatune-heuristic", "fatune-plain"):
-        decode = seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
-        config = default_config(shape.spec, device_arch(torch.device("cuda")), decode)
+    if name not in ("fatune-heuristic", "fatune-plain"):
+        return None
+    decode = seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
+    config = default_config(shape.spec, device_arch(device), decode)
     if name == "fatune-plain":
         config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
-    kwargs = shape.attention_kwargs("cuda")
+    return config
+
+
+def fatune_impl(name: str, shape: Shape, device: str = "cuda") -> Attention:
+    import fatune
+
+    config = _fatune_config(name, shape, torch.device(device))
+    kwargs = shape.attention_kwargs(device)
     return lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs)
+
+
+def fatune_note(name: str, shape: Shape, inputs: dict[str, torch.Tensor]) -> str:
+    """Where a fatune implementation's configs came from and what it launched, e.g.
+    'shipped-db: 64x64/w4/s3/t | 64x64/w4/s2/t | 128x64/w8/s3' (forward | dK/dV | dQ)."""
+    import fatune
+
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    explained = fatune.explain(q, k, v, config=_fatune_config(name, shape, q.device), **shape.attention_kwargs(q.device))
+    if explained.decision is None or explained.launched is None:
+        return explained.backend
+    launched = explained.launched
+    dq = "-" if launched.dkdv.atomic_dq else str(launched.dq)  # atomic dQ: no dQ kernel runs
+    return f"{explained.decision.layer}: {launched.fwd} | {launched.dkdv} | {dq}"
 
 
 def _peak_bytes(attention: Attention, inputs: dict[str, torch.Tensor]) -> int:
@@ -110,6 +132,8 @@ def bench_shape(shape: Shape, impls: Iterable[str], warmup_ms: float = 25, rep_m
             row.peak_bytes = _peak_bytes(runner, inputs)
             with torch.no_grad():
                 row.max_abs_diff = (runner(inputs["q"], inputs["k"], inputs["v"]).float() - reference).abs().max().item()
+            if name in FATUNE_IMPLS:
+                row.note = fatune_note(name, shape, inputs)
         except Exception as error:  # a competitor that cannot run a shape is reported, not fatal
             row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         rows.append(row)
@@ -186,7 +210,7 @@ def detail_table(rows: list[BenchRow]) -> str:
         lines.append(
             f"| {row.shape.label()} | {row.impl} | {row.fwd_ms:.3f} | {row.bwd_ms:.3f} | {row.fwd_bwd_ms:.3f} | "
             f"{row.fwd_tflops:.1f} | {row.fwd_bwd_tflops:.1f} | {row.tokens_per_s:.3g} | "
-            f"{row.peak_bytes / 2**20:.0f} | {row.compile_s:.1f} | {row.max_abs_diff:.2e} | |"
+            f"{row.peak_bytes / 2**20:.0f} | {row.compile_s:.1f} | {row.max_abs_diff:.2e} | {row.note} |"
         )
     return "\n".join(lines)
 

@@ -239,7 +239,8 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
 def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> list[AttentionConfig]:
     """Every config `resolve` (and the backward, for its dO) can turn `config` into for calls of `spec` (with
     GQA groups or not), whatever their tensors and GPU: key splits chosen (one, or several) when 0, TMA kept
-    or dropped, atomic dQ as asked or lowered; in a fixed order."""
+    or dropped, atomic dQ as asked or lowered; in a fixed order. (torch's deterministic mode, which swaps
+    atomic dQ for the dQ kernel, is the caller's choice, not part of what a tuned config was measured as.)"""
     fwd = config.fwd
     fwds = {dataclasses.replace(fwd, pack_gqa=fwd.pack_gqa if grouped else 0, num_splits=splits, tma=tma)
             for splits in ((1, 2) if fwd.num_splits == 0 else (fwd.num_splits,)) for tma in {fwd.tma, 0}}
@@ -419,21 +420,29 @@ class Plan:
 
     # -- backward ----------------------------------------------------------------------------
 
-    def bwd_launches(self, grad_out: torch.Tensor) -> tuple[KernelLaunch, ...]:
+    def adds_dq_atomically(self) -> bool:
+        """Whether this backward adds dQ up atomically: as configured, unless torch's deterministic mode is on
+        (`torch.use_deterministic_algorithms`): atomic adds land in any order, so the dQ kernel runs instead."""
+        return self.atomic_dq and not torch.are_deterministic_algorithms_enabled()
+
+    def bwd_launches(self, grad_out: torch.Tensor, atomic: bool | None = None) -> tuple[KernelLaunch, ...]:
         """The backward's kernels in launch order, for gradients of this stride and alignment (cached):
-        dQ and Delta, then dK/dV; with atomic dQ: Delta (and a zeroed dQ accumulator), dK/dV with dQ,
-        then dQ's store."""
-        key = (grad_out.stride(), grad_out.data_ptr() % 16)
+        dQ and Delta, then dK/dV; with atomic dQ (`atomic`, default adds_dq_atomically()): Delta (and a zeroed
+        dQ accumulator), dK/dV with dQ, then dQ's store."""
+        atomic = self.adds_dq_atomically() if atomic is None else atomic and self.atomic_dq
+        key = (grad_out.stride(), grad_out.data_ptr() % 16, atomic)
         launches = self._bwd.get(key)
         if launches is None:
             config = self.config
             if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2, every_head=True):
                 config = config.replace(dkdv=dataclasses.replace(config.dkdv, tma=0))
+            if self.atomic_dq and not atomic:
+                config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
             module = codegen.load("bwd", self.spec, config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
             dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, config.dkdv, values)
-            if self.atomic_dq:
+            if atomic:
                 launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.rows_grid, self.config.dq, values),
                             dkdv,
                             KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, self.config.dq,
@@ -443,11 +452,13 @@ class Plan:
             self._bwd[key] = launches
         return launches
 
-    def allocate_backward(self) -> tuple[torch.Tensor, ...]:
-        """(delta, dq, dk, dv, dq_acc) buffers; dq_acc (atomic dQ's float32 accumulator) is None without it."""
+    def allocate_backward(self, atomic: bool | None = None) -> tuple[torch.Tensor, ...]:
+        """(delta, dq, dk, dv, dq_acc) buffers; dq_acc (atomic dQ's float32 accumulator) is None without it
+        (`atomic`: as for bwd_launches)."""
+        atomic = self.adds_dq_atomically() if atomic is None else atomic and self.atomic_dq
         delta = new_buffer(*self.lse_layout, torch.float32, self.device)
         dq, dk, dv = (new_buffer(shape, strides, self.dtype, self.device) for shape, strides in self.grad_layouts)
-        dq_acc = new_buffer(*self.dq_acc_layout, torch.float32, self.device) if self.atomic_dq else None
+        dq_acc = new_buffer(*self.dq_acc_layout, torch.float32, self.device) if atomic else None
         return delta, dq, dk, dv, dq_acc
 
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -456,8 +467,9 @@ class Plan:
         if not self.on_device():
             with torch.cuda.device(self.device):
                 return self.backward(grad_out, q, k, v, out, lse, extras, seed)
-        launches = self.bwd_launches(grad_out)
-        buffers = self.allocate_backward()
+        atomic = self.adds_dq_atomically()
+        launches = self.bwd_launches(grad_out, atomic)
+        buffers = self.allocate_backward(atomic)
         slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, *buffers)
         dq, dk, dv = buffers[1:4]
         stream = current_stream(self.device)

@@ -187,7 +187,7 @@ class KernelRunner:
         call = Call(**shape.attention_kwargs(q.device))
         self.plan = Plan(call.check(q, k, v), config, q.device, q, k, v)
         out, lse = self.plan.allocate_forward()
-        buffers = self.plan.allocate_backward()
+        buffers = self.plan.allocate_backward(atomic=True)  # the config's kernels as configured, whatever torch's mode
         delta, grad_q, grad_k, grad_v, _ = buffers
         grad_out = inputs["do"]
         self.args = SimpleNamespace(out=out, lse=lse, delta=delta, grad_q=grad_q, grad_k=grad_k, grad_v=grad_v,
@@ -205,7 +205,7 @@ class KernelRunner:
             return lambda: self.plan.run_forward(self.slots)
         if kernel not in ("dq", "dkdv", "bwd"):
             raise ValueError(f"kernel: expected 'fwd', 'dq', 'dkdv' or 'bwd', got {kernel!r}")
-        launches = self.plan.bwd_launches(self.args.grad_out)
+        launches = self.plan.bwd_launches(self.args.grad_out, atomic=True)
 
         def backward() -> None:
             stream = current_stream(self.plan.device)

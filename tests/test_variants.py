@@ -438,6 +438,33 @@ def test_atomic_dq_launches_no_dq_kernel():
     assert not plan.atomic_dq and plan.config.dkdv.atomic_dq == 0  # Kahan-summed float32 keeps the dQ kernel
 
 
+@pytest.mark.parametrize("kind", [1, 2], ids=["atomics", "tma-reduce"])
+def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkeypatch, poison_outputs):
+    """Under torch.use_deterministic_algorithms(True) an atomic-dQ config's backward launches the dQ kernel
+    (atomic adds land in any order); the accuracy rule holds and the gradients repeat bit for bit. Off
+    again, the same plan adds dQ atomically."""
+    from fatune import codegen
+
+    loaded = []
+    load = codegen.load
+    monkeypatch.setattr(codegen, "load", lambda kind_, spec, config: loaded.append((kind_, config)) or load(kind_, spec, config))
+    q, k, v = _qkv(lq=29, lk=43, seed=33)
+    config = _atomic_dq(kind=kind)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    run_and_compare(q, k, v, is_causal=True, config=config)
+    grad_out = torch.randn(2, 2, 29, 32, dtype=q.dtype)
+    grads = [torch.autograd.grad(fatune.attention(q, k, v, is_causal=True, config=config), (q, k, v), grad_out)
+             for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert {config.dkdv.atomic_dq for kind_, config in loaded if kind_ == "bwd"} == {0}
+    monkeypatch.undo()
+    out = fatune.attention(q, k, v, is_causal=True, config=config)
+    plan_kinds = []
+    monkeypatch.setattr(codegen, "load", lambda kind_, spec, config: plan_kinds.append(config) or load(kind_, spec, config))
+    out.backward(torch.randn_like(out))
+    assert [config.dkdv.atomic_dq for config in plan_kinds] == [kind]  # the same plan, atomic again
+
+
 def test_auto_splits_follow_the_grid():
     from fatune.launch import choose_splits
 
