@@ -264,6 +264,23 @@ def kernel_hash(spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str
     return digest.hexdigest()[:16]
 
 
+SEARCH_HASH_TILE = LaunchConfig(64, 64, num_warps=4, num_stages=2)  # tiles enter the source as constants only
+
+
+@functools.lru_cache(maxsize=1024)
+def search_hash(spec: KernelSpec, grouped: bool) -> str:
+    """Hash of every kernel source a search of `spec` can render, at one fixed tile with each structure value
+    (forward TMA, key splits, GQA packing; dK/dV TMA, each atomic-dQ kind): the templates' part of a study's
+    name (fatune.search.study_name). A template edit in code none of them contains (another mask variant's,
+    say) leaves it unchanged, so an interrupted search's studies still resume after it."""
+    tile = SEARCH_HASH_TILE
+    config = AttentionConfig(fwd=dataclasses.replace(tile, num_splits=0, pack_gqa=1, tma=1),
+                             dkdv=dataclasses.replace(tile, tma=1, atomic_dq=2), dq=tile)
+    with_dq_kernel = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
+    return hashlib.sha256((kernel_hash(spec, config, grouped) + kernel_hash(spec, with_dq_kernel, grouped))
+                          .encode()).hexdigest()[:16]
+
+
 _compile_only = False
 
 

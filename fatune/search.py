@@ -338,10 +338,14 @@ class Checker:
 
 
 def study_name(target: Target, shape: Shape, kernel: str) -> str:
-    """The Optuna study of one kernel of one shape: the tuned-DB key (fatune.db) plus batch and heads."""
+    """The Optuna study of one kernel of one shape: the tuned-DB key (fatune.db) plus batch and heads, with
+    the hash of the sources its search can render (launch.search_hash) for the templates' part."""
+    from fatune import launch
+
     key = key_columns(target.gpu, target.capability, shape_key(shape))
+    templates = launch.search_hash(shape.spec, shape.kv_heads != shape.heads)
     return ":".join([
-        "fatune", key["gpu"], key["capability"], f"triton{key['triton_version']}", f"templates{key['template_hash']}",
+        "fatune", key["gpu"], key["capability"], f"triton{key['triton_version']}", f"templates{templates}",
         key["dtype"], f"d{key['head_dim']}", f"dv{key['head_dim_v']}", key["mask_variant"], f"g{key['group_size']}",
         f"lq{key['seqlen_q_bucket']}", f"lk{key['seqlen_k_bucket']}", f"b{shape.batch}h{shape.heads}", kernel,
     ])

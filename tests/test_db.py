@@ -421,7 +421,7 @@ def edited_template(tmp_path, monkeypatch, name: str, addition: str):
     shutil.copytree(codegen.template_dir(), templates)
     (templates / name).write_text((templates / name).read_text() + addition)
     monkeypatch.setattr(codegen, "template_dir", lambda: templates)
-    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash)
+    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash, launch.search_hash)
     for cache in caches:
         cache.cache_clear()
     try:

@@ -466,3 +466,24 @@ def test_every_sampler_draws_the_same_trials_from_the_same_seed(kind):
 def test_an_unknown_sampler_is_refused_by_name():
     with pytest.raises(ValueError, match="sampler: expected one of tpe, tpe-independent, random, got 'cma'"):
         search.TrialSeededSampler(0, "cma")
+
+
+def test_study_names_survive_template_edits_their_search_never_renders(tmp_path, monkeypatch):
+    """A study's name carries the hash of the sources its search can render (launch.search_hash), not the
+    templates' global hash: an edit in code only window kernels render keeps a causal study's name (its
+    trials resume) and renames a window study's (its trials measured other kernels); likewise an edit only
+    atomic-dQ backwards render, which every 16-bit search can try."""
+    from fatune.search import study_name
+    from tests.test_db import edited_template
+
+    causal = Shape(1, 2, 64, 64, 32, "float16", causal=True)
+    window = Shape(1, 2, 64, 64, 32, "float16", causal=True, window=8)
+    target = interpreter_target()
+    before = {shape: study_name(target, shape, "dq") for shape in (causal, window)}
+    with edited_template(tmp_path / "a", monkeypatch, "attn_fwd.py.jinja",
+                         "{% if HAS_LEFT %}\n# only windowed forwards render this line\n{% endif %}\n"):
+        after = {shape: study_name(target, shape, "dq") for shape in (causal, window)}
+        assert after[causal] == before[causal] and after[window] != before[window]
+    with edited_template(tmp_path / "b", monkeypatch, "attn_bwd.py.jinja",
+                         "{% if ATOMIC_DQ %}\n# only atomic-dQ backwards render this line\n{% endif %}\n"):
+        assert study_name(target, causal, "dq") != before[causal]
