@@ -142,11 +142,9 @@ GRID
     bwd-variants)  # backward structure (separate dQ kernel vs atomic dQ) over dK/dV tiles, L=4096, d64/128/256
       python3 benchmarks/bwd_variants.py "$OUT/bwd-variants.json" --lengths ${BWD_LENGTHS:-4096} \
         > "$OUT/bwd-variants.log" 2>&1; tail -n 80 "$OUT/bwd-variants.log" ;;
-    bwd-d256)  # dK/dV and dQ tiles at head dim 256 (the heuristic's weakest), and atomic dQ at d64 L=1k/16k
-      python3 benchmarks/bwd_variants.py "$OUT/bwd-d256.json" --head-dims 256 --kernels dkdv,dq \
-        > "$OUT/bwd-d256.log" 2>&1; tail -n 30 "$OUT/bwd-d256.log"
-      python3 benchmarks/bwd_variants.py "$OUT/bwd-atomic.json" --head-dims 64 --lengths 1024,16384 --atomic \
-        > "$OUT/bwd-atomic.log" 2>&1; tail -n 60 "$OUT/bwd-atomic.log" ;;
+    bwd-d256)  # dK/dV tiles (pointer and TMA loads) and dQ tiles at head dim 256, the weakest (BWD_LENGTHS)
+      python3 benchmarks/bwd_variants.py "$OUT/bwd-d256.json" --head-dims 256 --lengths ${BWD_LENGTHS:-4096} \
+        --kernels dkdv,dq --tma > "$OUT/bwd-d256.log" 2>&1; tail -n 40 "$OUT/bwd-d256.log" ;;
     bwd-tma-dq)  # dQ added by TMA reductions (atomic_dq=2) vs element atomics vs the separate dQ kernel, per dK/dV tile
       python3 benchmarks/bwd_variants.py "$OUT/bwd-tma-dq.json" --head-dims ${BWD_DIMS:-64,128} --lengths ${BWD_LENGTHS:-4096} \
         --kernels dkdv --atomic > "$OUT/bwd-tma-dq.log" 2>&1; tail -n 80 "$OUT/bwd-tma-dq.log" ;;

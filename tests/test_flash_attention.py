@@ -115,8 +115,8 @@ def test_delta_is_summed_from_p_dp_where_rows_see_few_keys(window):
     captured = []
     allocate = Plan.allocate_backward
 
-    def capture(self):
-        captured.append(allocate(self))
+    def capture(self, *args, **kwargs):
+        captured.append(allocate(self, *args, **kwargs))
         return captured[-1]
 
     with pytest.MonkeyPatch.context() as patch:
