@@ -31,6 +31,7 @@ D, H, DTYPE = 128, 16, torch.bfloat16
 def flex_runner(keep, q_len: int, k_len: int, gqa: bool):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    torch._dynamo.reset()  # a fresh compile per case: past dynamo's recompile limit Flex runs unfused
     compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = create_block_mask(keep, None, None, q_len, k_len, device="cuda")
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)

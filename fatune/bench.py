@@ -84,7 +84,7 @@ def fatune_impl(name: str, shape: Shape, device: str = "cuda") -> Attention:
 
 def fatune_note(name: str, shape: Shape, inputs: dict[str, torch.Tensor]) -> str:
     """Where a fatune implementation's configs came from and what it launched, e.g.
-    'shipped-db: 64x64/w4/s3/t | 64x64/w4/s2/t | 128x64/w8/s3' (forward | dK/dV | dQ)."""
+    'shipped-db: fwd 64x64/w4/s3/t, dkdv 64x64/w4/s2/t, dq 128x64/w8/s3' (no dq with atomic dQ)."""
     import fatune
 
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -92,8 +92,8 @@ def fatune_note(name: str, shape: Shape, inputs: dict[str, torch.Tensor]) -> str
     if explained.decision is None or explained.launched is None:
         return explained.backend
     launched = explained.launched
-    dq = "-" if launched.dkdv.atomic_dq else str(launched.dq)  # atomic dQ: no dQ kernel runs
-    return f"{explained.decision.layer}: {launched.fwd} | {launched.dkdv} | {dq}"
+    dq = "" if launched.dkdv.atomic_dq else f", dq {launched.dq}"  # atomic dQ: no dQ kernel runs
+    return f"{explained.decision.layer}: fwd {launched.fwd}, dkdv {launched.dkdv}{dq}"
 
 
 def _peak_bytes(attention: Attention, inputs: dict[str, torch.Tensor]) -> int:
@@ -132,10 +132,13 @@ def bench_shape(shape: Shape, impls: Iterable[str], warmup_ms: float = 25, rep_m
             row.peak_bytes = _peak_bytes(runner, inputs)
             with torch.no_grad():
                 row.max_abs_diff = (runner(inputs["q"], inputs["k"], inputs["v"]).float() - reference).abs().max().item()
-            if name in FATUNE_IMPLS:
-                row.note = fatune_note(name, shape, inputs)
         except Exception as error:  # a competitor that cannot run a shape is reported, not fatal
             row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        if name in FATUNE_IMPLS and not row.error:
+            try:
+                row.note = fatune_note(name, shape, inputs)
+            except Exception as error:  # the timings stand without it
+                row.note = f"not explained ({type(error).__name__})"
         rows.append(row)
         for name_ in ("q", "k", "v"):
             inputs[name_].grad = None
@@ -201,7 +204,7 @@ def ratio_table(rows: list[BenchRow], fatune_name: str = "fatune") -> tuple[str,
 def detail_table(rows: list[BenchRow]) -> str:
     """Markdown: every measured number, one line per (shape, implementation)."""
     header = ["shape", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "tokens/s",
-              "peak MiB", "compile s", "max |out - sdpa|", "note"]
+              "peak MiB", "compile s", "max abs(out - sdpa)", "note"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if row.error:

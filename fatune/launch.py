@@ -28,6 +28,7 @@ from triton.compiler import CompiledKernel
 
 from fatune import codegen, signature
 from fatune.dispatch import device_arch
+from fatune.heuristics import default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, with_runnable_atomic_dq
 
@@ -274,11 +275,11 @@ def search_hash(spec: KernelSpec, grouped: bool) -> str:
     name (fatune.search.study_name). A template edit in code none of them contains (another mask variant's,
     say) leaves it unchanged, so an interrupted search's studies still resume after it."""
     tile = SEARCH_HASH_TILE
-    config = AttentionConfig(fwd=dataclasses.replace(tile, num_splits=0, pack_gqa=1, tma=1),
-                             dkdv=dataclasses.replace(tile, tma=1, atomic_dq=2), dq=tile)
-    with_dq_kernel = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
-    return hashlib.sha256((kernel_hash(spec, config, grouped) + kernel_hash(spec, with_dq_kernel, grouped))
-                          .encode()).hexdigest()[:16]
+    hashes = [kernel_hash(spec, AttentionConfig(fwd=dataclasses.replace(tile, num_splits=0, pack_gqa=pack, tma=1),
+                                                dkdv=dataclasses.replace(tile, tma=1, atomic_dq=atomic), dq=tile),
+                          grouped)
+              for pack in ((0, 1) if grouped else (0,)) for atomic in (0, 2)]
+    return hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]
 
 
 _compile_only = False
@@ -368,7 +369,8 @@ class Plan:
         else:
             self.values.update(dict.fromkeys(signature.strides("op", dims="sbhld") + signature.strides("lp", dims="sbh"),
                                              0))
-        self.dq_grid = (triton.cdiv(problem.max_seqlen_q, config.dq.block_m), problem.heads, problem.batch)
+        self.dq_rows = problem.max_seqlen_q
+        self.dq_grid = (triton.cdiv(self.dq_rows, config.dq.block_m), problem.heads, problem.batch)
         self.atomic_dq = bool(config.dkdv.atomic_dq)
         if self.atomic_dq:  # dQ's float32 accumulator: (B, H, L_Q, D), or one batch of L_Q rows when packed
             self.dq_acc_layout = ((*rows, spec.head_dim), contiguous_strides((*rows, spec.head_dim)))
@@ -453,8 +455,9 @@ class Plan:
             config = self.config
             if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2, every_head=True):
                 config = config.replace(dkdv=dataclasses.replace(config.dkdv, tma=0))
-            if self.atomic_dq and not atomic:
-                config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0))
+            if self.atomic_dq and not atomic:  # the dQ kernel of a config that had none: the heuristic's tile
+                config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0),
+                                        dq=default_config(self.spec, device_arch(self.device)).dq)
             module = codegen.load("bwd", self.spec, config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
@@ -465,7 +468,8 @@ class Plan:
                             KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, self.config.dq,
                                          values))
             else:
-                launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", self.dq_grid, self.config.dq, values), dkdv)
+                dq_grid = (triton.cdiv(self.dq_rows, config.dq.block_m), *self.dq_grid[1:])
+                launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", dq_grid, config.dq, values), dkdv)
             self._bwd[key] = launches
         return launches
 

@@ -41,6 +41,7 @@ attr "seconds", and a shape's result sums them with the fixed costs (SHAPE_PHASE
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -76,6 +77,7 @@ from fatune.spec import (
     LaunchConfig,
     atomic_dq_kinds,
     lanes,
+    with_runnable_atomic_dq,
 )
 from fatune.storage import Heartbeat, open_storage, storage_lock
 
@@ -426,6 +428,14 @@ class Candidate:
         return self.compiled is None or self.compiled.done()
 
 
+def heuristic_params(heuristic: AttentionConfig, kernel: str, spec: KernelSpec, axes: dict) -> dict[str, int]:
+    """The heuristic's trial of `kernel` (its values on `axes`), as it runs for `spec`: an atomic-dQ kind the
+    head dim cannot take runs as the next one down, which is what the space offers (TMA reductions exist
+    wherever a heuristic asks for them: Hopper)."""
+    runs_as = with_runnable_atomic_dq(heuristic, spec, tma=True)
+    return {axis: value for axis, value in getattr(runs_as, kernel).to_dict().items() if axis in axes}
+
+
 class KernelSearch:
     """One kernel of one shape: its Optuna study, shared by every process that searches the shape on
     this storage, and this process's trials of it."""
@@ -436,11 +446,12 @@ class KernelSearch:
         self.storage, self.trials, self.deadline = storage, trials, deadline
         self.axes = space.axes(kernel, shape, target.sms)
         self.spec = shape.spec
-        self.start = {axis: value for axis, value in getattr(heuristic, kernel).to_dict().items() if axis in self.axes}
+        self.start = heuristic_params(heuristic, kernel, shape.spec, self.axes)
         # what this process knows of the study without asking the storage again: the best trial as of its last
         # census or tell, when it last looked for dead trials, and until when a study it found with all its
         # trials finished or held need not be asked again (only a dead trial can change that, found in >= GRACE_S)
         self.known_best: tuple[float, LaunchConfig | None] = (math.inf, None)
+        self.known_best_separate: tuple[float, LaunchConfig | None] = (math.inf, None)  # without atomic dQ
         self._stale_checked = -math.inf
         self._full_until = -math.inf
         with storage_lock(storage.url):
@@ -475,17 +486,25 @@ class KernelSearch:
                 optuna.storages.fail_stale_trials(self.study)
         finished = running = 0
         heuristic_waits = False
-        best: optuna.trial.FrozenTrial | None = None
+        complete = []
         for trial in self.study.get_trials(deepcopy=False, states=(*FINISHED, WAITING, RUNNING)):
             finished += trial.state in FINISHED
             running += trial.state == RUNNING
             heuristic_waits |= trial.state == WAITING and self._holds_heuristic(trial)
-            if trial.state == optuna.trial.TrialState.COMPLETE and (best is None or trial.value < best.value):
-                best = trial
-        if best is not None:
-            self.known_best = (best.value, LaunchConfig.from_dict(best.params))
+            if trial.state == optuna.trial.TrialState.COMPLETE:
+                complete.append(trial)
+        for trial in complete:
+            self._note_best(trial.value, trial.params)
         self._full_until = -math.inf  # fresh news: wants_trial decides again
         return finished, running, heuristic_waits
+
+    def _note_best(self, value: float, params: dict) -> None:
+        """Note a complete trial in known_best, and in known_best_separate if it has no atomic dQ (a dQ study
+        times its candidates beside that one: base_config)."""
+        if value < self.known_best[0]:
+            self.known_best = (value, LaunchConfig.from_dict(params))
+        if not params.get("atomic_dq") and value < self.known_best_separate[0]:
+            self.known_best_separate = (value, LaunchConfig.from_dict(params))
 
     def wants_trial(self) -> bool:
         """Whether this process should start one more trial: a queued heuristic always runs; others
@@ -563,8 +582,8 @@ class KernelSearch:
                 self.study.tell(trial, value, state=state, skip_if_finished=True)
             heartbeat.release(trial)
             self._full_until = -math.inf  # a failed trial no longer counts: look again
-            if state == optuna.trial.TrialState.COMPLETE and value < self.known_best[0]:
-                self.known_best = (value, LaunchConfig.from_dict(trial.params))
+            if state == optuna.trial.TrialState.COMPLETE:
+                self._note_best(value, trial.params)
             if clock is not None:
                 clock.merge(seconds)
                 clock.add("tell", time.perf_counter() - start)
@@ -640,12 +659,29 @@ class KernelSearch:
 
 def base_config(searches: list[KernelSearch], heuristic: AttentionConfig, kernel: str) -> AttentionConfig:
     """What a trial of `kernel` runs besides its candidate: the best so far (as this process knows it) of the
-    kernels searched before it (the backward reads the forward's LSE), the heuristic for the others."""
+    kernels searched before it (the backward reads the forward's LSE), the heuristic for the others. A dQ
+    trial goes with the best dK/dV config without atomic dQ (an atomic one adds dQ itself, and the dQ
+    kernel's tile would only size Delta's rows): the dQ study tunes the separate backward, which
+    measure_shape weighs against the atomic one."""
     base = heuristic
     for search in searches[:KERNELS.index(kernel)]:
-        best = search.known_best[1]
+        if kernel == "dq" and search.kernel == "dkdv":
+            best = search.known_best_separate[1] or dataclasses.replace(heuristic.dkdv, atomic_dq=0)
+        else:
+            best = search.known_best[1]
         base = base.replace(**{search.kernel: best}) if best else base
     return base
+
+
+def separate_backward(dkdv: KernelSearch, dq: KernelSearch) -> LaunchConfig | None:
+    """The dK/dV config to store with the dQ study's winner when the backward with the dQ kernel wins: the
+    best dK/dV without atomic dQ, if the dK/dV study's best has atomic dQ and the dQ study's best backward
+    (timed beside that config: base_config) is faster than it; else None (keep the dK/dV study's best)."""
+    best_ms, best = dkdv.known_best
+    separate_ms, separate = dkdv.known_best_separate
+    if best is None or not best.atomic_dq or separate is None:
+        return None
+    return separate if dq.known_best[0] < best_ms else None
 
 
 class Fixture:
@@ -943,8 +979,14 @@ def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None
                 raise RuntimeError(f"{shape.label()}: no {search.kernel} config passed the checks in "
                                    f"{len(search.study.trials)} trials ({search.rejected()}); give more trials or time")
             chosen[search.kernel], kernel_ms[search.kernel] = best, search.best_ms
+            search.census()  # known_best and known_best_separate from every process's trials
             for kind, count in search.rejected().items():
                 rejected[kind] = rejected.get(kind, 0) + count
+        if not forward_only(shape):
+            dkdv, dq = (next(s for s in searches if s.kernel == kernel) for kernel in ("dkdv", "dq"))
+            separate = separate_backward(dkdv, dq)
+            if separate is not None:  # the dQ kernel beside a non-atomic dK/dV beat the atomic backward
+                chosen["dkdv"], kernel_ms["dkdv"] = separate, dkdv.known_best_separate[0]
     config = run.heuristic.replace(**chosen)  # every kernel searched, or the forward alone
     only_forward = forward_only(shape)
     compiled = pool.submit(shape, config, "fwd" if only_forward else "dkdv") if pool else None

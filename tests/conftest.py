@@ -36,6 +36,15 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for the test; torch's mode as it was afterwards."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.fixture
 def record_gpu_errors(request):
     """Keep each GPU case's worst error ratio for TESTING.md (written by tests/gpu_report.py)."""
     from tests import gpu_report

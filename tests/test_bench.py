@@ -16,15 +16,15 @@ def test_the_note_names_the_layer_and_the_launched_configs(tmp_path, monkeypatch
     use_dispatcher(monkeypatch, Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[]))
     inputs = make_inputs(SHAPE, "cpu")
     note = bench.fatune_note("fatune", SHAPE, inputs)
-    layer, configs = note.split(": ")
-    assert layer == "heuristic" and len(configs.split(" | ")) == 3, note
+    assert note.startswith("heuristic: fwd ") and ", dkdv " in note and ", dq " in note and "|" not in note, note
     forced = bench.fatune_note("fatune-plain", SHAPE, inputs)
-    assert forced.startswith("argument: ") and "/k" not in forced, forced  # one key split: no /k
+    assert forced.startswith("argument: fwd ") and "/k" not in forced, forced  # one key split: no /k
 
 
 def test_the_detail_table_carries_the_note():
-    row = bench.BenchRow(SHAPE, "fatune", 1.0, 2.0, 3.0, 0.5, 2**20, 0.0, note="shipped-db: a | b | -")
-    assert bench.detail_table([row]).splitlines()[-1].endswith("| shipped-db: a | b | - |")
+    row = bench.BenchRow(SHAPE, "fatune", 1.0, 2.0, 3.0, 0.5, 2**20, 0.0, note="shipped-db: fwd a, dkdv b")
+    header, _, line = bench.detail_table([row]).splitlines()
+    assert line.endswith("| shipped-db: fwd a, dkdv b |") and line.count("|") == header.count("|")
 
 
 def test_flex_compiles_afresh_per_shape(monkeypatch):

@@ -124,10 +124,16 @@ def warm_up_on_a_side_stream(fn) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
-def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, monkeypatch):
-    """Capture forward+backward in a CUDA graph; each replay must equal an eager call with its seed."""
+def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, deterministic, monkeypatch, request):
+    """Capture forward+backward in a CUDA graph; each replay must equal an eager call with its seed (bit for
+    bit; only a dQ added up atomically, as the Hopper heuristic does at d64 causal, may differ in its last
+    bits, unless torch's deterministic mode is on)."""
     from fatune import dropout
+
+    if deterministic:
+        request.getfixturevalue("deterministic_algorithms")
 
     seeds = []
     draw = dropout.draw_seed
@@ -164,8 +170,11 @@ def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, monkeypatch
             monkeypatch.setattr(dropout, "draw_seed", lambda device: seed_value.clone())
         eager = step()
         assert torch.equal(captured, eager)
-        for got, want in zip(replayed, (q.grad, k.grad, v.grad)):
-            assert torch.equal(got, want)
+        for name, got, want in zip("qkv", replayed, (q.grad, k.grad, v.grad)):
+            if name == "q" and not deterministic:
+                torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
+            else:
+                assert torch.equal(got, want), name
         monkeypatch.setattr(dropout, "draw_seed", recording_draw)
     if dropout_p:
         assert not torch.equal(outputs[0], outputs[1]), "every replay must draw a fresh dropout seed"

@@ -10,17 +10,19 @@ from fatune.spec import KernelSpec
 
 @pytest.mark.parametrize("arch", [(9, 0), (8, 0), None], ids=["hopper", "ampere", "interpreter"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 192, 256])
-def test_every_head_dim_and_dtype_has_a_config(head_dim, dtype, arch):
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 50, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_head_dim_and_dtype_has_a_config(head_dim, dtype, arch, causal):
+    spec = KernelSpec(dtype, head_dim, causal=causal)
     for decode in (False, True):
-        config = default_config(KernelSpec(dtype, head_dim), arch, decode)
+        config = default_config(spec, arch, decode)
         assert config.fwd.num_splits == 0 and config.fwd.pack_gqa == 1  # chosen at launch from the grid
         assert set(config.dkdv.structure) <= {"tma", "atomic_dq"} and not config.dq.structure  # measured kinds only
         if arch == (9, 0):  # fits an H100/H200's 227 KiB of shared memory per block, by the search's estimate
             from fatune.search import infeasible
 
             for kernel in ("fwd", "dkdv", "dq"):
-                assert infeasible(kernel, KernelSpec(dtype, head_dim), getattr(config, kernel), 227 * 1024) is None
+                assert infeasible(kernel, spec, getattr(config, kernel), 227 * 1024) is None
 
 
 def test_decode_calls_get_small_query_tiles_on_gpus():

@@ -3,8 +3,10 @@ concurrent searches and resuming after Ctrl-C or a kill (subprocesses)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -487,3 +489,79 @@ def test_study_names_survive_template_edits_their_search_never_renders(tmp_path,
     with edited_template(tmp_path / "b", monkeypatch, "attn_bwd.py.jinja",
                          "{% if ATOMIC_DQ %}\n# only atomic-dQ backwards render this line\n{% endif %}\n"):
         assert study_name(target, causal, "dq") != before[causal]
+    gqa = Shape(1, 4, 64, 64, 32, "float16", causal=True, kv_heads=2)  # searched with GQA packing and without
+    gqa_name = study_name(target, gqa, "fwd")
+    for edit, name in (("{% if PACK_GQA %}", "c"), ("{% if not PACK_GQA %}", "d")):
+        with edited_template(tmp_path / name, monkeypatch, "attn_fwd.py.jinja", edit + "\n# a line\n{% endif %}\n"):
+            assert study_name(target, gqa, "fwd") != gqa_name, edit
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_heuristic_is_a_point_of_every_hopper_search_space(dtype):
+    """Every head dim's Hopper heuristic, causal or not, is a trial the GPU space can hold, so it is queued and
+    the winner is never slower than it (e.g. causal d50: the heuristic's TMA-reduced dQ runs as element
+    atomics, the only atomic kind a head dim that is not a multiple of 4 has)."""
+    from fatune.heuristics import default_config
+    from fatune.search import GPU_SPACE, heuristic_params
+
+    for head_dim in range(1, 257):
+        for causal in (False, True):
+            shape = Shape(2, 4, 1024, 1024, head_dim, dtype, causal=causal)
+            heuristic = default_config(shape.spec, (9, 0))
+            for kernel in ("fwd", "dkdv", "dq"):
+                axes = GPU_SPACE.axes(kernel, shape, sms=132)
+                start = heuristic_params(heuristic, kernel, shape.spec, axes)
+                assert all(start[axis] in values for axis, values in axes.items()), (head_dim, causal, kernel, start)
+
+
+def test_a_dq_trial_goes_with_the_best_dkdv_config_without_atomic_dq():
+    """An atomic dK/dV adds dQ itself (the dQ kernel's tile would only size Delta's rows), so dQ candidates
+    are timed beside the best dK/dV without it, or the heuristic's tile without it when none finished yet."""
+    from types import SimpleNamespace
+
+    from fatune.heuristics import default_config
+    from fatune.search import base_config
+
+    heuristic = default_config(KernelSpec("bfloat16", 64, causal=True), (9, 0))
+    atomic, separate, fwd = LaunchConfig(64, 64, atomic_dq=2), LaunchConfig(32, 128), LaunchConfig(128, 64)
+    searches = [SimpleNamespace(kernel="fwd", known_best=(1.0, fwd), known_best_separate=(1.0, fwd)),
+                SimpleNamespace(kernel="dkdv", known_best=(2.0, atomic), known_best_separate=(2.4, separate)),
+                SimpleNamespace(kernel="dq", known_best=(2.3, LaunchConfig(64, 32)), known_best_separate=(2.3, None))]
+    assert base_config(searches, heuristic, "dkdv") == heuristic.replace(fwd=fwd)
+    assert base_config(searches, heuristic, "dq") == heuristic.replace(fwd=fwd, dkdv=separate)
+    searches[1].known_best_separate = (math.inf, None)
+    assert heuristic.dkdv.atomic_dq and base_config(searches, heuristic, "dq").dkdv == dataclasses.replace(
+        heuristic.dkdv, atomic_dq=0)
+
+
+@pytest.mark.parametrize("dq_ms, stored", [(2.3, "atomic"), (1.9, "separate")])
+def test_the_separate_backward_is_stored_where_it_beat_the_atomic_one(dq_ms, stored):
+    from types import SimpleNamespace
+
+    from fatune.search import separate_backward
+
+    atomic, separate = LaunchConfig(64, 64, atomic_dq=2), LaunchConfig(32, 128)
+    dkdv = SimpleNamespace(known_best=(2.0, atomic), known_best_separate=(2.4, separate))
+    dq = SimpleNamespace(known_best=(dq_ms, LaunchConfig(64, 32)))
+    assert separate_backward(dkdv, dq) == (separate if stored == "separate" else None)
+    dkdv.known_best = (2.4, separate)  # the best is not atomic: nothing to weigh
+    assert separate_backward(dkdv, SimpleNamespace(known_best=(1.0, None))) is None
+
+
+def test_the_census_keeps_the_best_trial_without_atomic_dq(tmp_path):
+    from fatune.heuristics import default_config
+    from fatune.storage import open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    shape = Shape(batch=2, heads=2, seqlen_q=48, seqlen_k=48, head_dim=32, dtype="float16", causal=True)
+    kernel = search.KernelSearch(interpreter_target(), shape, "dkdv", default_config(shape.spec, None), INTERPRETER_SPACE,
+                                 storage, seed=0, trials=4, deadline=time.time() + 600)
+    assert "atomic_dq" in kernel.axes
+    distributions = {axis: optuna.distributions.CategoricalDistribution(list(values))
+                     for axis, values in kernel.axes.items()}
+    for atomic_dq, block_m, value in ((2, 16, 1.0), (0, 32, 1.5), (1, 32, 1.2), (0, 16, 1.7)):
+        params = {**{axis: values[0] for axis, values in kernel.axes.items()}, "atomic_dq": atomic_dq, "block_m": block_m}
+        kernel.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value))
+    kernel.census()
+    assert kernel.known_best[0] == 1.0 and kernel.known_best[1].atomic_dq == 2
+    assert kernel.known_best_separate[0] == 1.5 and kernel.known_best_separate[1].block_m == 32

@@ -439,30 +439,28 @@ def test_atomic_dq_launches_no_dq_kernel():
 
 
 @pytest.mark.parametrize("kind", [1, 2], ids=["atomics", "tma-reduce"])
-def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkeypatch, poison_outputs):
+def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkeypatch, poison_outputs, request):
     """Under torch.use_deterministic_algorithms(True) an atomic-dQ config's backward launches the dQ kernel
-    (atomic adds land in any order); the accuracy rule holds and the gradients repeat bit for bit. Off
-    again, the same plan adds dQ atomically."""
+    (atomic adds land in any order) with the heuristic's dQ tile (an atomic config's dQ tile only sized
+    Delta's rows: it was never timed as a dQ kernel); the accuracy rule holds. Off again, the same plan adds
+    dQ atomically."""
     from fatune import codegen
+    from fatune.heuristics import INTERPRETER_CONFIG
 
     loaded = []
     load = codegen.load
     monkeypatch.setattr(codegen, "load", lambda kind_, spec, config: loaded.append((kind_, config)) or load(kind_, spec, config))
     q, k, v = _qkv(lq=29, lk=43, seed=33)
-    config = _atomic_dq(kind=kind)
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    config = _atomic_dq(kind=kind).replace(dq=fatune.LaunchConfig(16, 16))
+    request.getfixturevalue("deterministic_algorithms")
     run_and_compare(q, k, v, is_causal=True, config=config)
-    grad_out = torch.randn(2, 2, 29, 32, dtype=q.dtype)
-    grads = [torch.autograd.grad(fatune.attention(q, k, v, is_causal=True, config=config), (q, k, v), grad_out)
-             for _ in range(2)]
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    assert {config.dkdv.atomic_dq for kind_, config in loaded if kind_ == "bwd"} == {0}
-    monkeypatch.undo()
+    torch.use_deterministic_algorithms(False)  # the fixture restores the session's mode afterwards
+    backwards = [config for kind_, config in loaded if kind_ == "bwd"]
+    assert [(c.dkdv.atomic_dq, c.dq) for c in backwards] == [(0, INTERPRETER_CONFIG.dq)]
+    loaded.clear()
     out = fatune.attention(q, k, v, is_causal=True, config=config)
-    plan_kinds = []
-    monkeypatch.setattr(codegen, "load", lambda kind_, spec, config: plan_kinds.append(config) or load(kind_, spec, config))
     out.backward(torch.randn_like(out))
-    assert [config.dkdv.atomic_dq for config in plan_kinds] == [kind]  # the same plan, atomic again
+    assert [c.dkdv.atomic_dq for kind_, c in loaded if kind_ == "bwd"] == [kind]  # the same plan, atomic again
 
 
 def test_auto_splits_follow_the_grid():
@@ -803,6 +801,22 @@ def test_gpu_tma_dkdv(name, dtype, poison_outputs, record_gpu_errors):
     for atomic, grad_layout in ((0, "dense"), (2, "dense"), (0, "every-other-lane")):
         config = base.replace(dkdv=dataclasses.replace(base.dkdv, tma=1, atomic_dq=atomic))
         record_gpu_errors(run_and_compare(q, k, v, config=config, grad_layout=grad_layout, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_deterministic_mode_repeats_the_backward_bit_for_bit(dtype, deterministic_algorithms, poison_outputs,
+                                                                record_gpu_errors):
+    """The Hopper heuristic adds dQ up atomically at causal d64 (any order); under torch's deterministic mode
+    the backward runs the dQ kernel: within the accuracy rule, and the same gradients on every call."""
+    torch.manual_seed(stable_seed("deterministic", dtype))
+    q, k, v = (torch.randn(2, 8, 1031, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    record_gpu_errors(run_and_compare(q, k, v, is_causal=True))
+    grad_out = torch.randn_like(q)
+    first, *again = [torch.autograd.grad(fatune.attention(q, k, v, is_causal=True), (q, k, v), grad_out)
+                     for _ in range(3)]
+    for grads in again:
+        assert all(torch.equal(a, b) for a, b in zip(first, grads))
 
 
 GPU_INFERENCE_CASES = [
