@@ -441,7 +441,8 @@ class KernelSearch:
     this storage, and this process's trials of it."""
 
     def __init__(self, target: Target, shape: Shape, kernel: str, heuristic: AttentionConfig, space: SearchSpace,
-                 storage: optuna.storages.RDBStorage, seed: int, trials: int, deadline: float):
+                 storage: optuna.storages.RDBStorage, seed: int, trials: int, deadline: float,
+                 warm: tuple[AttentionConfig, ...] = ()):
         self.target, self.shape, self.kernel, self.space = target, shape, kernel, space
         self.storage, self.trials, self.deadline = storage, trials, deadline
         self.axes = space.axes(kernel, shape, target.sms)
@@ -459,6 +460,7 @@ class KernelSearch:
                                              sampler=TrialSeededSampler(seed, SAMPLER), direction="minimize",
                                              load_if_exists=True)
         self.ensure_heuristic()
+        self.warm_start(warm)
 
     def _holds_heuristic(self, trial: optuna.trial.FrozenTrial) -> bool:
         return self.start in (trial.params, trial.system_attrs.get("fixed_params"))
@@ -474,6 +476,23 @@ class KernelSearch:
                 return False
             self.study.enqueue_trial(self.start)
             return True
+
+    def warm_start(self, configs: tuple[AttentionConfig, ...]) -> int:
+        """Queue this kernel's config of each of `configs` (winners of related shapes: warm_starts) that is
+        a point of the space, once per study: Optuna tries them after the heuristic, before its own samples.
+        How many it queued."""
+        queued = 0
+        for config in configs:
+            params = heuristic_params(config, self.kernel, self.spec, self.axes)
+            if params == self.start or not all(params.get(axis) in values for axis, values in self.axes.items()):
+                continue
+            with storage_lock(self.storage.url):
+                trials = self.study.get_trials(deepcopy=False)
+                if any(params in (trial.params, trial.system_attrs.get("fixed_params")) for trial in trials):
+                    continue
+                self.study.enqueue_trial(params, user_attrs={"warm_start": True})
+                queued += 1
+        return queued
 
     def census(self) -> tuple[int, int, bool]:
         """(finished trials, trials live processes hold, whether the heuristic waits in the queue), after
@@ -799,16 +818,17 @@ def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture
 
 
 def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float,
-                    storage: optuna.storages.RDBStorage, seed: int, space: SearchSpace
-                    ) -> tuple[AttentionConfig, list[KernelSearch]]:
+                    storage: optuna.storages.RDBStorage, seed: int, space: SearchSpace,
+                    warm: tuple[AttentionConfig, ...] = ()) -> tuple[AttentionConfig, list[KernelSearch]]:
     """(the heuristic config, the shape's studies: three, or the forward's alone for a forward-only shape);
-    each kernel may start trials until its share of `seconds` from now has passed."""
+    each kernel may start trials until its share of `seconds` from now has passed; `warm`: configs to
+    try early (KernelSearch.warm_start)."""
     started = time.time()
     decode = forward_only(shape)  # the decode heuristic's test
     heuristic = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode)
     kernels = shape_kernels(shape)
     searches = [KernelSearch(target, shape, kernel, heuristic, space, storage, seed, trials,
-                             deadline=started + seconds * (index + 1) / len(kernels))
+                             deadline=started + seconds * (index + 1) / len(kernels), warm=warm)
                 for index, kernel in enumerate(kernels)]
     return heuristic, searches
 
@@ -886,21 +906,22 @@ class Ledger:
 
 
 def start_shape(shape: Shape, target: Target, *, trials: int, seconds: float, storage: optuna.storages.RDBStorage,
-                seed: int, space: SearchSpace) -> ShapeRun:
-    """A shape's studies (created or loaded) and its fixture, before any trial."""
+                seed: int, space: SearchSpace, warm: tuple[AttentionConfig, ...] = ()) -> ShapeRun:
+    """A shape's studies (created or loaded, `warm` configs queued) and its fixture, before any trial."""
     clock = Stopwatch()
     with clock("studies"):
         heuristic, searches = kernel_searches(shape, target, trials=trials, seconds=seconds, storage=storage,
-                                              seed=seed, space=space)
+                                              seed=seed, space=space, warm=warm)
     return ShapeRun(shape, heuristic, searches, Fixture(shape, target, seed, clock), clock)
 
 
 def search_shapes(shapes: list[Shape], target: Target, *, trials: int, seconds: float,
                   storage: str | optuna.storages.RDBStorage, seed: int, space: SearchSpace,
-                  pool: CompilePool | None = None, on_trial: Callable[[Shape, str, float], None] | None = None
-                  ) -> Iterator[ShapeResult]:
+                  pool: CompilePool | None = None, on_trial: Callable[[Shape, str, float], None] | None = None,
+                  warm: Callable[[Shape], tuple[AttentionConfig, ...]] | None = None) -> Iterator[ShapeResult]:
     """Search `shapes` (with whatever other processes share their studies) and yield each one's result in
-    order, once its studies are finished and its winners measured (measure_shape).
+    order, once its studies are finished and its winners measured (measure_shape); `warm(shape)`: configs
+    its studies try early (warm_starts), asked when the shape starts.
 
     Shapes are pipelined: this process runs its share of each shape's trials and moves on to the next
     shape without waiting for the trials other processes hold, as helpers do; between shapes it measures
@@ -937,7 +958,8 @@ def search_shapes(shapes: list[Shape], target: Target, *, trials: int, seconds: 
 
     for shape in shapes:
         started = time.perf_counter()
-        run = start_shape(shape, target, trials=trials, seconds=seconds, storage=storage, seed=seed, space=space)
+        run = start_shape(shape, target, trials=trials, seconds=seconds, storage=storage, seed=seed, space=space,
+                          warm=warm(shape) if warm else ())
         run.seconds = time.perf_counter() - started
         runs.append(run)
         trials_of(run, wait=False)
@@ -1073,6 +1095,33 @@ def _measured(value: float) -> float:
     """A measured number as the DB keeps it: NaN (not measured) unless finite and positive (no SDPA
     backend ran: infinite ms)."""
     return value if math.isfinite(value) and value > 0 else math.nan
+
+
+WARM_STARTS = 2  # tuned configs of related shapes queued per study
+
+
+def warm_starts(db: TunedDB, target: Target, shape: Shape) -> tuple[AttentionConfig, ...]:
+    """Configs of `shape`'s nearest tuned relatives in `db` (this GPU, current kernels, the same head dims,
+    mask variant and GQA group): the same lengths in the other 16-bit dtype, then the nearest lengths in this
+    dtype (Optuna's warm start: the kernels' best tiles move little between them). At most WARM_STARTS; none
+    if the DB cannot be read (a search does not need them)."""
+    from fatune.db import bucket_distance, is_stale
+
+    key = shape_key(shape)
+    dtypes = [key.dtype] + [d for d in ("float16", "bfloat16") if d != key.dtype and key.dtype != "float32"]
+    try:
+        related = [entry for dtype in dtypes
+                   for entry in db.entries(on_invalid=lambda message: None, gpu=target.gpu, capability=target.capability,
+                                           dtype=dtype, head_dim=key.head_dim, head_dim_v=key.head_dim_v,
+                                           mask_variant=key.mask_variant, group_size=key.group_size)
+                   if entry.forward_only == forward_only(shape) and not is_stale(entry)]
+    except Exception:  # noqa: BLE001 - a bad DB costs the warm start, never the search
+        return ()
+    same_lengths = [e for e in related if e.dtype != key.dtype and bucket_distance(e, key) == 0]
+    nearest_lengths = sorted((e for e in related if e.dtype == key.dtype and bucket_distance(e, key) > 0),
+                             key=lambda e: (bucket_distance(e, key), e.time_ms))
+    configs = dict.fromkeys(e.attention_config() for e in same_lengths + nearest_lengths)
+    return tuple(configs)[:WARM_STARTS]
 
 
 def store(db: TunedDB, result: ShapeResult, target: Target) -> bool:

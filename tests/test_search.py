@@ -565,3 +565,48 @@ def test_the_census_keeps_the_best_trial_without_atomic_dq(tmp_path):
     kernel.census()
     assert kernel.known_best[0] == 1.0 and kernel.known_best[1].atomic_dq == 2
     assert kernel.known_best_separate[0] == 1.5 and kernel.known_best_separate[1].block_m == 32
+
+
+def test_a_shape_starts_from_the_tuned_configs_of_its_relatives(tmp_path):
+    """Optuna's warm start: a shape's studies queue (after the heuristic, once) the configs tuned in its DB for
+    the same lengths in the other 16-bit dtype, then for the nearest lengths in its own; not a stale entry's,
+    not another mask's, and not configs outside the space."""
+    from fatune.search import ShapeResult, kernel_searches, store, warm_starts
+    from fatune.storage import open_storage
+
+    target = interpreter_target()
+    tile = LaunchConfig(16, 32, num_warps=4, num_stages=1, num_splits=0)
+    other = LaunchConfig(32, 32, num_warps=4, num_stages=1, num_splits=0)
+
+    def tuned(dtype, length, fwd, causal=True):
+        shape = Shape(2, 2, length, length, 32, dtype, causal=causal)
+        config = default_config_for(shape).replace(fwd=fwd, dq=dataclasses.replace(fwd, num_splits=1))
+        return ShapeResult(shape, config, {}, 1.0, 2.0, 3.0, 9)
+
+    def default_config_for(shape):
+        from fatune.heuristics import default_config
+
+        return default_config(shape.spec, None)
+
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        elsewhere = LaunchConfig(32, 16, num_warps=4, num_stages=1, num_splits=0)
+        for result in (tuned("float16", 256, other), tuned("bfloat16", 64, tile), tuned("float16", 1024, tile),
+                       tuned("float16", 128, elsewhere, causal=False)):  # another mask variant
+            assert store(db, result, target)
+        stale = search.to_entry(tuned("float16", 32, elsewhere), target)
+        assert db.upsert(dataclasses.replace(stale, template_hash="0123456789abcdef"))
+        shape = Shape(2, 2, 64, 64, 32, "float16", causal=True)
+        warm = warm_starts(db, target, shape)
+        assert [config.fwd for config in warm] == [tile, other]  # bf16 at L=64, then fp16 at 256 (nearer than 1024)
+        storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+        for _ in range(2):  # a resumed search queues nothing twice
+            _, searches = kernel_searches(shape, target, trials=6, seconds=600, storage=storage, seed=0,
+                                          space=INTERPRETER_SPACE, warm=warm)
+        fwd = {search.kernel: search for search in searches}["fwd"]
+        queued = [t.system_attrs["fixed_params"] for t in fwd.study.trials if t.user_attrs.get("warm_start")]
+        assert [(p["block_m"], p["block_n"]) for p in queued] == [(16, 32), (32, 32)]
+        outside = INTERPRETER_SPACE.__class__(**{**INTERPRETER_SPACE.__dict__, "block_m": (32,)})
+        _, narrow = kernel_searches(shape, target, trials=6, seconds=600, storage=open_storage(
+            f"sqlite:///{tmp_path / 'n.sqlite'}"), seed=0, space=outside, warm=warm)
+        assert not any(t.user_attrs.get("warm_start") and t.system_attrs["fixed_params"]["block_m"] == 16
+                       for t in narrow[0].study.trials)  # 16-row tiles are not in that space

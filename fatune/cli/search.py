@@ -204,7 +204,8 @@ def _search(job, target, storage, database, pool) -> list:
 
         # shapes are pipelined (fatune.search.search_shapes): each result comes once its studies are done
         found = tuner.search_shapes(shapes, target, trials=job.trials, seconds=job.seconds, storage=storage,
-                                    seed=job.seed, space=job.space, pool=pool, on_trial=on_trial)
+                                    seed=job.seed, space=job.space, pool=pool, on_trial=on_trial,
+                                    warm=lambda shape: tuner.warm_starts(database, target, shape))
         while True:
             try:
                 result = next(found, None)
