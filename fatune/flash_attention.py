@@ -173,6 +173,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
         backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
         return Explanation(backend, spec, None, {}, prepared.reason)
     plan = prepared.plan
-    sources = {kind: str(codegen.source_path(kind, plan.spec, plan.config)) for kind in ("fwd", "bwd")}
+    launched = plan.config if plan.adds_dq_atomically() else plan.deterministic_config()  # torch's mode now
+    sources = {kind: str(codegen.source_path(kind, plan.spec, launched)) for kind in ("fwd", "bwd")}
     backend = "triton" if query.device.type == "cuda" else "triton-interpreter"
-    return Explanation(backend, spec, prepared.decision, sources, prepared.reason, plan.config)
+    return Explanation(backend, spec, prepared.decision, sources, prepared.reason, launched)

@@ -444,6 +444,14 @@ class Plan:
         (`torch.use_deterministic_algorithms`): atomic adds land in any order, so the dQ kernel runs instead."""
         return self.atomic_dq and not torch.are_deterministic_algorithms_enabled()
 
+    def deterministic_config(self) -> AttentionConfig:
+        """The launched config with the dQ kernel in place of atomic dQ (deterministic mode), with the
+        heuristic's dQ tile: an atomic config's dQ tile only sized Delta's rows and was never timed as a kernel."""
+        if not self.atomic_dq:
+            return self.config
+        return self.config.replace(dkdv=dataclasses.replace(self.config.dkdv, atomic_dq=0),
+                                   dq=default_config(self.spec, device_arch(self.device)).dq)
+
     def bwd_launches(self, grad_out: torch.Tensor, atomic: bool | None = None) -> tuple[KernelLaunch, ...]:
         """The backward's kernels in launch order, for gradients of this stride and alignment (cached):
         dQ and Delta, then dK/dV; with atomic dQ (`atomic`, default adds_dq_atomically()): Delta (and a zeroed
@@ -455,9 +463,8 @@ class Plan:
             config = self.config
             if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2, every_head=True):
                 config = config.replace(dkdv=dataclasses.replace(config.dkdv, tma=0))
-            if self.atomic_dq and not atomic:  # the dQ kernel of a config that had none: the heuristic's tile
-                config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0),
-                                        dq=default_config(self.spec, device_arch(self.device)).dq)
+            if self.atomic_dq and not atomic:
+                config = self.deterministic_config()
             module = codegen.load("bwd", self.spec, config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))

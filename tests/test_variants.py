@@ -454,6 +454,8 @@ def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkey
     config = _atomic_dq(kind=kind).replace(dq=fatune.LaunchConfig(16, 16))
     request.getfixturevalue("deterministic_algorithms")
     run_and_compare(q, k, v, is_causal=True, config=config)
+    explained = fatune.explain(q, k, v, is_causal=True, config=config).launched
+    assert (explained.dkdv.atomic_dq, explained.dq) == (0, INTERPRETER_CONFIG.dq)
     torch.use_deterministic_algorithms(False)  # the fixture restores the session's mode afterwards
     backwards = [config for kind_, config in loaded if kind_ == "bwd"]
     assert [(c.dkdv.atomic_dq, c.dq) for c in backwards] == [(0, INTERPRETER_CONFIG.dq)]
@@ -461,6 +463,7 @@ def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkey
     out = fatune.attention(q, k, v, is_causal=True, config=config)
     out.backward(torch.randn_like(out))
     assert [c.dkdv.atomic_dq for kind_, c in loaded if kind_ == "bwd"] == [kind]  # the same plan, atomic again
+    assert fatune.explain(q, k, v, is_causal=True, config=config).launched.dkdv.atomic_dq == kind
 
 
 def test_auto_splits_follow_the_grid():
