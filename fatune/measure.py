@@ -148,6 +148,24 @@ def bench(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100,
                                          return_mode="median"))
 
 
+def time_calls(fn: Callable[[], object], calls: int) -> list[float]:
+    """Milliseconds of each of `calls` calls of fn() on the current CUDA device (events; L2 flushed before
+    each, as do_bench does); fn must have run once already (compiled, loaded)."""
+    from triton import runtime
+
+    driver = runtime.driver.active
+    device = driver.get_device_interface()
+    cache = driver.get_empty_cache_for_benchmark()
+    events = [(device.Event(enable_timing=True), device.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        driver.clear_cache(cache)
+        start.record()
+        fn()
+        end.record()
+    device.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def kernel_times(fn: Callable[[], object], calls: int = 50) -> dict[str, float]:
     """GPU microseconds per call of each kernel that fn launches (torch.profiler), after a warm-up:
     which kernel of a call is the slow one."""

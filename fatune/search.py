@@ -46,6 +46,7 @@ import itertools
 import math
 import os
 import socket
+import statistics
 import time
 import warnings
 from collections import deque
@@ -65,6 +66,7 @@ from fatune.measure import (
     bench,
     make_inputs,
     tflops,
+    time_calls,
     time_forward,
     time_step_only,
     time_training_step,
@@ -88,6 +90,7 @@ CONTENDER_FACTOR = 1.1  # quick timing within this factor of the best so far: ti
 # do_bench budgets (warm-up ms, repeat ms). The candidate has just run once for the check, do_bench runs it 5 times
 # to size its loops, and the full timing follows the quick one: a 1 ms warm-up is always at least one more run.
 QUICK_BENCH, FULL_BENCH = (1, 20), (1, 100)
+QUICK_CALLS = 3  # a call this many times longer than the quick budget's: the median of this many calls (quick_time)
 # SDPA's training step is the summary's yardstick, not a search result: timed once per shape and backend, the
 # training step alone (not its forward too), on a shorter budget (the default's 3 x 2 timings took 1.4 s a shape)
 SDPA_BENCH = (5, 40)
@@ -222,17 +225,33 @@ class Target:
         return cls(torch.device("cuda"), False, props.name, f"{props.major}.{props.minor}", int(limit),
                    props.multi_processor_count)
 
-    def time_ms(self, fn: Callable[[], object], quick: bool = False) -> float:
+    def time_ms(self, fn: Callable[[], object], quick: bool = False, prune_above: float = math.inf) -> float:
+        """Median milliseconds of fn() (which ran once already); `quick`: on the short budget (quick_time,
+        which stops at one call past `prune_above`)."""
         if self.interpret:  # one wall-clock run; the number only orders candidates roughly
             start = time.perf_counter()
             fn()
             return (time.perf_counter() - start) * 1e3
-        warmup_ms, rep_ms = QUICK_BENCH if quick else FULL_BENCH
-        return bench(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        if quick:
+            return quick_time(lambda calls: time_calls(fn, calls), lambda: bench(fn, *QUICK_BENCH), prune_above)
+        return bench(fn, *FULL_BENCH)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+
+def quick_time(calls_ms: Callable[[int], list[float]], bench_ms: Callable[[], float], prune_above: float) -> float:
+    """A quick timing from one call first (`calls_ms(n)`: n timed calls). Past `prune_above` that call is the
+    answer: the candidate is pruned on it, and do_bench's eight calls or more of a slow kernel are saved. A
+    call so long that QUICK_CALLS of them fill the quick budget, which do_bench would repeat about that
+    often anyway: the median of QUICK_CALLS calls. Else do_bench's quick timing (`bench_ms`)."""
+    first = calls_ms(1)[0]
+    if first > prune_above:
+        return first
+    if first * QUICK_CALLS >= QUICK_BENCH[1]:
+        return statistics.median([first, *calls_ms(QUICK_CALLS - 1)])
+    return bench_ms()
 
 
 class Stopwatch:
@@ -640,12 +659,13 @@ class KernelSearch:
             error = checker.error(self.kernel, runner)
         if not error <= checker.tolerance:
             return self._reject(trial, "wrong_result", f"relative error {error:.3g} > {checker.tolerance}")
+        best_ms = self.known_best[0]
+        heuristic = trial.params == self.start  # the heuristic is always timed in full
         with clock("quick"):
-            quick = self.target.time_ms(run, quick=True)
+            quick = self.target.time_ms(run, quick=True, prune_above=math.inf if heuristic else PRUNE_FACTOR * best_ms)
         with clock("tell"):
             trial.report(quick, step=0)
-        best_ms = self.known_best[0]
-        if quick > PRUNE_FACTOR * best_ms and trial.params != self.start:  # the heuristic is always timed
+        if quick > PRUNE_FACTOR * best_ms and not heuristic:
             with clock("tell"):
                 trial.set_user_attr("rejected", "slow")
             raise optuna.TrialPruned(f"quick timing {quick:.3f} ms > {PRUNE_FACTOR} x best {best_ms:.3f} ms")

@@ -163,8 +163,10 @@ class ScriptedTarget(Target):
         super().__init__(torch.device("cpu"), False, "scripted", "cpu", None)
         self.quick_ms, self.full_ms, self.timed = quick_ms, full_ms, []
 
-    def time_ms(self, fn, quick=False):
+    def time_ms(self, fn, quick=False, prune_above=math.inf):
         self.timed.append("quick" if quick else "full")
+        if quick:
+            self.prune_above = prune_above
         return self.quick_ms if quick else self.full_ms
 
 
@@ -192,7 +194,7 @@ def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expe
         candidate = kernel.ask(heuristic, heartbeat, None)
         kernel.finish(candidate, heuristic, inputs, search.Checker(TINY, inputs), heartbeat)
     (trial,) = [t for t in kernel.study.trials if t.number == candidate.trial.number]
-    assert target.timed == timed
+    assert target.timed == timed and target.prune_above == search.PRUNE_FACTOR * 1.0
     if expected == "pruned":
         assert trial.state == optuna.trial.TrialState.PRUNED and trial.user_attrs["rejected"] == "slow"
     else:
@@ -610,3 +612,22 @@ def test_a_shape_starts_from_the_tuned_configs_of_its_relatives(tmp_path):
             f"sqlite:///{tmp_path / 'n.sqlite'}"), seed=0, space=outside, warm=warm)
         assert not any(t.user_attrs.get("warm_start") and t.system_attrs["fixed_params"]["block_m"] == 16
                        for t in narrow[0].study.trials)  # 16-row tiles are not in that space
+
+
+@pytest.mark.parametrize("first_ms, prune_above, calls, expected", [
+    (40.0, 30.0, [1], 40.0),            # past the pruning line: that one call decides
+    (9.0, 30.0, [1, 2], 8.0),           # 3 calls fill the 20 ms budget: their median, not do_bench's 8+ calls
+    (2.0, 30.0, [1], "bench"),          # short: do_bench's quick timing
+    (40.0, math.inf, [1, 2], 8.0),      # the heuristic (never pruned) is timed however slow
+])
+def test_a_quick_timing_stops_early_for_slow_calls(first_ms, prune_above, calls, expected):
+    from fatune.search import quick_time
+
+    asked = []
+
+    def calls_ms(n):
+        asked.append(n)
+        return [first_ms] if n == 1 else [8.0, 7.0]
+
+    result = quick_time(calls_ms, lambda: "bench", prune_above)
+    assert asked == calls and result == expected
