@@ -158,7 +158,7 @@ class Explanation:
             lines.append(self.decision.describe())
             if self.launched is not None and self.launched != self.decision.config:
                 lines.append(f"launched: fwd {self.launched.fwd} | dkdv {self.launched.dkdv} | dq {self.launched.dq} "
-                             f"(choices made for these tensors and this GPU)")
+                             f"(choices made for these tensors, this GPU and torch's deterministic mode)")
         lines += [f"source ({kind}): {path}" for kind, path in self.sources.items()]
         return "\n".join(lines)
 

@@ -446,7 +446,8 @@ class Plan:
 
     def deterministic_config(self) -> AttentionConfig:
         """The launched config with the dQ kernel in place of atomic dQ (deterministic mode), with the
-        heuristic's dQ tile: an atomic config's dQ tile only sized Delta's rows and was never timed as a kernel."""
+        heuristic's dQ tile: an atomic config's own dQ tile may never have run as a dQ kernel (entries searched
+        before the dQ study timed it beside a separate dK/dV, configs passed by hand)."""
         if not self.atomic_dq:
             return self.config
         return self.config.replace(dkdv=dataclasses.replace(self.config.dkdv, atomic_dq=0),
@@ -460,11 +461,9 @@ class Plan:
         key = (grad_out.stride(), grad_out.data_ptr() % 16, atomic)
         launches = self._bwd.get(key)
         if launches is None:
-            config = self.config
+            config = self.deterministic_config() if self.atomic_dq and not atomic else self.config
             if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2, every_head=True):
                 config = config.replace(dkdv=dataclasses.replace(config.dkdv, tma=0))
-            if self.atomic_dq and not atomic:
-                config = self.deterministic_config()
             module = codegen.load("bwd", self.spec, config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))

@@ -148,6 +148,9 @@ def bench(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100,
                                          return_mode="median"))
 
 
+_flush_buffers: dict[int, torch.Tensor] = {}  # per CUDA device: what time_calls writes over to flush L2
+
+
 def time_calls(fn: Callable[[], object], calls: int) -> list[float]:
     """Milliseconds of each of `calls` calls of fn() on the current CUDA device (events; L2 flushed before
     each, as do_bench does); fn must have run once already (compiled, loaded)."""
@@ -155,7 +158,9 @@ def time_calls(fn: Callable[[], object], calls: int) -> list[float]:
 
     driver = runtime.driver.active
     device = driver.get_device_interface()
-    cache = driver.get_empty_cache_for_benchmark()
+    cache = _flush_buffers.get(device.current_device())
+    if cache is None:
+        cache = _flush_buffers[device.current_device()] = driver.get_empty_cache_for_benchmark()
     events = [(device.Event(enable_timing=True), device.Event(enable_timing=True)) for _ in range(calls)]
     for start, end in events:
         driver.clear_cache(cache)

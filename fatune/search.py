@@ -226,8 +226,8 @@ class Target:
                    props.multi_processor_count)
 
     def time_ms(self, fn: Callable[[], object], quick: bool = False, prune_above: float = math.inf) -> float:
-        """Median milliseconds of fn() (which ran once already); `quick`: on the short budget (quick_time,
-        which stops at one call past `prune_above`)."""
+        """Median milliseconds of fn() (which ran once already); `quick`: on the short budget (quick_time:
+        the faster of two calls past `prune_above`)."""
         if self.interpret:  # one wall-clock run; the number only orders candidates roughly
             start = time.perf_counter()
             fn()
@@ -242,15 +242,18 @@ class Target:
 
 
 def quick_time(calls_ms: Callable[[int], list[float]], bench_ms: Callable[[], float], prune_above: float) -> float:
-    """A quick timing from one call first (`calls_ms(n)`: n timed calls). Past `prune_above` that call is the
-    answer: the candidate is pruned on it, and do_bench's eight calls or more of a slow kernel are saved. A
-    call so long that QUICK_CALLS of them fill the quick budget, which do_bench would repeat about that
-    often anyway: the median of QUICK_CALLS calls. Else do_bench's quick timing (`bench_ms`)."""
-    first = calls_ms(1)[0]
-    if first > prune_above:
-        return first
-    if first * QUICK_CALLS >= QUICK_BENCH[1]:
-        return statistics.median([first, *calls_ms(QUICK_CALLS - 1)])
+    """A quick timing from one call first (`calls_ms(n)`: n timed calls). Past `prune_above`, a second call
+    confirms it (noise only ever slows a call): the faster of the two is the answer and the candidate is
+    pruned on it, saving do_bench's eight calls or more of a slow kernel. Calls so long that QUICK_CALLS of
+    them fill the quick budget (do_bench would repeat them about that often anyway): the median of
+    QUICK_CALLS calls. Else do_bench's quick timing (`bench_ms`)."""
+    times = calls_ms(1)
+    if times[0] > prune_above:
+        times += calls_ms(1)
+        if min(times) > prune_above:
+            return min(times)
+    if times[0] * QUICK_CALLS >= QUICK_BENCH[1]:
+        return statistics.median(times + calls_ms(QUICK_CALLS - len(times)))
     return bench_ms()
 
 
@@ -498,13 +501,15 @@ class KernelSearch:
 
     def warm_start(self, configs: tuple[AttentionConfig, ...]) -> int:
         """Queue this kernel's config of each of `configs` (winners of related shapes: warm_starts) that is
-        a point of the space, once per study: Optuna tries them after the heuristic, before its own samples.
-        How many it queued."""
+        a feasible point of the space, unless the study has a trial of it: Optuna runs queued trials before
+        its own samples (within the study's budget). How many it queued."""
         queued = 0
         for config in configs:
             params = heuristic_params(config, self.kernel, self.spec, self.axes)
             if params == self.start or not all(params.get(axis) in values for axis, values in self.axes.items()):
                 continue
+            if infeasible(self.kernel, self.spec, LaunchConfig.from_dict(params), self.target.shared_limit):
+                continue  # it would only be rejected, spending a trial
             with storage_lock(self.storage.url):
                 trials = self.study.get_trials(deepcopy=False)
                 if any(params in (trial.params, trial.system_attrs.get("fixed_params")) for trial in trials):
@@ -1122,9 +1127,10 @@ WARM_STARTS = 2  # tuned configs of related shapes queued per study
 
 def warm_starts(db: TunedDB, target: Target, shape: Shape) -> tuple[AttentionConfig, ...]:
     """Configs of `shape`'s nearest tuned relatives in `db` (this GPU, current kernels, the same head dims,
-    mask variant and GQA group): the same lengths in the other 16-bit dtype, then the nearest lengths in this
-    dtype (Optuna's warm start: the kernels' best tiles move little between them). At most WARM_STARTS; none
-    if the DB cannot be read (a search does not need them)."""
+    mask variant and GQA group): its own entry (a search again, under another study), the same lengths in
+    the other 16-bit dtype, then the nearest lengths in this dtype (Optuna's warm start: the kernels' best
+    tiles move little between them). At most WARM_STARTS; none if the DB cannot be read (a search does not
+    need them)."""
     from fatune.db import bucket_distance, is_stale
 
     key = shape_key(shape)
@@ -1137,11 +1143,10 @@ def warm_starts(db: TunedDB, target: Target, shape: Shape) -> tuple[AttentionCon
                    if entry.forward_only == forward_only(shape) and not is_stale(entry)]
     except Exception:  # noqa: BLE001 - a bad DB costs the warm start, never the search
         return ()
-    same_lengths = [e for e in related if e.dtype != key.dtype and bucket_distance(e, key) == 0]
-    nearest_lengths = sorted((e for e in related if e.dtype == key.dtype and bucket_distance(e, key) > 0),
-                             key=lambda e: (bucket_distance(e, key), e.time_ms))
-    configs = dict.fromkeys(e.attention_config() for e in same_lengths + nearest_lengths)
-    return tuple(configs)[:WARM_STARTS]
+    order = sorted(related, key=lambda e: (bucket_distance(e, key) > 0, e.dtype != key.dtype, bucket_distance(e, key),
+                                           e.time_ms))
+    order = [e for e in order if bucket_distance(e, key) == 0 or e.dtype == key.dtype]
+    return tuple(dict.fromkeys(e.attention_config() for e in order))[:WARM_STARTS]
 
 
 def store(db: TunedDB, result: ShapeResult, target: Target) -> bool:

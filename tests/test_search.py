@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -569,65 +570,69 @@ def test_the_census_keeps_the_best_trial_without_atomic_dq(tmp_path):
     assert kernel.known_best_separate[0] == 1.5 and kernel.known_best_separate[1].block_m == 32
 
 
-def test_a_shape_starts_from_the_tuned_configs_of_its_relatives(tmp_path):
+def test_a_shape_starts_from_the_tuned_configs_of_its_relatives(tmp_path, monkeypatch):
     """Optuna's warm start: a shape's studies queue (after the heuristic, once) the configs tuned in its DB for
-    the same lengths in the other 16-bit dtype, then for the nearest lengths in its own; not a stale entry's,
-    not another mask's, and not configs outside the space."""
+    its own key, the same lengths in the other 16-bit dtype, then the nearest lengths in its own (nearest
+    before faster); not a stale entry's, another mask's or GQA group's, and not configs outside the space."""
     from fatune.search import ShapeResult, kernel_searches, store, warm_starts
     from fatune.storage import open_storage
 
     target = interpreter_target()
-    tile = LaunchConfig(16, 32, num_warps=4, num_stages=1, num_splits=0)
-    other = LaunchConfig(32, 32, num_warps=4, num_stages=1, num_splits=0)
+    own, tile, other, far, elsewhere = (LaunchConfig(m, n, num_warps=4, num_stages=1, num_splits=0)
+                                        for m, n in ((32, 32), (16, 32), (16, 16), (32, 16), (64, 16)))
 
-    def tuned(dtype, length, fwd, causal=True):
-        shape = Shape(2, 2, length, length, 32, dtype, causal=causal)
-        config = default_config_for(shape).replace(fwd=fwd, dq=dataclasses.replace(fwd, num_splits=1))
-        return ShapeResult(shape, config, {}, 1.0, 2.0, 3.0, 9)
-
-    def default_config_for(shape):
+    def tuned(dtype, length, fwd, causal=True, ms=3.0, kv_heads=2):
         from fatune.heuristics import default_config
 
-        return default_config(shape.spec, None)
+        shape = Shape(2, 2, length, length, 32, dtype, causal=causal, kv_heads=kv_heads)
+        config = default_config(shape.spec, None).replace(fwd=fwd, dq=dataclasses.replace(fwd, num_splits=1))
+        return ShapeResult(shape, config, {}, 1.0, ms - 1.0, ms, 9)
 
     with TunedDB(tmp_path / "tuned.sqlite") as db:
-        elsewhere = LaunchConfig(32, 16, num_warps=4, num_stages=1, num_splits=0)
-        for result in (tuned("float16", 256, other), tuned("bfloat16", 64, tile), tuned("float16", 1024, tile),
-                       tuned("float16", 128, elsewhere, causal=False)):  # another mask variant
+        for result in (tuned("float16", 256, other), tuned("bfloat16", 64, tile), tuned("float16", 64, own),
+                       tuned("float16", 1024, far, ms=1.0),  # faster, but farther
+                       tuned("float16", 128, elsewhere, causal=False),  # another mask variant
+                       tuned("float16", 128, elsewhere, kv_heads=1)):  # another GQA group
             assert store(db, result, target)
         stale = search.to_entry(tuned("float16", 32, elsewhere), target)
         assert db.upsert(dataclasses.replace(stale, template_hash="0123456789abcdef"))
         shape = Shape(2, 2, 64, 64, 32, "float16", causal=True)
+        monkeypatch.setattr(search, "WARM_STARTS", 8)
+        assert [config.fwd for config in warm_starts(db, target, shape)] == [own, tile, other, far]
+        monkeypatch.setattr(search, "WARM_STARTS", 2)
         warm = warm_starts(db, target, shape)
-        assert [config.fwd for config in warm] == [tile, other]  # bf16 at L=64, then fp16 at 256 (nearer than 1024)
+        assert [config.fwd for config in warm] == [own, tile]
+        monkeypatch.setattr(db, "entries", lambda **_: (_ for _ in ()).throw(sqlite3.DatabaseError("malformed")))
+        assert warm_starts(db, target, shape) == ()  # a DB that cannot be read costs the warm start only
         storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
         for _ in range(2):  # a resumed search queues nothing twice
             _, searches = kernel_searches(shape, target, trials=6, seconds=600, storage=storage, seed=0,
                                           space=INTERPRETER_SPACE, warm=warm)
         fwd = {search.kernel: search for search in searches}["fwd"]
         queued = [t.system_attrs["fixed_params"] for t in fwd.study.trials if t.user_attrs.get("warm_start")]
-        assert [(p["block_m"], p["block_n"]) for p in queued] == [(16, 32), (32, 32)]
+        assert [(p["block_m"], p["block_n"]) for p in queued] == [(32, 32), (16, 32)]
         outside = INTERPRETER_SPACE.__class__(**{**INTERPRETER_SPACE.__dict__, "block_m": (32,)})
         _, narrow = kernel_searches(shape, target, trials=6, seconds=600, storage=open_storage(
             f"sqlite:///{tmp_path / 'n.sqlite'}"), seed=0, space=outside, warm=warm)
-        assert not any(t.user_attrs.get("warm_start") and t.system_attrs["fixed_params"]["block_m"] == 16
-                       for t in narrow[0].study.trials)  # 16-row tiles are not in that space
+        queued = [t.system_attrs["fixed_params"]["block_m"] for t in narrow[0].study.trials if t.user_attrs.get("warm_start")]
+        assert queued == [32]  # 16-row tiles are not in that space
 
 
-@pytest.mark.parametrize("first_ms, prune_above, calls, expected", [
-    (40.0, 30.0, [1], 40.0),            # past the pruning line: that one call decides
-    (9.0, 30.0, [1, 2], 8.0),           # 3 calls fill the 20 ms budget: their median, not do_bench's 8+ calls
-    (2.0, 30.0, [1], "bench"),          # short: do_bench's quick timing
-    (40.0, math.inf, [1, 2], 8.0),      # the heuristic (never pruned) is timed however slow
+@pytest.mark.parametrize("timings, prune_above, calls, expected", [
+    ([40.0, 35.0], 30.0, [1, 1], 35.0),          # past the pruning line twice: pruned on the faster call
+    ([40.0, 9.0, 8.0], 30.0, [1, 1, 1], 9.0),    # a noisy first call: not pruned; long calls: median of 3
+    ([9.0, 8.0, 7.0], 30.0, [1, 2], 8.0),        # 3 calls fill the 20 ms budget: their median, not do_bench's 8+
+    ([2.0], 30.0, [1], "bench"),                 # short: do_bench's quick timing
+    ([40.0, 8.0, 7.0], math.inf, [1, 2], 8.0),   # the heuristic (never pruned) is timed however slow
 ])
-def test_a_quick_timing_stops_early_for_slow_calls(first_ms, prune_above, calls, expected):
+def test_a_quick_timing_stops_early_for_slow_calls(timings, prune_above, calls, expected):
     from fatune.search import quick_time
 
-    asked = []
+    asked, left = [], list(timings)
 
     def calls_ms(n):
         asked.append(n)
-        return [first_ms] if n == 1 else [8.0, 7.0]
+        return [left.pop(0) for _ in range(n)]
 
     result = quick_time(calls_ms, lambda: "bench", prune_above)
     assert asked == calls and result == expected

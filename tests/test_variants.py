@@ -392,18 +392,23 @@ def test_tma_dkdv_one_head_with_an_odd_head_stride(poison_outputs):
     run_and_compare(q, k, v, is_causal=True, config=_tma_dkdv())
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("grad_layout, tma", [("dense", 1), ("transposed", 1), ("every-other-lane", 0)])
-def test_tma_dkdv_reads_do_only_where_tma_can(grad_layout, tma, monkeypatch, poison_outputs):
+def test_tma_dkdv_reads_do_only_where_tma_can(grad_layout, tma, deterministic, monkeypatch, poison_outputs, request):
     """dO comes from autograd in any layout: the backward keeps TMA loads for a dO TMA can read and
-    compiles the pointer loads for one it cannot."""
+    compiles the pointer loads for one it cannot; so does deterministic mode's backward with the dQ kernel
+    in place of atomic dQ."""
     from fatune import codegen
 
     loaded = []
     load = codegen.load
     monkeypatch.setattr(codegen, "load", lambda kind, spec, config: loaded.append((kind, config)) or load(kind, spec, config))
+    if deterministic:
+        request.getfixturevalue("deterministic_algorithms")
     q, k, v = _qkv(lq=29, lk=41, seed=31)
-    run_and_compare(q, k, v, is_causal=True, config=_tma_dkdv(), grad_layout=grad_layout)
-    assert [config.dkdv.tma for kind, config in loaded if kind == "bwd"] == [tma]
+    config = _tma_dkdv(atomic=1) if deterministic else _tma_dkdv()
+    run_and_compare(q, k, v, is_causal=True, config=config, grad_layout=grad_layout)
+    assert [(config.dkdv.tma, config.dkdv.atomic_dq) for kind, config in loaded if kind == "bwd"] == [(tma, 0)]
 
 
 @pytest.mark.parametrize("head_dim, dtype, expected", [(32, torch.float16, 2), (24, torch.float16, 2),
