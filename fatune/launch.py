@@ -444,6 +444,10 @@ class Plan:
         (`torch.use_deterministic_algorithms`): atomic adds land in any order, so the dQ kernel runs instead."""
         return self.atomic_dq and not torch.are_deterministic_algorithms_enabled()
 
+    def _atomic(self, asked: bool | None) -> bool:
+        """Whether a backward adds dQ atomically: `asked` (None: adds_dq_atomically()), if the config has atomic dQ."""
+        return self.adds_dq_atomically() if asked is None else asked and self.atomic_dq
+
     def deterministic_config(self) -> AttentionConfig:
         """The launched config with the dQ kernel in place of atomic dQ (deterministic mode), with the
         heuristic's dQ tile: an atomic config's own dQ tile may never have run as a dQ kernel (entries searched
@@ -457,11 +461,11 @@ class Plan:
         """The backward's kernels in launch order, for gradients of this stride and alignment (cached):
         dQ and Delta, then dK/dV; with atomic dQ (`atomic`, default adds_dq_atomically()): Delta (and a zeroed
         dQ accumulator), dK/dV with dQ, then dQ's store."""
-        atomic = self.adds_dq_atomically() if atomic is None else atomic and self.atomic_dq
+        atomic = self._atomic(atomic)
         key = (grad_out.stride(), grad_out.data_ptr() % 16, atomic)
         launches = self._bwd.get(key)
         if launches is None:
-            config = self.deterministic_config() if self.atomic_dq and not atomic else self.config
+            config = self.config if atomic else self.deterministic_config()
             if config.dkdv.tma and not tma_readable(grad_out, 0 if self.packed else 2, every_head=True):
                 config = config.replace(dkdv=dataclasses.replace(config.dkdv, tma=0))
             module = codegen.load("bwd", self.spec, config)
@@ -482,7 +486,7 @@ class Plan:
     def allocate_backward(self, atomic: bool | None = None) -> tuple[torch.Tensor, ...]:
         """(delta, dq, dk, dv, dq_acc) buffers; dq_acc (atomic dQ's float32 accumulator) is None without it
         (`atomic`: as for bwd_launches)."""
-        atomic = self.adds_dq_atomically() if atomic is None else atomic and self.atomic_dq
+        atomic = self._atomic(atomic)
         delta = new_buffer(*self.lse_layout, torch.float32, self.device)
         dq, dk, dv = (new_buffer(shape, strides, self.dtype, self.device) for shape, strides in self.grad_layouts)
         dq_acc = new_buffer(*self.dq_acc_layout, torch.float32, self.device) if atomic else None

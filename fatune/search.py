@@ -529,15 +529,12 @@ class KernelSearch:
                 optuna.storages.fail_stale_trials(self.study)
         finished = running = 0
         heuristic_waits = False
-        complete = []
         for trial in self.study.get_trials(deepcopy=False, states=(*FINISHED, WAITING, RUNNING)):
             finished += trial.state in FINISHED
             running += trial.state == RUNNING
             heuristic_waits |= trial.state == WAITING and self._holds_heuristic(trial)
             if trial.state == optuna.trial.TrialState.COMPLETE:
-                complete.append(trial)
-        for trial in complete:
-            self._note_best(trial.value, trial.params)
+                self._note_best(trial.value, trial.params)
         self._full_until = -math.inf  # fresh news: wants_trial decides again
         return finished, running, heuristic_waits
 
@@ -722,7 +719,7 @@ def separate_backward(dkdv: KernelSearch, dq: KernelSearch) -> LaunchConfig | No
     best dK/dV without atomic dQ, if the dK/dV study's best has atomic dQ and the dQ study's best backward
     (timed beside that config: base_config) is faster than it; else None (keep the dK/dV study's best)."""
     best_ms, best = dkdv.known_best
-    separate_ms, separate = dkdv.known_best_separate
+    separate = dkdv.known_best_separate[1]
     if best is None or not best.atomic_dq or separate is None:
         return None
     return separate if dq.known_best[0] < best_ms else None
