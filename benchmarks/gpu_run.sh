@@ -104,6 +104,7 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             [ "$(date +%s)" -ge "$deadline" ] && break 3
             case "$mask" in
               gqa4|gqa8) extra="--mask both --heads 32 --kv-heads $(( 32 / ${mask#gqa} ))" ;;
+              window?*) extra="--mask window --window ${mask#window}" ;;  # "window" alone: search's default, 256
               *) extra="--mask $mask" ;;
             esac
             grep -qx "$dtype d$d $mask" "$stored" 2>/dev/null && continue  # stored by an earlier run
@@ -116,10 +117,10 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
           done
         done
       done <<'GRID'
-bf16 128,64 both,window,padding,gqa4,gqa8
-fp16 128,64 both,window,padding,gqa4,gqa8
-bf16 80,96,192,256 both,window,padding,gqa4,gqa8
-fp16 80,96,192,256 both,window,padding,gqa4,gqa8
+bf16 128,64 both,window,window1024,window4096,padding,gqa4,gqa8
+fp16 128,64 both,window,window1024,window4096,padding,gqa4,gqa8
+bf16 80,96,192,256 both,window,window1024,window4096,padding,gqa4,gqa8
+fp16 80,96,192,256 both,window,window1024,window4096,padding,gqa4,gqa8
 GRID
       # shipped in rollback-journal mode: a read-only site-packages cannot hold a WAL file's -wal/-shm companions
       python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"

@@ -99,18 +99,31 @@ INSTALLATION_COLUMNS = ("gpu", "capability", "triton_version", "torch_version", 
 KEY_COLUMNS = INSTALLATION_COLUMNS + tuple(f.name for f in dataclasses.fields(CallKey))  # one row per key
 
 
-def call_key(spec: KernelSpec, group_size: int, seqlen_q: int, seqlen_k: int) -> CallKey:
+def key_reach(spec: KernelSpec, seqlen_k: int, window_left: int, window_right: int) -> int:
+    """How far one query row's keys reach: L_k, or a sliding window's width (left + right of the diagonal)
+    when both its edges are bounded and it is narrower. The key's Lk bucket is this reach: the work per query
+    tile, and so the best tile, follows the window's width, not the sequence's length (one entry per width
+    bucket, searched at that width)."""
+    if spec.window_left and (spec.causal or spec.window_right):
+        right = 0 if spec.causal else max(0, window_right)
+        return min(seqlen_k, max(0, window_left) + right)
+    return seqlen_k
+
+
+def call_key(spec: KernelSpec, group_size: int, seqlen_q: int, seqlen_k: int,
+             window_left: int = 0, window_right: int = 0) -> CallKey:
     """The one place a key is built: dispatcher (`problem_key`) and search (`shape_key`) both come here."""
     return CallKey(spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask_variant, group_size,
-                   seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_k))
+                   seqlen_bucket(seqlen_q), seqlen_bucket(key_reach(spec, seqlen_k, window_left, window_right)))
 
 
 def problem_key(problem: AttentionProblem) -> CallKey:
-    return call_key(problem.spec, problem.group_size, problem.max_seqlen_q, problem.max_seqlen_k)
+    return call_key(problem.spec, problem.group_size, problem.max_seqlen_q, problem.max_seqlen_k,
+                    problem.window_left, problem.window_right)
 
 
 def shape_key(shape: Shape) -> CallKey:
-    return call_key(shape.spec, shape.heads // shape.kv_heads, *shape.key_lengths())
+    return call_key(shape.spec, shape.heads // shape.kv_heads, *shape.key_lengths(), max(shape.window, 0), 0)
 
 
 def installation(gpu: str, capability: str) -> dict[str, str]:

@@ -304,12 +304,37 @@ def test_search_and_dispatch_build_the_same_key():
 
     for shape in (Shape(2, 8, 1000, 700, 64, "float16", causal=True, kv_heads=2),
                   Shape(1, 4, 300, 300, 80, "bfloat16", causal=True, window=32, head_dim_v=64),
-                  Shape(2, 4, 64, 128, 32, "float32", valid_keys=0.5)):
+                  Shape(2, 4, 64, 128, 32, "float32", valid_keys=0.5),
+                  Shape(2, 4, 4096, 4096, 64, "bfloat16", causal=True, window=1024),
+                  Shape(2, 4, 4096, 4096, 64, "bfloat16", window=100)):
         kwargs = shape.attention_kwargs("cpu")
         q = torch.empty(shape.batch, shape.heads, shape.seqlen_q, shape.head_dim, dtype=DTYPES[shape.dtype])
         k = torch.empty(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim, dtype=q.dtype)
         v = torch.empty(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim_v, dtype=q.dtype)
         assert shape_key(shape) == problem_key(check_inputs(q, k, v, **kwargs))
+
+
+@pytest.mark.parametrize("window_size, causal, lk, reach_bucket", [
+    ((-1, -1), False, 8192, 8192),      # no window: the keys' length
+    ((1024, 0), True, 8192, 1024),      # causal sliding window: its width
+    ((256, 0), False, 8192, 256),       # window (256, 0) without is_causal: the right edge is the diagonal
+    ((100, 100), False, 8192, 256),     # two-sided: left + right
+    ((4096, 0), True, 2048, 2048),      # wider than the sequence: the sequence
+    ((1000, -1), False, 8192, 8192),    # right edge unbounded: every key to the right
+    ((-1, 0), False, 8192, 8192),       # left edge unbounded
+    ((0, 0), True, 8192, 16),           # the diagonal alone: the smallest bucket
+    ((1 << 40, 0), True, 4096, 4096),   # a window past the lengths' range
+])
+def test_a_window_keys_the_entry_by_its_width(window_size, causal, lk, reach_bucket):
+    """Lk's bucket is how far a query row's keys reach, so windows of different widths get their own entries
+    (the best tile follows the work per query tile) and one width is the same key at every length."""
+    from fatune.db import problem_key
+    from fatune.inputs import check_inputs
+
+    q = torch.empty(1, 2, 4096, 64, dtype=torch.float16)
+    k = v = torch.empty(1, 2, lk, 64, dtype=torch.float16)
+    key = problem_key(check_inputs(q, k, v, is_causal=causal, window_size=window_size))
+    assert (key.seqlen_q_bucket, key.seqlen_k_bucket) == (4096, reach_bucket)
 
 
 # -- files: read-only opening, rollback-journal exports, writability checked first ------------
