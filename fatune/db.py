@@ -248,8 +248,16 @@ class Entry:
         return self.fwd_ms if self.forward_only else self.fwd_bwd_ms
 
     def faster_than(self, other: Entry) -> bool:
-        """Whether this entry is faster than `other` (same key): forward+backward times, or forward times
-        when either is forward-only (like with like: a forward-only entry has no backward time)."""
+        """Whether this entry is faster than `other` (same key). Measured on the same problem: forward+backward
+        times, or forward times when either is forward-only (like with like: a forward-only entry has no
+        backward time). Measured on different problems of one key (other lengths in its buckets, batch or
+        heads; a window's width is not stored, so two window entries count as different): throughput, their
+        common measure, where both have it."""
+        same_problem = (self.batch, self.heads, self.seqlen_q, self.seqlen_k) == \
+            (other.batch, other.heads, other.seqlen_q, other.seqlen_k) and "window" not in self.mask_variant
+        if not same_problem and self.forward_only == other.forward_only \
+                and math.isfinite(self.tflops) and math.isfinite(other.tflops):
+            return self.tflops > other.tflops
         if self.forward_only or other.forward_only:
             return self.fwd_ms < other.fwd_ms
         return self.fwd_bwd_ms < other.fwd_bwd_ms

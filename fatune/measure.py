@@ -21,6 +21,20 @@ import torch
 from fatune.spec import DTYPES, AttentionConfig, KernelSpec
 
 
+def window_pairs(seqlen_q: int, seqlen_k: int, window: int) -> int:
+    """(query, key) pairs a sliding window keeps: query i sees keys i + offset - window .. i + offset, offset =
+    Lk - Lq (bottom-right, as fatune.attention aligns a window), cut to 0 .. Lk - 1."""
+    def capped_sum(a: int, b: int) -> int:  # sum of min(t, window) + 1 for t in a .. b
+        if b < a:
+            return 0
+        below = min(b, window)
+        total = (a + below) * (below - a + 1) // 2 if below >= a else 0
+        return total + window * max(0, b - max(a, window + 1) + 1) + (b - a + 1)
+
+    offset = seqlen_k - seqlen_q
+    return capped_sum(max(offset, 0), seqlen_k - 1)
+
+
 @dataclass(frozen=True)
 class Shape:
     """One attention problem size."""
@@ -104,16 +118,15 @@ class Shape:
         return replace(self, **changes)
 
     def flops(self, passes: str = "fwd+bwd") -> float:
-        """4 B H Lq Lk D forward (halved when causal); backward 2.5x forward; fwd+bwd 3.5x."""
-        pairs = sum(n * n for n in self.document_lengths()) if self.documents else \
-            self.batch * self.seqlen_q * self.seqlen_k
-        forward = 2.0 * pairs * self.heads * (self.head_dim + self.head_dim_v)
-        if self.causal:
-            forward *= 0.5
-        # work the kernels actually do (skipped tiles are not counted)
-        if self.window >= 0:
-            forward *= min(1.0, (self.window + 1) / self.seqlen_k) / (0.5 if self.causal else 1.0)
-        forward *= self.valid_keys
+        """4 B H Lq Lk D forward (halved when causal; a window counts the (query, key) pairs it keeps);
+        backward 2.5x forward; fwd+bwd 3.5x."""
+        lengths = self.document_lengths() if self.documents else [(self.seqlen_q, self.seqlen_k)] * self.batch
+        lengths = [(n, n) if isinstance(n, int) else n for n in lengths]
+        if self.window >= 0:  # keys i + offset - window .. i + offset (offset = Lk - Lq): work skipped is not counted
+            pairs = sum(window_pairs(lq, lk, self.window) for lq, lk in lengths)
+        else:
+            pairs = sum(lq * lk for lq, lk in lengths) * (0.5 if self.causal else 1.0)
+        forward = 2.0 * pairs * self.heads * (self.head_dim + self.head_dim_v) * self.valid_keys
         return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[passes]
 
     def label(self) -> str:

@@ -362,16 +362,20 @@ class Checker:
 
 
 def study_name(target: Target, shape: Shape, kernel: str) -> str:
-    """The Optuna study of one kernel of one shape: the tuned-DB key (fatune.db) plus batch and heads, with
-    the hash of the sources its search can render (launch.search_hash) for the templates' part."""
+    """The Optuna study of one kernel of one shape: the installation and kernel spec of the tuned-DB key
+    (fatune.db), with the hash of the sources its search can render (launch.search_hash) for the templates'
+    part, and the shape itself (its lengths, window, padding and documents, batch and heads: two shapes that
+    share a DB key are still different problems, whose trials must not mix in one study)."""
     from fatune import launch
 
     key = key_columns(target.gpu, target.capability, shape_key(shape))
     templates = launch.search_hash(shape.spec, shape.kv_heads != shape.heads)
+    sizes = "+".join([f"w{shape.window}"] * (shape.window >= 0) + [f"keys{shape.valid_keys!r}"] * (shape.valid_keys < 1)
+                     + [f"docs{shape.documents}"] * bool(shape.documents)) or "-"
     return ":".join([
         "fatune", key["gpu"], key["capability"], f"triton{key['triton_version']}", f"templates{templates}",
-        key["dtype"], f"d{key['head_dim']}", f"dv{key['head_dim_v']}", key["mask_variant"], f"g{key['group_size']}",
-        f"lq{key['seqlen_q_bucket']}", f"lk{key['seqlen_k_bucket']}", f"b{shape.batch}h{shape.heads}", kernel,
+        key["dtype"], f"d{key['head_dim']}", f"dv{key['head_dim_v']}", key["mask_variant"], sizes,
+        f"g{key['group_size']}", f"lq{shape.seqlen_q}", f"lk{shape.seqlen_k}", f"b{shape.batch}h{shape.heads}", kernel,
     ])
 
 

@@ -51,6 +51,26 @@ def db_path(request, tmp_path) -> Path:
     return tmp_path / "tuned.sqlite" if request.param == "flat" else tmp_path / "a" / "b" / "tuned.sqlite"
 
 
+@pytest.mark.parametrize("mine, theirs, replaces", [
+    # the same problem: times decide, whatever the throughput fields say
+    ({"fwd_bwd_ms": 2.0, "tflops": 1.0}, {"fwd_bwd_ms": 3.0, "tflops": 9.0}, True),
+    ({"fwd_bwd_ms": 3.0, "tflops": 9.0}, {"fwd_bwd_ms": 2.0, "tflops": 1.0}, False),
+    # another problem of the key (a longer sequence in the bucket, another batch): throughput decides
+    ({"seqlen_q": 4096, "seqlen_k": 4096, "fwd_bwd_ms": 3.0, "tflops": 450.0},
+     {"seqlen_q": 3000, "seqlen_k": 3000, "fwd_bwd_ms": 2.0, "tflops": 400.0}, True),
+    ({"batch": 4, "fwd_bwd_ms": 1.0, "tflops": 300.0}, {"batch": 8, "fwd_bwd_ms": 3.0, "tflops": 400.0}, False),
+    # windows: the width is not stored, so equal stored shapes may be different problems
+    ({"mask_variant": "causal+window-left+bottom-right", "fwd_bwd_ms": 3.0, "tflops": 450.0},
+     {"mask_variant": "causal+window-left+bottom-right", "fwd_bwd_ms": 2.0, "tflops": 400.0}, True),
+    # without a throughput on both sides, times again
+    ({"batch": 4, "fwd_bwd_ms": 3.0, "tflops": math.nan}, {"batch": 8, "fwd_bwd_ms": 2.0, "tflops": 400.0}, False),
+])
+def test_an_entry_replaces_another_by_time_on_its_problem_and_by_throughput_across_problems(mine, theirs,
+                                                                                            replaces):
+    base = {"batch": 2, "heads": 16, "seqlen_q": 4096, "seqlen_k": 4096}
+    assert make_entry(**{**base, **mine}).faster_than(make_entry(**{**base, **theirs})) is replaces
+
+
 def test_upsert_keeps_the_faster_entry(db_path):
     with TunedDB(db_path) as db:
         assert db.upsert(make_entry(fwd_bwd_ms=3.0))
@@ -306,12 +326,16 @@ def test_search_and_dispatch_build_the_same_key():
                   Shape(1, 4, 300, 300, 80, "bfloat16", causal=True, window=32, head_dim_v=64),
                   Shape(2, 4, 64, 128, 32, "float32", valid_keys=0.5),
                   Shape(2, 4, 4096, 4096, 64, "bfloat16", causal=True, window=1024),
-                  Shape(2, 4, 4096, 4096, 64, "bfloat16", window=100)):
+                  Shape(2, 4, 4096, 4096, 64, "bfloat16", window=100),
+                  Shape(1, 4, 300, 300, 64, "float16", causal=True, window=20, documents=3),
+                  Shape(2, 8, 512, 512, 64, "float16", causal=True, window=100, kv_heads=2, valid_keys=0.5),
+                  Shape(2, 4, 128, 1000, 64, "float16", causal=True, window=200),
+                  Shape(2, 4, 1000, 128, 64, "float16", causal=True, window=300),
+                  Shape(2, 4, 600, 600, 64, "float16", causal=True, window=700),    # wider than L, narrower than 2L
+                  Shape(2, 4, 600, 600, 64, "float16", causal=True, window=1200)):  # dropped: plain causal
         kwargs = shape.attention_kwargs("cpu")
-        q = torch.empty(shape.batch, shape.heads, shape.seqlen_q, shape.head_dim, dtype=DTYPES[shape.dtype])
-        k = torch.empty(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim, dtype=q.dtype)
-        v = torch.empty(shape.batch, shape.kv_heads, shape.seqlen_k, shape.head_dim_v, dtype=q.dtype)
-        assert shape_key(shape) == problem_key(check_inputs(q, k, v, **kwargs))
+        q, k, v = (torch.empty(shape.input_sizes()[name], dtype=DTYPES[shape.dtype]) for name in "qkv")
+        assert shape_key(shape) == problem_key(check_inputs(q, k, v, **kwargs)), shape
 
 
 @pytest.mark.parametrize("window_size, causal, lk, reach_bucket", [

@@ -49,7 +49,7 @@ def postgres_url(postgres) -> str:
 
 
 def trials_by_study(url: str) -> dict[str, list[optuna.trial.FrozenTrial]]:
-    """Each study's trials, by 'lq<seqlen_q bucket>:<kernel>'."""
+    """Each study's trials, by 'lq<seqlen_q>:<kernel>'."""
     url = normalise_url(url)
     return {":".join(s.study_name.split(":")[-4::3]): optuna.load_study(study_name=s.study_name, storage=url).trials
             for s in optuna.get_all_study_summaries(url)}
@@ -222,5 +222,5 @@ def test_the_owner_starts_the_next_shape_while_others_hold_trials(tmp_path, post
     studies = check_studies(postgres_url, lengths=2, processes=2)
     held = min((t for t in studies["lq32:fwd"] if t.user_attrs["worker"].endswith(f":{helper.pid}")),
                key=lambda t: t.number)  # the helper's first trial, which it held
-    assert held.state in FINISHED and held.datetime_complete > min(t.datetime_start for t in studies["lq64:fwd"])
+    assert held.state in FINISHED and held.datetime_complete > min(t.datetime_start for t in studies["lq48:fwd"])
     assert entries(db_path) == {32: rows[0]["config"], 64: rows[1]["config"]}

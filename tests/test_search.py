@@ -499,6 +499,30 @@ def test_study_names_survive_template_edits_their_search_never_renders(tmp_path,
             assert study_name(target, gqa, "fwd") != gqa_name, edit
 
 
+def test_shapes_that_share_a_db_key_keep_their_trials_apart():
+    """Two shapes of one tuned-DB key (lengths in one bucket, windows of one width bucket at other lengths,
+    other padding or documents) are different problems: each gets its own study, so no trial timed on one
+    steers or wins the other's search; the same shape finds its study again."""
+    from fatune.db import shape_key
+    from fatune.search import study_name
+
+    target = interpreter_target()
+    pairs = [
+        (Shape(2, 4, 3000, 3000, 32, "float16", causal=True), Shape(2, 4, 4096, 4096, 32, "float16", causal=True)),
+        (Shape(2, 4, 4096, 4096, 32, "float16", causal=True, window=256),
+         Shape(2, 4, 4096, 8192, 32, "float16", causal=True, window=256)),
+        (Shape(2, 4, 4096, 4096, 32, "float16", causal=True, window=200),
+         Shape(2, 4, 4096, 4096, 32, "float16", causal=True, window=256)),
+        (Shape(2, 4, 4096, 4096, 32, "float16", valid_keys=0.5), Shape(2, 4, 4096, 4096, 32, "float16", valid_keys=0.25)),
+        (Shape(2, 4, 256, 256, 32, "float16", documents=3), Shape(2, 4, 256, 256, 32, "float16", documents=4)),
+    ]
+    for one, other in pairs:
+        if shape_key(one) == shape_key(other):  # the lengths of packed documents may fall into other buckets
+            assert study_name(target, one, "dq") != study_name(target, other, "dq"), (one, other)
+        assert study_name(target, one, "dq") == study_name(target, Shape(**vars(one)), "dq")
+    assert shape_key(pairs[1][0]) == shape_key(pairs[1][1])  # a window's entry is keyed by its width
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_heuristic_is_a_point_of_every_hopper_search_space(dtype):
     """Every head dim's Hopper heuristic, causal or not, is a trial the GPU space can hold, so it is queued and
