@@ -95,6 +95,8 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
       # run); searches listed in benchmarks/results/ship-db-h200-done.txt are skipped, an interrupted one resumes its
       # studies from the storage. SHIP_DEADLINE (s, default
       # 480): no new search starts after it. Build it once the templates stop changing: their hash keys every entry.
+      # Trials per kernel per shape: SHIP_TRIALS (20); fp16 SHIP_TRIALS_FP16 (10): its studies start from the bf16
+      # winners of the same lengths (the search's warm start), which the two dtypes' kernels mostly share.
       db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
       stored=benchmarks/results/ship-db-h200-done.txt  # the searches whose winners are stored (commit it with the DB)
       deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
@@ -109,8 +111,10 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             esac
             grep -qx "$dtype d$d $mask" "$stored" 2>/dev/null && continue  # stored by an earlier run
             echo "--- $dtype d$d $mask $(date -u +%H:%M:%S)" | tee -a "$OUT/ship-db.txt"
+            trials=${SHIP_TRIALS:-20}
+            [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-10}
             python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths 512,2048,8192,32768 $extra \
-              --trials "${SHIP_TRIALS:-20}" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
+              --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
             rc=$?
             echo "rc $rc" >> "$OUT/ship-db.txt"
             [ $rc = 0 ] && echo "$dtype d$d $mask" >> "$stored"
