@@ -36,6 +36,10 @@ class CompiledKernel:
     uses_wgmma: bool
     uses_tma: bool = False  # bulk tensor copies or reductions (cp.async.bulk.tensor, cp.reduce.async.bulk.tensor)
     num_warps: int = 0  # warps launched
+    # the most wgmma groups any `wgmma.wait_group N` leaves in flight: 0 = every tensor-core product is waited
+    # for before the next instruction that needs no product runs, so the softmax never overlaps an MMA
+    # (FlashAttention-3 waits with N = 1 to run one tile's softmax under the next tile's product)
+    wgmma_in_flight: int = 0
 
     @property
     def spills(self) -> bool:
@@ -94,4 +98,10 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
         uses_wgmma="wgmma.mma_async" in compiled.asm["ptx"],
         uses_tma=any(op in compiled.asm["ptx"] for op in ("cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor")),
         num_warps=int(compiled.metadata.num_warps),
+        wgmma_in_flight=wgmma_in_flight(compiled.asm["ptx"]),
     )
+
+
+def wgmma_in_flight(ptx: str) -> int:
+    """The largest N of the PTX's `wgmma.wait_group.sync.aligned N` (0 without any)."""
+    return max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)), default=0)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +103,35 @@ def _compile_in_subprocess(script: str, tmp_path) -> str:
                             check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout.strip()
+
+
+@pytest.mark.parametrize("ptx, in_flight", [
+    ("", 0),
+    ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {...};", 0),
+    ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 ...;\n\twgmma.wait_group.sync.aligned 0;", 0),
+    ("wgmma.wait_group.sync.aligned 1;\n\twgmma.wait_group.sync.aligned\t0;", 1),
+])
+def test_the_groups_a_kernel_leaves_in_flight_are_read_from_its_waits(ptx, in_flight):
+    """fatune.offline reports the most wgmma groups any wait leaves running (benchmarks/wgmma_census.py)."""
+    from fatune import offline
+
+    assert offline.wgmma_in_flight(ptx) == in_flight
+
+
+def test_the_wgmma_census_tells_a_pipelined_product_chain_from_an_unpipelined_one(tmp_path):
+    """benchmarks/wgmma_census.py compiles the heuristic's kernels for sm_90 and reads their waits; its control
+    (a TMA matmul) keeps a product in flight, so a 0 in an attention row is the compiler's schedule, not an
+    unread PTX."""
+    script = (f"import runpy, sys\nsys.argv = ['wgmma_census.py', '--head-dims', '64']\n"
+              f"runpy.run_path({str(Path(__file__).parent.parent / 'benchmarks' / 'wgmma_census.py')!r}, "
+              f"run_name='__main__')\n")
+    rows = [line.split("|")[1:-1] for line in _compile_in_subprocess(script, tmp_path).splitlines()[2:]]
+    kernels = [row for row in rows if not row[0].strip().startswith("control")]
+    assert [(row[0].strip(), row[2].strip()) for row in kernels] == [
+        (kernel, causal) for causal in ("no", "yes") for kernel in ("fwd", "dkdv", "dq")]
+    assert all(row[4].strip() == "yes" and int(row[5]) >= 0 and int(row[6]) > 0 for row in kernels), rows
+    (control,) = [row for row in rows if row[0].strip().startswith("control")]
+    assert int(control[5]) >= 1, control
 
 
 def test_variants_compile_for_sm90(tmp_path):
