@@ -95,8 +95,10 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
       # run); searches listed in benchmarks/results/ship-db-h200-done.txt are skipped, an interrupted one resumes its
       # studies from the storage. SHIP_DEADLINE (s, default
       # 480): no new search starts after it. Build it once the templates stop changing: their hash keys every entry.
-      # Trials per kernel per shape: SHIP_TRIALS (20); fp16 SHIP_TRIALS_FP16 (10): its studies start from the bf16
-      # winners of the same lengths (the search's warm start), which the two dtypes' kernels mostly share.
+      # Trials per kernel per shape: SHIP_TRIALS (20); fp16 SHIP_TRIALS_FP16 (16: TPE models after its first 10, and
+      # its studies start from the bf16 winners of the same lengths, which the two dtypes' kernels mostly share).
+      # A window is searched only at lengths it does not cover (L_q + L_k > width: a wider one is dropped by the
+      # call, leaving plain causal, which the "both" search has).
       db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
       stored=benchmarks/results/ship-db-h200-done.txt  # the searches whose winners are stored (commit it with the DB)
       deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
@@ -109,11 +111,13 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
               window?*) extra="--mask window --window ${mask#window}" ;;  # "window" alone: search's default, 256
               *) extra="--mask $mask" ;;
             esac
+            lengths=512,2048,8192,32768
+            case "$mask" in window1024) lengths=2048,8192,32768 ;; window4096) lengths=8192,32768 ;; esac
             grep -qx "$dtype d$d $mask" "$stored" 2>/dev/null && continue  # stored by an earlier run
             echo "--- $dtype d$d $mask $(date -u +%H:%M:%S)" | tee -a "$OUT/ship-db.txt"
             trials=${SHIP_TRIALS:-20}
-            [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-10}
-            python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths 512,2048,8192,32768 $extra \
+            [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-16}
+            python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$lengths" $extra \
               --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
             rc=$?
             echo "rc $rc" >> "$OUT/ship-db.txt"

@@ -3,12 +3,13 @@
     python benchmarks/wgmma_census.py [--head-dims 64,128,256] [--dtype bfloat16] > census.md
 
 Each kernel of the Hopper heuristic (forward, dK/dV, dQ; causal and not) is compiled for sm_90 through
-`fatune.offline` and the PTX's `wgmma.wait_group N` read: N is how many groups of asynchronous
-tensor-core products (wgmma) may still run while the warps go on. FlashAttention-3 and cuDNN run a
-tile's softmax under the next tile's product (N >= 1, or producer/consumer warp groups); a kernel
-whose every wait is N = 0 runs the two one after the other. A plain TMA matmul compiled the same way
-is the control: its accumulator chain keeps one product in flight (N = 1). Registers, spills and shared
-memory come with each row.
+`fatune.offline`, and its PTX read for two things: the most groups of asynchronous tensor-core products
+(wgmma) any `wgmma.wait_group N` leaves running, and how many exp2 instructions (the softmax) are issued
+while a product may still be pending (`fatune.offline.exp2_under_wgmma`, an upper bound over the paths).
+FlashAttention-3 and cuDNN run a tile's softmax under the next tile's product; a kernel with no exp2 under a
+product runs them one after the other (its products overlap only loads and other products' issue). A
+plain TMA matmul compiled the same way is the control: its accumulator chain keeps one product in flight
+past a wait (N = 1). Registers, spills and shared memory come with each row.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("wgmma_census.py compiles for sm_90: unset TRITON_INTERPRET")
-    print("| kernel | head dim | causal | config | wgmma | most groups in flight | registers | spill bytes | shared KiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| kernel | head dim | causal | config | wgmma | most groups past a wait | exp2 under a product | registers "
+          "| spill bytes | shared KiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for head_dim in (int(d) for d in args.head_dims.split(",")):
         for causal in (False, True):
             spec = KernelSpec(args.dtype, head_dim, causal=causal)
@@ -66,9 +68,9 @@ def main() -> None:
             for kernel in ("fwd", "dkdv", "dq"):
                 info = offline.compile_kernel(kernel, spec, config)
                 print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {getattr(config, kernel)} | "
-                      f"{'yes' if info.uses_wgmma else 'no'} | {info.wgmma_in_flight} | {info.registers} | "
+                      f"{'yes' if info.uses_wgmma else 'no'} | {info.wgmma_in_flight} | {info.exp2_under_wgmma} | {info.registers} | "
                       f"{info.spill_bytes} | {info.shared_bytes / 1024:.0f} |", flush=True)
-    print(f"| control: TMA matmul 128x128x64/w8/s3 | – | – | – | yes | {control_in_flight()} | | | |")
+    print(f"| control: TMA matmul 128x128x64/w8/s3 | – | – | – | yes | {control_in_flight()} | – | | | |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The tuned database: winning launch configs per GPU, versions, kernel spec and shape bucket.
 
 A SQLite file written with sqlite-utils. One row per key (KEY_COLUMNS but the kernel hash); an upsert keeps
-the faster entry. WAL journaling and a busy timeout let several searching processes write
-one file without losing rows; every write runs in an IMMEDIATE transaction. The schema
-version lives in the `meta` table: older files are migrated, newer or foreign ones refused.
+the faster entry of one problem, or the newer search's of different problems (`Entry.supersedes`). WAL
+journaling and a busy timeout let several searching processes write one file without losing rows; every
+write runs in an IMMEDIATE transaction. The schema version lives in the `meta` table: older files are
+migrated, newer or foreign ones refused.
 
 A tuned DB travels between machines, so it is untrusted input: every entry is validated
 when it is imported, upserted and read (`Entry.check`), and a file is opened for reading
@@ -11,7 +12,7 @@ with `mode=ro` (or `immutable=1` where a WAL file's side files cannot be created
 read-only deployment image). Exports are written in rollback-journal mode so that they can
 be read from a read-only folder. A forward-only entry (an inference search: at most
 DECODE_QUERIES queries per sequence) has bwd_ms and fwd_bwd_ms NaN, not timed, and the
-heuristic's backward configs; the upsert then compares forward times (`Entry.faster_than`).
+heuristic's backward configs; the upsert then compares forward times.
 This module also owns the key: how a call or a searched shape maps to key columns
 (`call_key`), nearest-bucket matching and staleness.
 """
@@ -201,6 +202,15 @@ def mask_variants() -> frozenset[str]:
 
 # -- entries ---------------------------------------------------------------------------------
 
+# mask-variant parts whose sizes an entry does not store (a window's width, the kept keys, the documents, a mask's
+# contents): two entries of such a variant may have timed different problems at the same batch, heads and lengths
+_UNSTORED_SIZES = ("window", "seqlens-k", "varlen", "mask-")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 @dataclass
 class Entry:
     """One tuned result: the key columns, the winning configs and what was measured."""
@@ -247,20 +257,19 @@ class Entry:
         """What the search minimised: the forward+backward, or the forward alone in a forward-only entry."""
         return self.fwd_ms if self.forward_only else self.fwd_bwd_ms
 
-    def faster_than(self, other: Entry) -> bool:
-        """Whether this entry is faster than `other` (same key). Measured on the same problem: forward+backward
-        times, or forward times when either is forward-only (like with like: a forward-only entry has no
-        backward time). Measured on different problems of one key (other lengths in its buckets, batch or
-        heads; a window's width is not stored, so two window entries count as different): throughput, their
-        common measure, where both have it."""
-        same_problem = (self.batch, self.heads, self.seqlen_q, self.seqlen_k) == \
-            (other.batch, other.heads, other.seqlen_q, other.seqlen_k) and "window" not in self.mask_variant
-        if not same_problem and self.forward_only == other.forward_only \
-                and math.isfinite(self.tflops) and math.isfinite(other.tflops):
-            return self.tflops > other.tflops
-        if self.forward_only or other.forward_only:
-            return self.fwd_ms < other.fwd_ms
-        return self.fwd_bwd_ms < other.fwd_bwd_ms
+    def supersedes(self, other: Entry) -> bool:
+        """Whether this entry should take `other`'s place (same key). Measured on the same problem (the stored
+        batch, heads and lengths, in a mask variant they describe fully): the faster, by forward+backward time,
+        or by forward time when either is forward-only (like with like: it has no backward time). Otherwise the
+        two timed different problems and their times say nothing about each other's configs: the newer search
+        wins (its studies started from the entry it replaces, fatune.search.warm_starts); a tie keeps `other`."""
+        sized = not any(part in self.mask_variant for part in _UNSTORED_SIZES)
+        if sized and (self.batch, self.heads, self.seqlen_q, self.seqlen_k) == \
+                (other.batch, other.heads, other.seqlen_q, other.seqlen_k):
+            if self.forward_only or other.forward_only:
+                return self.fwd_ms < other.fwd_ms
+            return self.fwd_bwd_ms < other.fwd_bwd_ms
+        return (self.created_at or _now()) > (other.created_at or _now())
 
     def describe(self) -> str:
         """A short name for messages: GPU, dtype, head dim, mask variant and buckets."""
@@ -308,8 +317,7 @@ class Entry:
         row["fwd_config"] = json.dumps(self.fwd_config, sort_keys=True)
         row["bwd_config"] = json.dumps(self.bwd_config, sort_keys=True)
         row["interpreted"] = int(self.interpreted)
-        now = datetime.datetime.now(datetime.timezone.utc)
-        row["created_at"] = self.created_at or now.isoformat(timespec="seconds")
+        row["created_at"] = self.created_at or _now()
         return row
 
     @classmethod
@@ -589,8 +597,8 @@ class TunedDB:
         return next(self.entries(**dict(zip(KEY_COLUMNS, key))), None)
 
     def upsert(self, entry: Entry, *, keep_faster: bool = True) -> bool:
-        """Write `entry` unless a current entry with the same key is faster (Entry.faster_than: forward times
-        when either is forward-only); the kernel hash is not part of that key, invalid rows of it never win,
+        """Write `entry` unless a current entry with the same key is to stay (Entry.supersedes: the faster of one
+        problem, the newer of two); the kernel hash is not part of that key, invalid rows of it never win,
         stale ones lose to a current entry. True if written (it then replaces them all)."""
         if self.readonly:
             raise DBError(f"{self.label}: opened read-only")
@@ -609,7 +617,7 @@ class TunedDB:
             except InvalidEntry:
                 continue  # an invalid row never wins
             # a stale row loses to a current entry; otherwise the faster stays
-            if keep_faster and (not is_stale(current) or is_stale(entry)) and not entry.faster_than(current):
+            if keep_faster and (not is_stale(current) or is_stale(entry)) and not entry.supersedes(current):
                 return False
         for row in rows:
             self.db.execute(f"delete from {TABLE} where id = ?", [row["id"]])

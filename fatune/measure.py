@@ -35,6 +35,13 @@ def window_pairs(seqlen_q: int, seqlen_k: int, window: int) -> int:
     return capped_sum(max(offset, 0), seqlen_k - 1)
 
 
+def top_left_causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
+    """(query, key) pairs of a causal mask aligned top-left: query i sees keys 0 .. min(i, Lk - 1)."""
+    if seqlen_q <= seqlen_k:
+        return seqlen_q * (seqlen_q + 1) // 2
+    return seqlen_k * (seqlen_k + 1) // 2 + (seqlen_q - seqlen_k) * seqlen_k
+
+
 @dataclass(frozen=True)
 class Shape:
     """One attention problem size."""
@@ -48,7 +55,7 @@ class Shape:
     causal: bool = False
     kv_heads: int = 0  # 0: same as heads
     head_dim_v: int = 0  # 0: same as head_dim
-    window: int = -1  # >= 0: causal sliding window, keys i - window .. i (flash-attn's window_size=(window, 0))
+    window: int = -1  # >= 0: causal sliding window, keys i + o - window .. i + o, o = Lk - Lq (flash-attn's (window, 0))
     valid_keys: float = 1.0  # < 1: key padding, each sequence keeps this fraction of its keys (seqlens_k)
     # > 0: the batch's batch * seqlen_q tokens packed into one (tokens, H, D) tensor as this many documents of
     # unequal lengths (cu_seqlens_q = cu_seqlens_k; self-attention, seqlen_q == seqlen_k)
@@ -118,15 +125,20 @@ class Shape:
         return replace(self, **changes)
 
     def flops(self, passes: str = "fwd+bwd") -> float:
-        """4 B H Lq Lk D forward (halved when causal; a window counts the (query, key) pairs it keeps);
-        backward 2.5x forward; fwd+bwd 3.5x."""
-        lengths = self.document_lengths() if self.documents else [(self.seqlen_q, self.seqlen_k)] * self.batch
-        lengths = [(n, n) if isinstance(n, int) else n for n in lengths]
-        if self.window >= 0:  # keys i + offset - window .. i + offset (offset = Lk - Lq): work skipped is not counted
+        """4 B H Lq Lk D forward (halved when causal), counting the (query, key) pairs the call keeps when a
+        window or key padding cuts them; backward 2.5x forward; fwd+bwd 3.5x."""
+        if self.documents:
+            lengths = [(n, n) for n in self.document_lengths()]
+        else:
+            kept = max(1, int(self.seqlen_k * self.valid_keys)) if self.valid_keys < 1 else self.seqlen_k
+            lengths = [(self.seqlen_q, kept)] * self.batch
+        if self.window >= 0:  # bottom-right to the kept keys: i + (kept - Lq) - window .. i + (kept - Lq)
             pairs = sum(window_pairs(lq, lk, self.window) for lq, lk in lengths)
+        elif self.causal and self.valid_keys < 1:  # top-left: row i sees keys 0 .. min(i, kept - 1)
+            pairs = sum(top_left_causal_pairs(lq, lk) for lq, lk in lengths)
         else:
             pairs = sum(lq * lk for lq, lk in lengths) * (0.5 if self.causal else 1.0)
-        forward = 2.0 * pairs * self.heads * (self.head_dim + self.head_dim_v) * self.valid_keys
+        forward = 2.0 * pairs * self.heads * (self.head_dim + self.head_dim_v)
         return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[passes]
 
     def label(self) -> str:

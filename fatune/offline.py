@@ -36,10 +36,12 @@ class CompiledKernel:
     uses_wgmma: bool
     uses_tma: bool = False  # bulk tensor copies or reductions (cp.async.bulk.tensor, cp.reduce.async.bulk.tensor)
     num_warps: int = 0  # warps launched
-    # the most wgmma groups any `wgmma.wait_group N` leaves in flight: 0 = every tensor-core product is waited
-    # for before the next instruction that needs no product runs, so the softmax never overlaps an MMA
-    # (FlashAttention-3 waits with N = 1 to run one tile's softmax under the next tile's product)
+    # the most wgmma groups any `wgmma.wait_group N` leaves running (0: none stays in flight past a wait)
     wgmma_in_flight: int = 0
+    # exp2 instructions (the softmax) issued, in PTX order, while a committed wgmma group is not yet waited for:
+    # 0 = no softmax runs under a tensor-core product (FlashAttention-3 runs one tile's softmax under the next
+    # tile's product)
+    exp2_under_wgmma: int = 0
 
     @property
     def spills(self) -> bool:
@@ -99,9 +101,36 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
         uses_tma=any(op in compiled.asm["ptx"] for op in ("cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor")),
         num_warps=int(compiled.metadata.num_warps),
         wgmma_in_flight=wgmma_in_flight(compiled.asm["ptx"]),
+        exp2_under_wgmma=exp2_under_wgmma(compiled.asm["ptx"]),
     )
 
 
 def wgmma_in_flight(ptx: str) -> int:
     """The largest N of the PTX's `wgmma.wait_group.sync.aligned N` (0 without any)."""
     return max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)), default=0)
+
+
+def exp2_under_wgmma(ptx: str) -> int:
+    """exp2 instructions issued while a committed wgmma group may still be pending: the PTX read top to bottom
+    twice, the second time entering each label with the most groups any branch to it left pending (so a group
+    committed at the end of a loop body is pending again at the loop's head). An upper bound: 0 means no path
+    reaches a softmax instruction under a product."""
+    lines = ptx.splitlines()
+
+    def scan(entering: dict[str, int]) -> tuple[int, dict[str, int]]:
+        pending = count = 0
+        leaving: dict[str, int] = {}
+        for line in lines:
+            if (label := re.match(r"\s*(\$L__\w+):", line)) is not None:
+                pending = max(pending, entering.get(label.group(1), 0))
+            elif "wgmma.commit_group" in line:
+                pending += 1
+            elif (wait := re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", line)) is not None:
+                pending = min(pending, int(wait.group(1)))
+            elif "ex2.approx" in line and pending:
+                count += 1
+            if (branch := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+)", line)) is not None:
+                leaving[branch.group(1)] = max(leaving.get(branch.group(1), 0), pending)
+        return count, leaving
+
+    return scan(scan({})[1])[0]

@@ -370,11 +370,13 @@ def study_name(target: Target, shape: Shape, kernel: str) -> str:
 
     key = key_columns(target.gpu, target.capability, shape_key(shape))
     templates = launch.search_hash(shape.spec, shape.kv_heads != shape.heads)
-    sizes = "+".join([f"w{shape.window}"] * (shape.window >= 0) + [f"keys{shape.valid_keys!r}"] * (shape.valid_keys < 1)
-                     + [f"docs{shape.documents}"] * bool(shape.documents)) or "-"
+    kept = shape.attention_kwargs("cpu").get("seqlens_k")  # the keys each sequence keeps, as a call passes them
+    sizes = [f"w{shape.window}"] if "window" in key["mask_variant"] else []  # a window the call keeps
+    sizes += [f"keys{int(kept[0])}"] if kept is not None else []
+    sizes += [f"docs{shape.documents}"] if shape.documents else []
     return ":".join([
         "fatune", key["gpu"], key["capability"], f"triton{key['triton_version']}", f"templates{templates}",
-        key["dtype"], f"d{key['head_dim']}", f"dv{key['head_dim_v']}", key["mask_variant"], sizes,
+        key["dtype"], f"d{key['head_dim']}", f"dv{key['head_dim_v']}", key["mask_variant"], "+".join(sizes) or "-",
         f"g{key['group_size']}", f"lq{shape.seqlen_q}", f"lk{shape.seqlen_k}", f"b{shape.batch}h{shape.heads}", kernel,
     ])
 

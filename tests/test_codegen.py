@@ -118,6 +118,27 @@ def test_the_groups_a_kernel_leaves_in_flight_are_read_from_its_waits(ptx, in_fl
     assert offline.wgmma_in_flight(ptx) == in_flight
 
 
+LOOP = "$L__BB0_1:\n{body}\n@%p bra $L__BB0_1;\nwgmma.wait_group.sync.aligned 0;\n"
+
+
+@pytest.mark.parametrize("ptx, under", [
+    ("ex2.approx.f32 a;", 0),
+    ("wgmma.commit_group.sync.aligned;\nex2.approx.f32 a;\nwgmma.wait_group.sync.aligned 0;\nex2.approx.f32 b;", 1),
+    # a loop that waits before its softmax and commits its last product at the end of the body
+    (LOOP.format(body="wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\nex2.approx.f32 a;\n"
+                      "wgmma.commit_group.sync.aligned;"), 0),
+    # the same product reaches the next iteration's softmax over the back edge
+    (LOOP.format(body="ex2.approx.f32 a;\nwgmma.commit_group.sync.aligned;"), 1),
+    # FlashAttention-3's order: the softmax between a wait that leaves the newest product running and the next wait
+    (LOOP.format(body="wgmma.commit_group.sync.aligned;\nwgmma.commit_group.sync.aligned;\n"
+                      "wgmma.wait_group.sync.aligned 1;\nex2.approx.f32 a;\nwgmma.wait_group.sync.aligned 0;"), 1),
+])
+def test_softmax_instructions_under_a_pending_product_are_counted_over_every_path(ptx, under):
+    from fatune import offline
+
+    assert offline.exp2_under_wgmma(ptx) == under
+
+
 def test_the_wgmma_census_tells_a_pipelined_product_chain_from_an_unpipelined_one(tmp_path):
     """benchmarks/wgmma_census.py compiles the heuristic's kernels for sm_90 and reads their waits; its control
     (a TMA matmul) keeps a product in flight, so a 0 in an attention row is the compiler's schedule, not an
@@ -129,7 +150,8 @@ def test_the_wgmma_census_tells_a_pipelined_product_chain_from_an_unpipelined_on
     kernels = [row for row in rows if not row[0].strip().startswith("control")]
     assert [(row[0].strip(), row[2].strip()) for row in kernels] == [
         (kernel, causal) for causal in ("no", "yes") for kernel in ("fwd", "dkdv", "dq")]
-    assert all(row[4].strip() == "yes" and int(row[5]) >= 0 and int(row[6]) > 0 for row in kernels), rows
+    assert all(row[4].strip() in ("yes", "no") and int(row[5]) >= 0 and int(row[6]) >= 0 and int(row[7]) > 0
+               for row in kernels), rows
     (control,) = [row for row in rows if row[0].strip().startswith("control")]
     assert int(control[5]) >= 1, control
 

@@ -51,24 +51,36 @@ def db_path(request, tmp_path) -> Path:
     return tmp_path / "tuned.sqlite" if request.param == "flat" else tmp_path / "a" / "b" / "tuned.sqlite"
 
 
+OLD, NEW = "2026-11-01T00:00:00+00:00", "2026-11-30T00:00:00+00:00"
+
+
 @pytest.mark.parametrize("mine, theirs, replaces", [
-    # the same problem: times decide, whatever the throughput fields say
-    ({"fwd_bwd_ms": 2.0, "tflops": 1.0}, {"fwd_bwd_ms": 3.0, "tflops": 9.0}, True),
-    ({"fwd_bwd_ms": 3.0, "tflops": 9.0}, {"fwd_bwd_ms": 2.0, "tflops": 1.0}, False),
-    # another problem of the key (a longer sequence in the bucket, another batch): throughput decides
-    ({"seqlen_q": 4096, "seqlen_k": 4096, "fwd_bwd_ms": 3.0, "tflops": 450.0},
-     {"seqlen_q": 3000, "seqlen_k": 3000, "fwd_bwd_ms": 2.0, "tflops": 400.0}, True),
-    ({"batch": 4, "fwd_bwd_ms": 1.0, "tflops": 300.0}, {"batch": 8, "fwd_bwd_ms": 3.0, "tflops": 400.0}, False),
-    # windows: the width is not stored, so equal stored shapes may be different problems
-    ({"mask_variant": "causal+window-left+bottom-right", "fwd_bwd_ms": 3.0, "tflops": 450.0},
-     {"mask_variant": "causal+window-left+bottom-right", "fwd_bwd_ms": 2.0, "tflops": 400.0}, True),
-    # without a throughput on both sides, times again
-    ({"batch": 4, "fwd_bwd_ms": 3.0, "tflops": math.nan}, {"batch": 8, "fwd_bwd_ms": 2.0, "tflops": 400.0}, False),
+    # the same problem: the faster stays, whenever either was searched
+    ({"fwd_bwd_ms": 2.0, "created_at": OLD}, {"fwd_bwd_ms": 3.0, "created_at": NEW}, True),
+    ({"fwd_bwd_ms": 3.0, "created_at": NEW}, {"fwd_bwd_ms": 2.0, "created_at": OLD}, False),
+    ({"bwd_ms": math.nan, "fwd_bwd_ms": math.nan, "fwd_ms": 1.0}, {"bwd_ms": math.nan, "fwd_bwd_ms": math.nan, "fwd_ms": 1.5},
+     True),  # forward-only
+    # another problem of the key (another length in the bucket, another batch): the newer search
+    ({"seqlen_q": 3000, "seqlen_k": 3000, "fwd_bwd_ms": 3.0, "created_at": NEW},
+     {"fwd_bwd_ms": 2.0, "created_at": OLD}, True),
+    ({"batch": 4, "fwd_bwd_ms": 1.0, "created_at": OLD}, {"batch": 8, "fwd_bwd_ms": 3.0, "created_at": NEW}, False),
+    ({"batch": 4, "fwd_bwd_ms": 9.0}, {"batch": 8, "fwd_bwd_ms": 1.0, "created_at": NEW}, True),  # "": written now
+    # sizes an entry does not store (a window's width, the kept keys, documents, a mask): never compared by time
+    *[({"mask_variant": variant, "fwd_bwd_ms": 3.0, "created_at": NEW},
+       {"mask_variant": variant, "fwd_bwd_ms": 2.0, "created_at": OLD}, True)
+      for variant in ("causal+window-left+bottom-right", "causal+seqlens-k", "causal+bottom-right+varlen",
+                      "mask-bool")],
+    # a forward-only and a full entry of one problem: their forwards
+    ({"bwd_ms": math.nan, "fwd_bwd_ms": math.nan, "fwd_ms": 9.0, "created_at": NEW},
+     {"fwd_ms": 1.0, "created_at": OLD}, False),
+    # the same instant: the entry in place stays
+    ({"batch": 4, "fwd_bwd_ms": 1.0, "created_at": NEW}, {"batch": 8, "fwd_bwd_ms": 3.0, "created_at": NEW}, False),
 ])
-def test_an_entry_replaces_another_by_time_on_its_problem_and_by_throughput_across_problems(mine, theirs,
-                                                                                            replaces):
+def test_an_entry_supersedes_by_time_on_its_problem_and_by_recency_across_problems(mine, theirs, replaces):
+    """Times of different problems say nothing about each other's configs; a newer search of a key started
+    from the config in place (its warm start), so it knows better."""
     base = {"batch": 2, "heads": 16, "seqlen_q": 4096, "seqlen_k": 4096}
-    assert make_entry(**{**base, **mine}).faster_than(make_entry(**{**base, **theirs})) is replaces
+    assert make_entry(**{**base, **mine}).supersedes(make_entry(**{**base, **theirs})) is replaces
 
 
 def test_upsert_keeps_the_faster_entry(db_path):
