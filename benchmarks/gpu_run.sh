@@ -154,6 +154,9 @@ GRID
     bwd-d256)  # dK/dV tiles (pointer and TMA loads) and dQ tiles at head dim 256, the weakest (BWD_LENGTHS)
       python3 benchmarks/bwd_variants.py "$OUT/bwd-d256.json" --head-dims 256 --lengths ${BWD_LENGTHS:-4096} \
         --kernels dkdv,dq --tma > "$OUT/bwd-d256.log" 2>&1; tail -n 40 "$OUT/bwd-d256.log" ;;
+    dkdv-split)  # d256 dK/dV with the head dim split over two programs vs not, a standalone probe (issue 11)
+      python3 benchmarks/dkdv_split_probe.py "$OUT/dkdv-split.json" --lengths ${BWD_LENGTHS:-4096} \
+        > "$OUT/dkdv-split.log" 2>&1; tail -n 14 "$OUT/dkdv-split.log" ;;
     bwd-tma-dq)  # dQ added by TMA reductions (atomic_dq=2) vs element atomics vs the separate dQ kernel, per dK/dV tile
       python3 benchmarks/bwd_variants.py "$OUT/bwd-tma-dq.json" --head-dims ${BWD_DIMS:-64,128} --lengths ${BWD_LENGTHS:-4096} \
         --kernels dkdv --atomic > "$OUT/bwd-tma-dq.log" 2>&1; tail -n 80 "$OUT/bwd-tma-dq.log" ;;

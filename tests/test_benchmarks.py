@@ -74,3 +74,13 @@ def test_tuning_gain_nearest(tmp_path):
     if row["exact"] == row["representative"]:  # one timing for both: the loss is exactly 0
         assert row["exact_ms"] == row["representative_ms"]
     assert f"| nearest | {label} |" in table
+
+
+def test_dkdv_split_probe_computes_the_gradients_split_or_not(tmp_path):
+    """The d256 head-dim split probe (issue 11): every program owns a part of dK and dV and still matches
+    torch's gradients, in the interpreter's float16."""
+    out = tmp_path / "probe.json"
+    run("dkdv_split_probe.py", out)
+    rows = json.loads(out.read_text())
+    assert {row["split"] for row in rows} == {1, 2}
+    assert all("error" not in row and row["max_err"] < 5e-3 for row in rows), rows
