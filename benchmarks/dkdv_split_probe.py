@@ -16,15 +16,12 @@ clearly here.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 
+import standalone
 import torch
 import triton
 import triton.language as tl
-
-from fatune.launch import ensure_triton_allocator
 
 LOG2E = 1.4426950408889634
 
@@ -104,22 +101,10 @@ def cudnn_backward_ms(leaves: list[torch.Tensor], grad_out: torch.Tensor) -> flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out")
-    parser.add_argument("--lengths", default="4096")
-    parser.add_argument("--head-dim", type=int, default=256)
-    parser.add_argument("--interpret", action="store_true", help="Triton's interpreter on the CPU: float16 (its "
-                        "bf16 products are unreliable), a 2-head 128-token shape, errors only, no timing")
-    args = parser.parse_args()
-    ensure_triton_allocator()
-    device, dtype = ("cpu", torch.float16) if args.interpret else ("cuda", torch.bfloat16)
+    args = standalone.arguments(__doc__, lengths="4096", head_dim=256)
     tiles = [(32, 32, 4, 1), (32, 64, 4, 1)] if args.interpret else TILES
     rows = []
-    for length in (128,) if args.interpret else (int(n) for n in args.lengths.split(",")):
-        d = 64 if args.interpret else args.head_dim
-        heads = 2 if args.interpret else 2048 // d
-        batch = 1 if args.interpret else max(1, 16384 // length)
-        torch.manual_seed(0)
+    for batch, heads, length, d, device, dtype in standalone.shapes(args, interpreter_head_dim=64):
         q, k, v, do = (torch.randn(batch, heads, length, d, device=device, dtype=dtype) for _ in range(4))
         scale = 1 / math.sqrt(d)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -134,10 +119,7 @@ def main() -> None:
             for tile in tiles:
                 row = probe_tile(tile, split, flat, lse2, delta, (leaves[1].grad, leaves[2].grad), scale,
                                  timed=not args.interpret)
-                rows.append({**row, "cudnn_backward_ms": cudnn_ms})
-                print(rows[-1], flush=True)
-    with open(args.out, "w") as handle:
-        json.dump(rows, handle, indent=1)
+                standalone.save(args.out, rows, {**row, "cudnn_backward_ms": cudnn_ms})
 
 
 if __name__ == "__main__":

@@ -157,6 +157,9 @@ GRID
     dkdv-split)  # d256 dK/dV with the head dim split over two programs vs not, a standalone probe (issue 11)
       python3 benchmarks/dkdv_split_probe.py "$OUT/dkdv-split.json" --lengths ${BWD_LENGTHS:-4096} \
         > "$OUT/dkdv-split.log" 2>&1; tail -n 14 "$OUT/dkdv-split.log" ;;
+    persistent-probe)  # a causal forward launched per tile vs persistent (two tile orders), standalone (issue 11)
+      python3 benchmarks/persistent_probe.py "$OUT/persistent-probe.json" > "$OUT/persistent-probe.log" 2>&1
+      tail -n 20 "$OUT/persistent-probe.log" ;;
     bwd-tma-dq)  # dQ added by TMA reductions (atomic_dq=2) vs element atomics vs the separate dQ kernel, per dK/dV tile
       python3 benchmarks/bwd_variants.py "$OUT/bwd-tma-dq.json" --head-dims ${BWD_DIMS:-64,128} --lengths ${BWD_LENGTHS:-4096} \
         --kernels dkdv --atomic > "$OUT/bwd-tma-dq.log" 2>&1; tail -n 80 "$OUT/bwd-tma-dq.log" ;;

@@ -84,3 +84,13 @@ def test_dkdv_split_probe_computes_the_gradients_split_or_not(tmp_path):
     rows = json.loads(out.read_text())
     assert {row["split"] for row in rows} == {1, 2}
     assert all("error" not in row and row["max_err"] < 5e-3 for row in rows), rows
+
+
+def test_persistent_probe_walks_every_tile_in_each_order(tmp_path):
+    """The persistent-forward probe (issue 11): per-tile and persistent launches, both tile orders, one or two
+    programs per multiprocessor, all equal torch's causal attention in the interpreter's float16."""
+    out = tmp_path / "probe.json"
+    run("persistent_probe.py", out)
+    rows = json.loads(out.read_text())
+    assert {row["kind"] for row in rows} == {"per-tile", "persistent-longest-first", "persistent-head-major"}
+    assert all("error" not in row and row["max_err"] < 5e-3 for row in rows), rows
