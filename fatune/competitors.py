@@ -104,7 +104,7 @@ def flex(shape: Shape, device: torch.device | str = "cuda") -> Attention:
     block_mask = None
     # fatune's alignment: top-left for is_causal alone, bottom-right with a window (equal for Lq == Lk)
     offset = shape.seqlen_k - shape.seqlen_q if shape.window >= 0 else 0
-    valid = max(1, int(shape.seqlen_k * shape.valid_keys)) if shape.valid_keys < 1.0 else shape.seqlen_k
+    valid = shape.kept_keys
     q_len, k_len = (shape.tokens, shape.tokens) if shape.documents else (shape.seqlen_q, shape.seqlen_k)
     document = None
     if shape.documents:  # documents are self-attention: a query and a key of one document share its start

@@ -69,6 +69,11 @@ class Shape:
                              f"(seqlen_q == seqlen_k), got {self.documents} for lq{self.seqlen_q} lk{self.seqlen_k}")
 
     @property
+    def kept_keys(self) -> int:
+        """Keys each sequence keeps: L_k, or its valid_keys fraction (at least one) when padded."""
+        return max(1, int(self.seqlen_k * self.valid_keys)) if self.valid_keys < 1.0 else self.seqlen_k
+
+    @property
     def tokens(self) -> int:
         return self.batch * self.seqlen_q
 
@@ -100,7 +105,7 @@ class Shape:
         if self.window >= 0:
             kwargs["window_size"] = (self.window, 0)
         if self.valid_keys < 1.0:
-            kwargs["seqlens_k"] = torch.full((self.batch,), max(1, int(self.seqlen_k * self.valid_keys)),
+            kwargs["seqlens_k"] = torch.full((self.batch,), self.kept_keys,
                                              dtype=torch.int32, device=device)
         if self.documents:
             offsets = torch.tensor([0, *itertools.accumulate(self.document_lengths())], dtype=torch.int32,
@@ -130,8 +135,7 @@ class Shape:
         if self.documents:
             lengths = [(n, n) for n in self.document_lengths()]
         else:
-            kept = max(1, int(self.seqlen_k * self.valid_keys)) if self.valid_keys < 1 else self.seqlen_k
-            lengths = [(self.seqlen_q, kept)] * self.batch
+            lengths = [(self.seqlen_q, self.kept_keys)] * self.batch
         if self.window >= 0:  # bottom-right to the kept keys: i + (kept - Lq) - window .. i + (kept - Lq)
             pairs = sum(window_pairs(lq, lk, self.window) for lq, lk in lengths)
         elif self.causal and self.valid_keys < 1:  # top-left: row i sees keys 0 .. min(i, kept - 1)

@@ -370,9 +370,8 @@ def study_name(target: Target, shape: Shape, kernel: str) -> str:
 
     key = key_columns(target.gpu, target.capability, shape_key(shape))
     templates = launch.search_hash(shape.spec, shape.kv_heads != shape.heads)
-    kept = shape.attention_kwargs("cpu").get("seqlens_k")  # the keys each sequence keeps, as a call passes them
     sizes = [f"w{shape.window}"] if "window" in key["mask_variant"] else []  # a window the call keeps
-    sizes += [f"keys{int(kept[0])}"] if kept is not None else []
+    sizes += [f"keys{shape.kept_keys}"] if shape.valid_keys < 1.0 else []
     sizes += [f"docs{shape.documents}"] if shape.documents else []
     return ":".join([
         "fatune", key["gpu"], key["capability"], f"triton{key['triton_version']}", f"templates{templates}",
