@@ -61,13 +61,13 @@ class BenchRow:
 
 def _fatune_config(name: str, shape: Shape, device: torch.device):
     """The config an implementation named in FATUNE_IMPLS forces on `device` (None: dispatched)."""
-    from fatune.db import seqlen_bucket
+    from fatune.db import is_decode, seqlen_bucket
     from fatune.dispatch import device_arch
-    from fatune.heuristics import DECODE_QUERIES, default_config
+    from fatune.heuristics import default_config
 
     if name not in ("fatune-heuristic", "fatune-plain"):
         return None
-    decode = seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
+    decode = is_decode(seqlen_bucket(shape.seqlen_q))
     config = default_config(shape.spec, device_arch(device), decode)
     if name == "fatune-plain":
         config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import sqlite_utils
 
+from fatune.heuristics import DECODE_QUERIES
 from fatune.spec import (DTYPES, MASK_KINDS, MAX_HEAD_DIM, SEQLEN_MODES, STRUCTURE_FIELDS, AttentionConfig, KernelSpec,
                          LaunchConfig, misplaced_structure)
 
@@ -168,8 +169,18 @@ def bucket_distance(entry: Entry, key: CallKey) -> float:
             + abs(math.log2(entry.seqlen_k_bucket / key.seqlen_k_bucket)))
 
 
+def is_decode(seqlen_q_bucket: int) -> bool:
+    """Whether a key's L_q bucket is the decode regime's (at most DECODE_QUERIES queries per sequence): K/V
+    streamed at memory speed by short query tiles, searched forward only."""
+    return seqlen_q_bucket <= DECODE_QUERIES
+
+
 def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
-    """The entry whose buckets are nearest `key` (the faster on a tie), and a reason saying how near."""
+    """The entry whose buckets are nearest `key` (the faster on a tie), and a reason saying how near. Only
+    entries of the call's regime compete: a prefill entry's tiles (up to 128 query rows) would leave a decode
+    call's tile nearly empty, and a decode entry's untuned backward would serve training calls."""
+    decode = is_decode(key.seqlen_q_bucket)
+    entries = [e for e in entries if is_decode(e.seqlen_q_bucket) == decode]
     # on a tie, an entry with a tuned backward first, then the faster
     best = min(entries, key=lambda e: (bucket_distance(e, key), e.forward_only, e.time_ms), default=None)
     if best is None:

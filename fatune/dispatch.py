@@ -3,7 +3,8 @@
 Layers, most specific first: the `config` argument; the user's tuned DB ($FATUNE_DB, else
 ~/.cache/fatune/tuned.sqlite); the tuned DBs shipped in fatune/tuned_db for this GPU; a
 built-in heuristic. fatune.db owns the key: an entry must match the GPU, dtype, head dims,
-mask variant and GQA group; the nearest sequence-length bucket (log scale) wins. A DB or
+mask variant and GQA group; the nearest sequence-length bucket (log scale) of the call's regime
+(decode or prefill, fatune.db.nearest) wins. A DB or
 entry that cannot be used (unreadable, corrupt, foreign, stale, invalid) is skipped with
 one log line naming the file and the reason, and the next layer answers; strict mode
 raises DispatchError instead.
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, label, problem_key, seqlen_bucket
-from fatune.heuristics import DECODE_QUERIES, Arch, default_config
+from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, is_decode, label, problem_key
+from fatune.heuristics import Arch, default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import AttentionConfig
 
@@ -144,7 +145,7 @@ class Dispatcher:
                     entry, reason = found
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
                                      tuple(skipped)), skipped[0] if skipped else None)
-        decode = seqlen_bucket(problem.max_seqlen_q) <= DECODE_QUERIES
+        decode = is_decode(key.seqlen_q_bucket)
         return (Decision(default_config(problem.spec, arch, decode), "heuristic",
                          f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped)),
                 skipped[0] if skipped else None)

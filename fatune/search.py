@@ -58,8 +58,8 @@ import optuna
 import torch
 
 from fatune import storage as storage_module
-from fatune.db import Entry, TunedDB, key_columns, seqlen_bucket, shape_key
-from fatune.heuristics import DECODE_QUERIES, default_config
+from fatune.db import Entry, TunedDB, is_decode, key_columns, seqlen_bucket, shape_key
+from fatune.heuristics import default_config
 from fatune.measure import (
     KernelRunner,
     Shape,
@@ -108,7 +108,7 @@ SHAPE_PHASES = ("studies", "inputs", "reference", *TRIAL_PHASES, "census", "wait
 def forward_only(shape: Shape) -> bool:
     """An inference shape (decode: at most DECODE_QUERIES queries per sequence, the test the heuristic
     uses): only its forward is searched and timed; its backward configs are the heuristic's."""
-    return seqlen_bucket(shape.seqlen_q) <= DECODE_QUERIES
+    return is_decode(seqlen_bucket(shape.seqlen_q))
 
 
 def shape_kernels(shape: Shape) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ and bad DBs: logged once, the next layer answers, strict mode raises."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 
@@ -72,6 +73,27 @@ def test_nearest_bucket_on_a_log_scale(tmp_path):
     near_small = chooser.lookup(problem(1000), GPU, CAPABILITY, None)  # bucket 1024: 1 octave from 512
     assert fwd_block(near_small) == 16 and "nearest bucket" in near_small.reason
     assert fwd_block(chooser.lookup(problem(30000), GPU, CAPABILITY, None)) == 64
+
+
+PREFILL = {"seqlen_q_bucket": 4096, "fwd_config": {**make_entry().fwd_config, "block_m": 128}}
+DECODE = {"seqlen_q_bucket": 16, "fwd_config": {**make_entry().fwd_config, "block_m": 32},
+          "bwd_ms": math.nan, "fwd_bwd_ms": math.nan}
+
+
+@pytest.mark.parametrize("seqlen_q, rows, expected", [
+    (1, [PREFILL], None),  # a prefill tile would leave a decode call's rows nearly empty: the decode heuristic
+    (16, [PREFILL, DECODE], 32),
+    (1, [DECODE], 32),
+    (17, [DECODE], None),  # a decode entry's untuned backward does not serve longer queries
+    (64, [PREFILL, DECODE], 128),
+])
+def test_decode_and_prefill_entries_serve_only_their_own_calls(tmp_path, seqlen_q, rows, expected):
+    path = write(tmp_path / "u.sqlite", *(entry(seqlen_k_bucket=4096, **row) for row in rows))
+    q = torch.empty(1, 4, seqlen_q, 64, dtype=torch.float16, device="meta")
+    k = torch.empty(1, 4, 4096, 64, dtype=torch.float16, device="meta")
+    decision = Dispatcher(user_db=path, shipped=[]).lookup(check_inputs(q, k, k, is_causal=True), GPU, CAPABILITY, None)
+    assert (decision.layer, fwd_block(decision) if expected else None) == \
+        (("user-db", expected) if expected else ("heuristic", None))
 
 
 def test_stale_entries_are_skipped_and_logged_once(tmp_path, caplog):
