@@ -2,11 +2,12 @@
 reductions), over a set of tiles.
 
     python benchmarks/bwd_variants.py OUT.json [--lengths 4096] [--head-dims 64,128,256] [--dtype bfloat16]
-        [--kernels dkdv,dq] [--atomic] [--tma]
+        [--kernels dkdv,dq] [--atomic] [--tma] [--split]
 
 For each shape (B·L = 16384 tokens, H·D = 2048, causal and not) candidate configs of the dK/dV
-kernel (with --atomic also with atomic dQ, both kinds; with --tma also with TMA query and dO loads; the dQ
-kernel from the heuristic) and of the dQ kernel
+kernel (with --atomic also with atomic dQ, both kinds; with --tma also with TMA query and dO loads; with
+--split the SPLIT_TILES, TMA loads, each with and without the head-dim split, with atomic dQ by TMA
+reductions or not; the dQ kernel from the heuristic) and of the dQ kernel
 (with the heuristic's dK/dV tile) are run besides the heuristic, compiled ahead
 in a process pool, checked against torch SDPA's gradients, and timed as the whole backward
 (`KernelRunner.run("bwd")`, do_bench median, L2 flushed). The backward of SDPA's cuDNN and
@@ -43,6 +44,13 @@ TILES = {  # (block_m, block_n, num_warps, num_stages) of the dK/dV kernel, per 
 }
 
 
+SPLIT_TILES = {  # dK/dV tiles for --split: the head-dim split halves the accumulators, so wider tiles fit
+    128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 1), (32, 128, 4, 2)],
+    256: [(64, 64, 4, 1), (64, 64, 8, 1), (64, 32, 4, 1), (32, 64, 4, 1), (64, 128, 8, 1), (128, 64, 8, 1),
+          (64, 64, 4, 2), (32, 128, 4, 1)],
+}
+
+
 DQ_TILES = {  # (block_m, block_n, num_warps, num_stages) of the dQ kernel
     64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2)],
     128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
@@ -62,11 +70,17 @@ def shapes(lengths: list[int], head_dims: list[int], dtype: str) -> list[Shape]:
     return out
 
 
-def candidates(shape: Shape, kernels: str, atomic: bool, tma: bool = False) -> list[AttentionConfig]:
+def candidates(shape: Shape, kernels: str, atomic: bool, tma: bool = False, split: bool = False) -> list[AttentionConfig]:
     base = default_config(shape.spec, torch.cuda.get_device_capability())
     lanes = min(t for t in TILES if t >= shape.head_dim)
     configs = [base]
-    if "dkdv" in kernels:
+    if split:
+        for m, n, w, s in SPLIT_TILES.get(lanes, []):
+            for atomic_dq in ((0, 2) if atomic else (0,)):
+                for split_d in (1, 2):
+                    configs.append(base.replace(dkdv=LaunchConfig(m, n, num_warps=w, num_stages=s, tma=1,
+                                                                  atomic_dq=atomic_dq, split_d=split_d)))
+    elif "dkdv" in kernels:
         for m, n, w, s in TILES[lanes]:
             for atomic_dq in ((0, 1, 2) if atomic else (0,)):
                 for loads in ((0, 1) if tma else (0,)):
@@ -107,11 +121,12 @@ def main() -> None:
     parser.add_argument("--kernels", default="dkdv", help="which configs to vary: dkdv, dq or dkdv,dq")
     parser.add_argument("--atomic", action="store_true", help="also try each dK/dV tile with atomic dQ")
     parser.add_argument("--tma", action="store_true", help="also try each dK/dV tile with TMA query and dO loads")
+    parser.add_argument("--split", action="store_true", help="SPLIT_TILES with and without the head-dim split")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend
 
     todo = shapes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.head_dims.split(",")], args.dtype)
-    plan = [(shape, config) for shape in todo for config in candidates(shape, args.kernels, args.atomic, args.tma)]
+    plan = [(shape, config) for shape in todo for config in candidates(shape, args.kernels, args.atomic, args.tma, args.split)]
     started = time.time()
     with CompilePool(min(16, os.cpu_count() or 1)) as pool:
         futures = [pool.submit(shape, config, "dkdv") for shape, config in plan]

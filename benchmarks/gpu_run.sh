@@ -63,6 +63,14 @@ for stage in "$@"; do
       python3 -m fatune.cli bench --lengths 4096 --head-dims 64,128,256 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
         -o "$OUT/grid4k-all" > "$OUT/grid4k-all.log" 2>&1
       head -n 14 "$OUT/grid4k-all/bench.md" ;;
+    grid-d256)  # issue 11's training-step grid at head dim 256: L = 1k/4k/16k, causal and not, bf16 and fp16 (D256_DTYPES)
+      python3 -m fatune.cli bench --lengths 1024,4096,16384 --head-dims 256 --dtypes ${D256_DTYPES:-bf16,fp16} \
+        --impls fatune,sdpa-cudnn,sdpa-flash,flex -o "$OUT/grid-d256" > "$OUT/grid-d256.log" 2>&1
+      head -n 16 "$OUT/grid-d256/bench.md" ;;
+    split-accuracy)  # dK/dV's head-dim split and every head-dim case against the accuracy rule
+      FATUNE_GPU_REPORT="$OUT/gpu_report-split.json" python3 -m pytest tests/test_variants.py \
+        -k "gpu_split_d or gpu_variant" -m gpu -n 8 -q -p no:cacheprovider > "$OUT/split-accuracy.log" 2>&1
+      tail -n 8 "$OUT/split-accuracy.log" ;;
     decode-sweep)  # forward configs on the decode shapes (evidence for the decode heuristic)
       python3 benchmarks/decode_sweep.py "$OUT/decode-sweep.json" > "$OUT/decode-sweep.log" 2>&1
       tail -n 20 "$OUT/decode-sweep.log" ;;
@@ -154,6 +162,10 @@ GRID
     bwd-d256)  # dK/dV tiles (pointer and TMA loads) and dQ tiles at head dim 256, the weakest (BWD_LENGTHS)
       python3 benchmarks/bwd_variants.py "$OUT/bwd-d256.json" --head-dims 256 --lengths ${BWD_LENGTHS:-4096} \
         --kernels dkdv,dq --tma > "$OUT/bwd-d256.log" 2>&1; tail -n 40 "$OUT/bwd-d256.log" ;;
+    bwd-split)  # dK/dV's head-dim split (split_d=2) vs not over SPLIT_TILES, TMA loads, atomic dQ by TMA reductions
+      # or the dQ kernel, d128 and d256 at L=4096 (BWD_DIMS, BWD_LENGTHS)
+      python3 benchmarks/bwd_variants.py "$OUT/bwd-split.json" --head-dims ${BWD_DIMS:-128,256} \
+        --lengths ${BWD_LENGTHS:-4096} --split --atomic > "$OUT/bwd-split.log" 2>&1; tail -n 60 "$OUT/bwd-split.log" ;;
     dkdv-split)  # d256 dK/dV with the head dim split over two programs vs not, a standalone probe (issue 11)
       python3 benchmarks/dkdv_split_probe.py "$OUT/dkdv-split.json" --lengths ${BWD_LENGTHS:-4096} \
         > "$OUT/dkdv-split.log" 2>&1; tail -n 14 "$OUT/dkdv-split.log" ;;

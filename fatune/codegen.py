@@ -26,7 +26,7 @@ import jinja2
 import triton
 
 from fatune import signature
-from fatune.spec import AttentionConfig, KernelSpec, TritonExpr
+from fatune.spec import AttentionConfig, KernelSpec, TritonExpr, lanes
 
 Kind = Literal["fwd", "bwd", "dropout_mask"]
 TEMPLATE_FILES: dict[str, str] = {
@@ -83,7 +83,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
     structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "ATOMIC_DQ": False, "TMA_DQ": False,
-                 "TMA_BWD": False}
+                 "TMA_BWD": False, "SPLIT_D": False}
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         structure.update({"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1,
@@ -105,6 +105,9 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         structure["ATOMIC_DQ"] = bool(config.dkdv.atomic_dq) and spec.dtype != "float32"
         structure["TMA_DQ"] = structure["ATOMIC_DQ"] and config.dkdv.atomic_dq == 2
         structure["TMA_BWD"] = bool(config.dkdv.tma)
+        structure["SPLIT_D"] = config.dkdv.split_d == 2
+        if structure["SPLIT_D"]:  # the head-dim half of dK, dV (and atomic dQ) each program owns
+            constants.update(OWN_D=lanes(spec.head_dim) // 2, OWN_DV=lanes(spec.head_dim_v) // 2)
     return {
         "template_name": TEMPLATE_FILES[kind],
         "title": _TITLES[kind],

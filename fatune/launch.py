@@ -30,7 +30,8 @@ from fatune import codegen, signature
 from fatune.dispatch import device_arch
 from fatune.heuristics import default_config
 from fatune.inputs import AttentionProblem
-from fatune.spec import MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, with_runnable_atomic_dq
+from fatune.spec import (MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, split_d_searched,
+                         with_runnable_atomic_dq, with_runnable_split_d)
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
 SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
@@ -218,9 +219,11 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
             tensors: Sequence[torch.Tensor]) -> AttentionConfig:
     """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
     only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
-    have it and for tensors it can read (dK/dV's: the query's), and atomic dQ only where it runs as asked
-    (fatune.spec.atomic_dq_kinds; TMA reductions only on GPUs with TMA), else the next kind down."""
-    config = with_runnable_atomic_dq(config, problem.spec, tma_available(device))
+    have it and for tensors it can read (dK/dV's: the query's, and with the head-dim split K's and V's), and
+    atomic dQ only where it runs as asked
+    (fatune.spec.atomic_dq_kinds; TMA reductions only on GPUs with TMA), else the next kind down; dK/dV's
+    head-dim split only where its halves fill a tensor-core operand."""
+    config = with_runnable_split_d(with_runnable_atomic_dq(config, problem.spec, tma_available(device)), problem.spec)
     fwd = config.fwd
     pack = fwd.pack_gqa if problem.group_size > 1 else 0
     splits = fwd.num_splits
@@ -233,6 +236,8 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=int(tma))
     # dK/dV reads the query rows (and dO's, checked per backward) of every head through one descriptor
     dkdv_tma = bool(config.dkdv.tma) and tma_available(device) and tma_readable(tensors[0], seq_dim, every_head=True)
+    if config.dkdv.split_d == 2:  # the split also reads its resident K and V tiles through TMA
+        dkdv_tma = dkdv_tma and all(tma_readable(t, seq_dim) for t in tensors[1:3])
     dkdv = dataclasses.replace(config.dkdv, tma=int(dkdv_tma))
     return config if (resolved, dkdv) == (fwd, config.dkdv) else config.replace(fwd=resolved, dkdv=dkdv)
 
@@ -245,7 +250,7 @@ def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> lis
     fwd = config.fwd
     fwds = {dataclasses.replace(fwd, pack_gqa=fwd.pack_gqa if grouped else 0, num_splits=splits, tma=tma)
             for splits in ((1, 2) if fwd.num_splits == 0 else (fwd.num_splits,)) for tma in {fwd.tma, 0}}
-    dkdvs = {dataclasses.replace(with_runnable_atomic_dq(config, spec, tma_dq).dkdv, tma=tma)
+    dkdvs = {dataclasses.replace(with_runnable_split_d(with_runnable_atomic_dq(config, spec, tma_dq), spec).dkdv, tma=tma)
              for tma_dq in (True, False) for tma in {config.dkdv.tma, 0}}
     return [config.replace(fwd=f, dkdv=d) for f in sorted(fwds, key=str) for d in sorted(dkdvs, key=str)]
 
@@ -271,14 +276,17 @@ SEARCH_HASH_TILE = LaunchConfig(64, 64, num_warps=4, num_stages=2)  # tiles ente
 @functools.lru_cache(maxsize=1024)
 def search_hash(spec: KernelSpec, grouped: bool) -> str:
     """Hash of every kernel source a search of `spec` can render, at one fixed tile with each structure value
-    (forward TMA, key splits, GQA packing; dK/dV TMA, each atomic-dQ kind): the templates' part of a study's
+    (forward TMA, key splits, GQA packing; dK/dV TMA, each atomic-dQ kind, the head-dim split where searched):
+    the templates' part of a study's
     name (fatune.search.study_name). A template edit in code none of them contains (another mask variant's,
     say) leaves it unchanged, so an interrupted search's studies still resume after it."""
     tile = SEARCH_HASH_TILE
     hashes = [kernel_hash(spec, AttentionConfig(fwd=dataclasses.replace(tile, num_splits=0, pack_gqa=pack, tma=1),
-                                                dkdv=dataclasses.replace(tile, tma=1, atomic_dq=atomic), dq=tile),
+                                                dkdv=dataclasses.replace(tile, tma=1, atomic_dq=atomic, split_d=split),
+                                                dq=tile),
                           grouped)
-              for pack in ((0, 1) if grouped else (0,)) for atomic in (0, 2)]
+              for pack in ((0, 1) if grouped else (0,)) for atomic in (0, 2)
+              for split in ((1, 2) if split_d_searched(spec) else (1,))]
     return hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]
 
 
@@ -379,7 +387,8 @@ class Plan:
             self.rows_grid = (triton.cdiv(problem.seqlen_q, config.dq.block_m), problem.heads, rows[0])
         else:
             self.values.update(dict.fromkeys(signature.strides("dqa"), 0))
-        self.dkdv_grid = (triton.cdiv(problem.max_seqlen_k, config.dkdv.block_n), problem.kv_heads, problem.batch)
+        self.dkdv_grid = (triton.cdiv(problem.max_seqlen_k, config.dkdv.block_n) * config.dkdv.split_d, problem.kv_heads,
+                          problem.batch)
         self._fwd: KernelLaunch | None = None
         self._bwd: dict[tuple, tuple[KernelLaunch, ...]] = {}
 

@@ -19,7 +19,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fatune import codegen, signature
-from fatune.spec import AttentionConfig, KernelSpec, with_runnable_atomic_dq
+from fatune.spec import (
+    AttentionConfig,
+    KernelSpec,
+    with_runnable_atomic_dq,
+    with_runnable_split_d,
+)
 
 _KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq"),
                      "prep": ("bwd", "attn_bwd_prep"), "dq_store": ("bwd", "attn_bwd_dq_store")}
@@ -74,7 +79,8 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
         raise ValueError(f"kernel: expected one of {sorted(_KERNEL_FUNCTIONS)}, got {kernel!r}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_kernel needs compiled (not interpreted) kernels: unset TRITON_INTERPRET")
-    config = with_runnable_atomic_dq(config, spec, tma=arch >= (9, 0))  # as fatune.launch.resolve does
+    # as fatune.launch.resolve does
+    config = with_runnable_split_d(with_runnable_atomic_dq(config, spec, tma=arch >= (9, 0)), spec)
     module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
     launch = getattr(config, _LAUNCH_CONFIG[kernel])

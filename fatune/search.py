@@ -79,7 +79,9 @@ from fatune.spec import (
     LaunchConfig,
     atomic_dq_kinds,
     lanes,
+    split_d_searched,
     with_runnable_atomic_dq,
+    with_runnable_split_d,
 )
 from fatune.storage import Heartbeat, open_storage, storage_lock
 
@@ -129,6 +131,7 @@ class SearchSpace:
     pack_gqa: tuple[int, ...] = (0, 1)  # forward only, GQA shapes only
     tma: tuple[int, ...] = (0, 1)  # forward and dK/dV; dropped at launch where TMA cannot read the tensors
     atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, where fatune.spec.atomic_dq_kinds allows; 2 = TMA reductions
+    split_d: tuple[int, ...] = (1, 2)  # dK/dV only, where fatune.spec.split_d_searched
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the structure fields it owns.
@@ -148,6 +151,8 @@ class SearchSpace:
             axes["atomic_dq"] = kinds
         if kernel == "dkdv":
             axes["tma"] = self.tma
+            if split_d_searched(shape.spec):
+                axes["split_d"] = self.split_d
         return axes
 
     def fills_gpu(self, shape: Shape, sms: int) -> bool:
@@ -179,8 +184,10 @@ def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> 
     if kernel == "fwd":  # Q tile resident, K and V tiles streamed
         return element * (m * d + stages * n * (d + dv))
     if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed; atomic dQ stages its float32 dS K tile
-        # (and TMA reductions more): a rough fit to fatune.offline's reports, the compile decides near the limit
-        return element * (n * (d + dv) + stages * m * (d + dv)) + {0: 0, 1: 4, 2: 6}[config.atomic_dq] * m * d
+        # (and TMA reductions more): a rough fit to fatune.offline's reports, the compile decides near the limit;
+        # a head-dim split streams its own halves of Q and dO as well
+        streamed = m * (d + dv) * (3 if config.split_d == 2 else 2) // 2
+        return element * (n * (d + dv) + stages * streamed) + {0: 0, 1: 4, 2: 6}[config.atomic_dq] * m * d
     return element * (m * (d + dv) + stages * n * (d + dv))  # dq: Q, dO resident, K, V streamed
 
 
@@ -195,8 +202,9 @@ def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig, shared_limit
         needed = shared_memory_bytes(kernel, spec, config)
         if needed > shared_limit:
             return f"needs ~{needed // 1024} KiB shared memory, the GPU has {shared_limit // 1024} KiB per block"
+    # accumulators in registers (a head-dim split's dK/dV programs each hold half)
     resident = {"fwd": config.block_m * lanes(spec.head_dim_v), "dkdv": config.block_n * (lanes(spec.head_dim)
-                + lanes(spec.head_dim_v)), "dq": config.block_m * lanes(spec.head_dim)}[kernel]
+                + lanes(spec.head_dim_v)) // config.split_d, "dq": config.block_m * lanes(spec.head_dim)}[kernel]
     if (resident + config.block_m * config.block_n) / (config.num_warps * 32) > 512:
         return "float32 accumulators alone need over 512 registers per thread"
     return None
@@ -459,8 +467,8 @@ def heuristic_params(heuristic: AttentionConfig, kernel: str, spec: KernelSpec, 
     """The heuristic's trial of `kernel` (its values on `axes`), as it runs for `spec`: an atomic-dQ kind the
     head dim cannot take runs as the next one down, which is what the space offers (TMA reductions exist
     wherever a heuristic asks for them: Hopper)."""
-    runs_as = with_runnable_atomic_dq(heuristic, spec, tma=True)
-    return {axis: value for axis, value in getattr(runs_as, kernel).to_dict().items() if axis in axes}
+    runs_as = with_runnable_split_d(with_runnable_atomic_dq(heuristic, spec, tma=True), spec)
+    return {axis: value for axis, value in dataclasses.asdict(getattr(runs_as, kernel)).items() if axis in axes}
 
 
 class KernelSearch:

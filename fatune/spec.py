@@ -32,7 +32,7 @@ _DTYPE_ALIASES = {
     "f32": "float32",
 }
 MAX_HEAD_DIM = 256
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a([12])?)?")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a([12])?)?(/d2)?")
 MAX_SPLITS = 128
 _POW2_TILES = (16, 32, 64, 128, 256)
 
@@ -211,6 +211,10 @@ class LaunchConfig:
         2 = the same, each tile's dS K added in one TMA bulk reduction (cp.reduce.async.bulk)
         instead of one atomic per element: Hopper and newer, head dims that are a multiple of
         4 (launches elsewhere take 1, fatune.launch.resolve).
+    split_d: 2 = two programs share each key tile, each owning half of dK's and dV's head dim
+        (and of dQ's, with atomic dQ): half the accumulators, so large head dims keep tensor-core
+        tiles in registers, for S and dP computed over the full head dim by both (1.5x the
+        products). Head dims of at least 32 lanes (fatune.launch.resolve takes 1 below).
     """
 
     block_m: int
@@ -221,6 +225,7 @@ class LaunchConfig:
     pack_gqa: int = 0
     tma: int = 0
     atomic_dq: int = 0
+    split_d: int = 1
 
     def __post_init__(self) -> None:
         for field in ("block_m", "block_n"):
@@ -240,9 +245,17 @@ class LaunchConfig:
                 raise ValueError(f"{field}: expected 0 or 1, got {value!r}")
         if self.atomic_dq not in (0, 1, 2) or not _is_int(self.atomic_dq):
             raise ValueError(f"atomic_dq: expected 0, 1 or 2, got {self.atomic_dq!r}")
+        if self.split_d not in (1, 2) or not _is_int(self.split_d):
+            raise ValueError(f"split_d: expected 1 or 2, got {self.split_d!r}")
 
     def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        """The fields, less those added after tuned DBs were shipped while at their plain value: the dict
+        enters every rendered source, so an older entry's kernels (and their hash) stay what they were."""
+        data = dataclasses.asdict(self)
+        for name, plain in LATER_FIELDS.items():
+            if data[name] == plain:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchConfig:
@@ -258,19 +271,20 @@ class LaunchConfig:
         if self.num_splits != 1:
             text += f"/k{self.num_splits}"
         atomic = {0: "", 1: "/a", 2: "/a2"}[self.atomic_dq]
-        return text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + atomic
+        return text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + atomic + \
+            ("/d2" if self.split_d == 2 else "")
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2]', e.g. '128x64/w4/s3',
-        '64x64/w4/s2/k8/g' or '128x64/w8/s3/t' (forward) or '64x128/w8/s2/a' (dK/dV)."""
+        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2]', e.g. '128x64/w4/s3',
+        '64x64/w4/s2/k8/g' or '128x64/w8/s3/t' (forward) or '64x128/w8/s2/a' or '64x64/w4/s1/t/d2' (dK/dV)."""
         match = _CONFIG_RE.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2] such as "
-                             f"128x64/w4/s3, got {text!r}")
-        block_m, block_n, warps, stages, splits, pack, tma, atomic, atomic_kind = match.groups()
+            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2] such "
+                             f"as 128x64/w4/s3, got {text!r}")
+        block_m, block_n, warps, stages, splits, pack, tma, atomic, atomic_kind, split_d = match.groups()
         return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)),
-                   tma=int(bool(tma)), atomic_dq=int(atomic_kind or 1) if atomic else 0)
+                   tma=int(bool(tma)), atomic_dq=int(atomic_kind or 1) if atomic else 0, split_d=2 if split_d else 1)
 
 
 def _is_int(value: Any) -> bool:
@@ -278,10 +292,13 @@ def _is_int(value: Any) -> bool:
 
 
 # the code-structure fields and their plain-kernel values
-STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "atomic_dq": 0}
+STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "atomic_dq": 0, "split_d": 1}
+# structure fields added after the first shipped DB, and their plain values (LaunchConfig.to_dict)
+LATER_FIELDS = {"split_d": 1}
 KERNELS = ("fwd", "dkdv", "dq")
 # the kernels whose code each structure field changes (the others keep the plain value)
-STRUCTURE_OWNER = {"num_splits": ("fwd",), "pack_gqa": ("fwd",), "tma": ("fwd", "dkdv"), "atomic_dq": ("dkdv",)}
+STRUCTURE_OWNER = {"num_splits": ("fwd",), "pack_gqa": ("fwd",), "tma": ("fwd", "dkdv"), "atomic_dq": ("dkdv",),
+                   "split_d": ("dkdv",)}
 
 
 def atomic_dq_kinds(spec: KernelSpec) -> tuple[int, ...]:
@@ -302,6 +319,23 @@ def with_runnable_atomic_dq(config: AttentionConfig, spec: KernelSpec, tma: bool
         return config
     lower = max(kind for kind in kinds if kind < config.dkdv.atomic_dq)
     return config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=lower))
+
+
+SPLIT_D_MIN_LANES = 32  # a head-dim half of at least 16 lanes: the smallest tensor-core operand
+# the search offers the split from this many lanes (at 128 it lost on every dK/dV tile, L=4096, session 9)
+SPLIT_D_LANES = 256
+
+
+def split_d_searched(spec: KernelSpec) -> bool:
+    """Whether searches of `spec` offer dK/dV's head-dim split."""
+    return min(lanes(spec.head_dim), lanes(spec.head_dim_v)) >= SPLIT_D_LANES
+
+
+def with_runnable_split_d(config: AttentionConfig, spec: KernelSpec) -> AttentionConfig:
+    """`config` with its dK/dV head-dim split dropped where a half would be under 16 lanes, as a launch runs it."""
+    if config.dkdv.split_d == 1 or min(lanes(spec.head_dim), lanes(spec.head_dim_v)) >= SPLIT_D_MIN_LANES:
+        return config
+    return config.replace(dkdv=dataclasses.replace(config.dkdv, split_d=1))
 
 
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:

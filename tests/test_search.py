@@ -80,6 +80,10 @@ def test_impossible_configs_are_pruned_before_compiling(tmp_path):
     assert infeasible("fwd", spec, LaunchConfig(128, 128, 8, 5), 227 * 1024) is not None
     assert infeasible("fwd", spec, LaunchConfig(16, 16, 8, 1), 227 * 1024) is not None  # too many warps
     assert infeasible("fwd", spec, LaunchConfig(64, 64, 4, 3), 227 * 1024) is None
+    # a head-dim split's dK/dV programs each hold half the accumulators
+    wide = KernelSpec("bfloat16", 256)
+    assert infeasible("dkdv", wide, LaunchConfig(32, 128, 4, 1), 227 * 1024) is not None
+    assert infeasible("dkdv", wide, LaunchConfig(32, 128, 4, 1, split_d=2), 227 * 1024) is None
     space = SearchSpace(block_m=(32, 128), block_n=(32, 128), num_warps=(4,), num_stages=(1, 4))
     result = search_shape(TINY, interpreter_target(shared_limit=24 * 1024), trials=8, seconds=600,
                           storage=f"sqlite:///{tmp_path / 's.sqlite'}", seed=1, space=space)
@@ -342,18 +346,20 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a?b%20c#d"]
 
 
-@pytest.mark.parametrize("dtype, kv_heads, kernel, structure", [
-    ("float16", 2, "fwd", ["num_splits", "tma"]),
-    ("bfloat16", 1, "fwd", ["num_splits", "pack_gqa", "tma"]),
-    ("float32", 2, "fwd", ["num_splits", "tma"]),
-    ("float16", 2, "dkdv", ["atomic_dq", "tma"]),
-    ("float32", 2, "dkdv", ["tma"]),  # float32 dK/dV keeps its Kahan-summed dQ kernel
-    ("float16", 2, "dq", []),
+@pytest.mark.parametrize("dtype, kv_heads, kernel, structure, head_dim", [
+    ("float16", 2, "fwd", ["num_splits", "tma"], 64),
+    ("bfloat16", 1, "fwd", ["num_splits", "pack_gqa", "tma"], 64),
+    ("float32", 2, "fwd", ["num_splits", "tma"], 64),
+    ("float16", 2, "dkdv", ["atomic_dq", "tma"], 64),
+    ("float16", 2, "dkdv", ["atomic_dq", "tma"], 100),  # 128 lanes: no head-dim split
+    ("float16", 2, "dkdv", ["atomic_dq", "tma", "split_d"], 160),  # 256 lanes: the head-dim split is searched
+    ("float32", 2, "dkdv", ["tma", "split_d"], 256),  # float32 dK/dV keeps its Kahan-summed dQ kernel
+    ("float16", 2, "dq", [], 256),
 ])
-def test_forward_structure_axes(dtype, kv_heads, kernel, structure):
+def test_forward_structure_axes(dtype, kv_heads, kernel, structure, head_dim):
     from fatune.search import GPU_SPACE
 
-    shape = Shape(1, 2, 64, 64, 64, dtype, kv_heads=kv_heads)
+    shape = Shape(1, 2, 64, 64, head_dim, dtype, kv_heads=kv_heads)
     axes = GPU_SPACE.axes(kernel, shape)
     assert list(axes)[4:] == structure
     assert axes.get("tma", (0, 1)) == (0, 1)

@@ -425,6 +425,54 @@ def test_tma_dq_is_kept_where_tma_can_reduce_into_the_accumulator(head_dim, dtyp
     assert resolve(_atomic_dq(kind=2), problem, q.device, (q, k, v)).dkdv.atomic_dq == expected
 
 
+# ------------------------------------------------------------------ head-dim split of dK/dV (backward structure)
+
+def _split_d(tma=0, atomic=0):
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(16, 32, tma=tma, atomic_dq=atomic, split_d=2))
+
+
+@pytest.mark.parametrize("tma, atomic", [(0, 0), (0, 1), (1, 2)], ids=["pointers", "atomics", "tma-tma-reduce"])
+@pytest.mark.parametrize("make", [case[1] for case in ATOMIC_DQ_CASES], ids=[case[0] for case in ATOMIC_DQ_CASES])
+def test_split_d(make, tma, atomic, poison_outputs):
+    """Two programs per key tile, each owning half of dK's and dV's head dim (and of dQ's, with atomic dQ),
+    give the same gradients on every code path of the query loop, padded head dims included."""
+    q, k, v, kwargs = make()
+    run_and_compare(q, k, v, config=_split_d(tma, atomic), **kwargs)
+
+
+def test_split_d_packed_varlen_and_dropout(monkeypatch, poison_outputs):
+    q, k, v, cu_q, cu_k = _packed([1, 16, 7], [40, 21, 3], 4, 2, 32, 32, seed=5)
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16, max_seqlen_k=40,
+                    is_causal=True, enable_gqa=True, config=_split_d(tma=1))
+    seed, p = 77, 0.25
+    monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
+    q, k, v = _qkv(lq=20, lk=36, seed=19)
+    keep = dropout.keep_mask(seed, p, 2, 2, 20, 36, DEVICE)
+    run_and_compare(q, k, v, dropout_p=p, is_causal=True, dropout_keep=keep, config=_split_d(atomic=1))
+
+
+@pytest.mark.parametrize("tma", [0, 1], ids=["pointers", "tma"])
+def test_split_d_with_an_empty_key_sequence(tma, poison_outputs):
+    """A batch element with no keys (seqlens_k 0): its dK/dV programs read no key (a TMA map keeps one row)
+    and write zeros."""
+    q, k, v = _qkv(lq=24, lk=40, seed=22)
+    run_and_compare(q, k, v, seqlens_k=torch.tensor([40, 0], dtype=torch.int32, device=DEVICE),
+                    config=_split_d(tma=tma))
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v, kept", [(32, 32, 2), (17, 40, 2), (16, 64, 1), (64, 8, 1)])
+def test_split_d_needs_halves_of_16_lanes(head_dim, head_dim_v, kept):
+    """A head-dim half is a tensor-core operand: at least 16 lanes, else the launch runs the unsplit kernel."""
+    from fatune.launch import resolve
+    from fatune.plans import Call
+
+    q, k, v = _qkv(lq=20, lk=36, d=head_dim, dv=head_dim_v, seed=21)
+    problem = Call(is_causal=True).check(q, k, v)
+    assert resolve(_split_d(), problem, q.device, (q, k, v)).dkdv.split_d == kept
+
+
 def test_atomic_dq_launches_no_dq_kernel():
     from fatune.launch import Plan
     from fatune.plans import Call
@@ -723,6 +771,37 @@ GPU_CASES = ["mask-bool", "mask-additive", "key-padding", "window", "causal-bott
 def test_gpu_variant(name, dtype, poison_outputs, record_gpu_errors):
     q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed(name, dtype)), dtype)
     record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim, atomic", [(256, 0), (256, 2), (200, 0), (128, 1), (72, 2)])
+def test_gpu_split_d(head_dim, atomic, dtype, poison_outputs, record_gpu_errors):
+    """dK/dV's head-dim split on the GPU (wgmma tiles, TMA loads, dQ by the dQ kernel or atomics): odd lengths,
+    GQA, causal, padded head dims."""
+    rng = random.Random(stable_seed("split-d", head_dim, atomic, dtype))
+    torch.manual_seed(rng.randint(0, 2**31))
+    q, k, v = random_qkv(2, 8, 2, rng.randint(300, 700), rng.randint(300, 700), head_dim, head_dim, dtype=dtype,
+                         device="cuda")
+    from fatune.heuristics import default_config
+
+    config = default_config(fatune.KernelSpec(str(dtype).split(".")[1], head_dim, causal=True),
+                            torch.cuda.get_device_capability())
+    config = config.replace(dkdv=fatune.LaunchConfig(64, 64, num_warps=4, num_stages=1, tma=1, atomic_dq=atomic,
+                                                     split_d=2))
+    record_gpu_errors(run_and_compare(q, k, v, is_causal=True, enable_gqa=True, config=config))
+
+
+@pytest.mark.gpu
+def test_gpu_split_d_with_an_empty_key_sequence(poison_outputs, record_gpu_errors):
+    """The split's TMA key and value maps keep one row when a sequence has no keys (seqlens_k 0)."""
+    torch.manual_seed(5)
+    q, k, v = random_qkv(3, 4, 4, 333, 517, 256, 256, dtype=torch.bfloat16, device="cuda")
+    config = fatune.AttentionConfig(fwd=fatune.LaunchConfig(64, 64, num_warps=4, num_stages=3),
+                                    dkdv=fatune.LaunchConfig(64, 128, num_warps=8, num_stages=1, tma=1, split_d=2),
+                                    dq=fatune.LaunchConfig(128, 64, num_warps=8, num_stages=1))
+    seqlens_k = torch.tensor([517, 0, 200], dtype=torch.int32, device="cuda")
+    record_gpu_errors(run_and_compare(q, k, v, seqlens_k=seqlens_k, config=config))
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import click
 from fatune import codegen as generator
 from fatune.cli.options import kernel_spec_options, launch_config_options, parse_capability
 from fatune.heuristics import default_config
-from fatune.spec import KernelSpec, LaunchConfig
+from fatune.spec import KernelSpec, LaunchConfig, with_runnable_split_d
 
 
 @click.command()
@@ -34,6 +34,7 @@ def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
     config = default_config(spec, arch)
     overrides = {"fwd": fwd_config, "dkdv": dkdv_config, "dq": dq_config}
     config = config.replace(**{name: value for name, value in overrides.items() if value is not None})
+    config = with_runnable_split_d(config, spec)  # as a launch runs it
     kinds = ["fwd", "bwd"] if kernel == "all" else [kernel]
     for kind in kinds:
         source = generator.render(kind, spec, config)
