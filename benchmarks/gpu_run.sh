@@ -166,6 +166,10 @@ GRID
       # or the dQ kernel, d128 and d256 at L=4096 (BWD_DIMS, BWD_LENGTHS)
       python3 benchmarks/bwd_variants.py "$OUT/bwd-split.json" --head-dims ${BWD_DIMS:-128,256} \
         --lengths ${BWD_LENGTHS:-4096} --split --atomic > "$OUT/bwd-split.log" 2>&1; tail -n 60 "$OUT/bwd-split.log" ;;
+    maxnreg)  # the heuristic's kernels with registers per thread capped (LaunchConfig.maxnreg), one kernel at a time,
+      # d64/d128/d256 at L=4096 (MAXNREG_ARGS: --caps, --head-dims, --lengths; issue 11)
+      python3 benchmarks/maxnreg_sweep.py "$OUT/maxnreg.json" ${MAXNREG_ARGS:-} > "$OUT/maxnreg.log" 2>&1
+      tail -n 90 "$OUT/maxnreg.log" ;;
     dkdv-split)  # d256 dK/dV with the head dim split over two programs vs not, a standalone probe (issue 11)
       python3 benchmarks/dkdv_split_probe.py "$OUT/dkdv-split.json" --lengths ${BWD_LENGTHS:-4096} \
         > "$OUT/dkdv-split.log" 2>&1; tail -n 14 "$OUT/dkdv-split.log" ;;

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import sqlite_utils
 
 from fatune.heuristics import DECODE_QUERIES
-from fatune.spec import (DTYPES, MASK_KINDS, MAX_HEAD_DIM, SEQLEN_MODES, STRUCTURE_FIELDS, AttentionConfig, KernelSpec,
-                         LaunchConfig, misplaced_structure)
+from fatune.spec import (DTYPES, LATER_FIELDS, MASK_KINDS, MAX_HEAD_DIM, SEQLEN_MODES, STRUCTURE_FIELDS,
+                         AttentionConfig, KernelSpec, LaunchConfig, misplaced_structure)
 
 if TYPE_CHECKING:
     from fatune.inputs import AttentionProblem
@@ -416,9 +416,10 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 def _launch_config(name: str, data: Any) -> LaunchConfig:
     """The LaunchConfig `data` holds (every field an int the kernels accept); InvalidEntry naming the field."""
     fields = [f.name for f in dataclasses.fields(LaunchConfig)]
-    required = [field for field in fields if field not in STRUCTURE_FIELDS]  # older entries lack the others
+    optional = sorted(set(STRUCTURE_FIELDS) | set(LATER_FIELDS))  # older entries lack them
+    required = [field for field in fields if field not in optional]
     if not isinstance(data, dict) or not set(required) <= set(data) <= set(fields):
-        raise InvalidEntry(f"{name}: expected an object with {required} (and optionally {sorted(STRUCTURE_FIELDS)}), "
+        raise InvalidEntry(f"{name}: expected an object with {required} (and optionally {optional}), "
                            f"got {data!r:.80}")
     for key in data:
         if type(data[key]) is not int:

@@ -52,7 +52,7 @@ class Decision:
         lines = [f"layer: {self.layer}", f"reason: {self.reason}"]
         if self.db_path:
             lines.append(f"db: {self.db_path}")
-        lines.append(f"config: fwd {self.config.fwd} | dkdv {self.config.dkdv} | dq {self.config.dq}")
+        lines.append(f"config: {self.config}")
         lines += [f"skipped: {line}" for line in self.skipped]
         return "\n".join(lines)
 

@@ -126,14 +126,13 @@ def ensure_triton_allocator() -> None:
 class KernelLaunch:
     """One kernel of a plan: its function, grid, launch options and non-pointer arguments."""
 
-    __slots__ = ("fn", "grid", "num_warps", "num_stages", "pick", "tail", "binary", "direct", "middle", "scratch",
-                 "tma")
+    __slots__ = ("fn", "grid", "options", "pick", "tail", "binary", "direct", "middle", "scratch", "tma")
 
     def __init__(self, fn: Any, kernel: str, grid: tuple[int, int, int], config: LaunchConfig,
                  values: dict[str, Any]):
         self.fn = fn
         self.grid = grid
-        self.num_warps, self.num_stages = config.num_warps, config.num_stages
+        self.options = config.compile_options
         self.pick = operator.itemgetter(*(SLOTS.index(name) for name in signature.pointers(kernel)))
         self.tail = tuple(values[name] for name in signature.values(kernel))
         self.binary: CompiledKernel | None = None
@@ -164,8 +163,7 @@ class KernelLaunch:
         if binary is not None and not _launch_hooks_active():
             binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
             return
-        kernel = self.fn.run(*args, grid=self.grid, warmup=False, num_warps=self.num_warps,
-                             num_stages=self.num_stages)
+        kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
         if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
             self.binary = kernel
             direct = _direct_launcher(kernel)
@@ -176,7 +174,7 @@ class KernelLaunch:
     def warmup(self, args: tuple) -> None:
         """Compile what this launch runs (into Triton's cache), launching nothing."""
         if not codegen.interpreting():
-            self.fn.warmup(*args, grid=self.grid, num_warps=self.num_warps, num_stages=self.num_stages)
+            self.fn.warmup(*args, grid=self.grid, **self.options)
 
 
 @functools.lru_cache(maxsize=None)

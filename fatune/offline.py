@@ -8,6 +8,7 @@ registers.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -72,9 +73,10 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0)) -> CompiledKernel:
+def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0),
+                   maxnreg: int | None = None) -> CompiledKernel:
     """Compile `kernel` ('fwd', 'dkdv', 'dq', or atomic dQ's 'prep' and 'dq_store') for CUDA compute
-    capability `arch`; raises on failure."""
+    capability `arch`, its registers capped at `maxnreg` per thread if given; raises on failure."""
     if kernel not in _KERNEL_FUNCTIONS:
         raise ValueError(f"kernel: expected one of {sorted(_KERNEL_FUNCTIONS)}, got {kernel!r}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -90,8 +92,8 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     types, attrs, constexprs = _signature(function_name, spec, absent)
     source = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
-    compiled = triton.compile(source, target=target,
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    options = (launch if maxnreg is None else dataclasses.replace(launch, maxnreg=maxnreg)).compile_options
+    compiled = triton.compile(source, target=target, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()

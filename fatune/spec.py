@@ -32,8 +32,9 @@ _DTYPE_ALIASES = {
     "f32": "float32",
 }
 MAX_HEAD_DIM = 256
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a([12])?)?(/d2)?")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a([12])?)?(/d2)?(?:/r(\d+))?")
 MAX_SPLITS = 128
+MIN_MAXNREG = 24  # the fewest registers per thread ptxas accepts as a cap
 _POW2_TILES = (16, 32, 64, 128, 256)
 
 
@@ -215,6 +216,9 @@ class LaunchConfig:
         (and of dQ's, with atomic dQ): half the accumulators, so large head dims keep tensor-core
         tiles in registers, for S and dP computed over the full head dim by both (1.5x the
         products). Head dims of at least 32 lanes (fatune.launch.resolve takes 1 below).
+    Every kernel:
+    maxnreg: registers per thread the compiler may use (0: its own choice, up to 255); fewer can fit
+        more programs on a multiprocessor where shared memory allows, at the price of spills.
     """
 
     block_m: int
@@ -226,6 +230,7 @@ class LaunchConfig:
     tma: int = 0
     atomic_dq: int = 0
     split_d: int = 1
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for field in ("block_m", "block_n"):
@@ -247,6 +252,9 @@ class LaunchConfig:
             raise ValueError(f"atomic_dq: expected 0, 1 or 2, got {self.atomic_dq!r}")
         if self.split_d not in (1, 2) or not _is_int(self.split_d):
             raise ValueError(f"split_d: expected 1 or 2, got {self.split_d!r}")
+        if not _is_int(self.maxnreg) or not (self.maxnreg == 0 or MIN_MAXNREG <= self.maxnreg <= 255):
+            raise ValueError(f"maxnreg: expected 0 (the compiler's choice) or an int in {MIN_MAXNREG}..255, "
+                             f"got {self.maxnreg!r}")
 
     def to_dict(self) -> dict[str, int]:
         """The fields, less those added after tuned DBs were shipped while at their plain value: the dict
@@ -262,6 +270,14 @@ class LaunchConfig:
         return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls) if f.name in data})
 
     @property
+    def compile_options(self) -> dict[str, int]:
+        """Triton's compile options for a kernel launched with this config."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg:
+            options["maxnreg"] = self.maxnreg
+        return options
+
+    @property
     def structure(self) -> dict[str, int]:
         """The code-structure fields that differ from the plain kernel's."""
         return {name: getattr(self, name) for name in STRUCTURE_FIELDS if getattr(self, name) != STRUCTURE_FIELDS[name]}
@@ -272,19 +288,21 @@ class LaunchConfig:
             text += f"/k{self.num_splits}"
         atomic = {0: "", 1: "/a", 2: "/a2"}[self.atomic_dq]
         return text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + atomic + \
-            ("/d2" if self.split_d == 2 else "")
+            ("/d2" if self.split_d == 2 else "") + (f"/r{self.maxnreg}" if self.maxnreg else "")
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2]', e.g. '128x64/w4/s3',
-        '64x64/w4/s2/k8/g' or '128x64/w8/s3/t' (forward) or '64x128/w8/s2/a' or '64x64/w4/s1/t/d2' (dK/dV)."""
+        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2][/rREGS]', e.g.
+        '128x64/w4/s3', '64x64/w4/s2/k8/g' or '128x64/w8/s3/t/r128' (forward) or '64x128/w8/s2/a' or
+        '64x64/w4/s1/t/d2' (dK/dV)."""
         match = _CONFIG_RE.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2] such "
-                             f"as 128x64/w4/s3, got {text!r}")
-        block_m, block_n, warps, stages, splits, pack, tma, atomic, atomic_kind, split_d = match.groups()
+            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2][/rREGS] "
+                             f"such as 128x64/w4/s3, got {text!r}")
+        block_m, block_n, warps, stages, splits, pack, tma, atomic, atomic_kind, split_d, maxnreg = match.groups()
         return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)),
-                   tma=int(bool(tma)), atomic_dq=int(atomic_kind or 1) if atomic else 0, split_d=2 if split_d else 1)
+                   tma=int(bool(tma)), atomic_dq=int(atomic_kind or 1) if atomic else 0, split_d=2 if split_d else 1,
+                   maxnreg=int(maxnreg or 0))
 
 
 def _is_int(value: Any) -> bool:
@@ -293,8 +311,8 @@ def _is_int(value: Any) -> bool:
 
 # the code-structure fields and their plain-kernel values
 STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "atomic_dq": 0, "split_d": 1}
-# structure fields added after the first shipped DB, and their plain values (LaunchConfig.to_dict)
-LATER_FIELDS = {"split_d": 1}
+# fields added after the first shipped DB, and their plain values (LaunchConfig.to_dict; older entries lack them)
+LATER_FIELDS = {"split_d": 1, "maxnreg": 0}
 KERNELS = ("fwd", "dkdv", "dq")
 # the kernels whose code each structure field changes (the others keep the plain value)
 STRUCTURE_OWNER = {"num_splits": ("fwd",), "pack_gqa": ("fwd",), "tma": ("fwd", "dkdv"), "atomic_dq": ("dkdv",),
@@ -360,6 +378,9 @@ class AttentionConfig:
 
     def replace(self, **changes: LaunchConfig) -> AttentionConfig:
         return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        return f"fwd {self.fwd} | dkdv {self.dkdv} | dq {self.dq}"
 
     def to_dict(self) -> dict[str, dict[str, int]]:
         return {name: getattr(self, name).to_dict() for name in KERNELS}

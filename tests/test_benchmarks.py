@@ -94,3 +94,15 @@ def test_persistent_probe_walks_every_tile_in_each_order(tmp_path):
     rows = json.loads(out.read_text())
     assert {row["kind"] for row in rows} == {"per-tile", "persistent-longest-first", "persistent-head-major"}
     assert all("error" not in row and row["max_err"] < 5e-3 for row in rows), rows
+
+
+def test_maxnreg_sweep_caps_one_kernel_at_a_time(tmp_path):
+    """The register-cap sweep (issue 11): the heuristic config, then each kernel with each cap (the others as
+    they are), every output and gradient checked against torch (the interpreter ignores the cap itself)."""
+    out = tmp_path / "sweep.json"
+    run("maxnreg_sweep.py", out, "--caps", "128,168")
+    (row,) = json.loads(out.read_text())
+    assert [(c["kernel"], c["maxnreg"]) for c in row["configs"]] == \
+        [("none", 0)] + [(kernel, cap) for kernel in ("fwd", "dkdv", "dq") for cap in (128, 168)]
+    assert all("error" not in c and c["fwd_error"] < 2e-2 and c["bwd_error"] < 2e-2 for c in row["configs"]), row
+    assert all(c["config"].count(f"/r{c['maxnreg']}") == 1 for c in row["configs"][1:])

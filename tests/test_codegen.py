@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import os
 import shutil
@@ -318,12 +319,28 @@ def test_config_round_trip():
     assert LaunchConfig.parse(str(config.fwd)) == config.fwd
 
 
+def test_a_register_cap_is_a_compile_option_not_source():
+    """maxnreg (`/rN`) goes to Triton's compiler with warps and stages; the rendered source, its key and older
+    configs' dicts (and so the tuned DB's kernel hashes) stay as they were."""
+    capped = LaunchConfig.parse("128x64/w8/s3/r128")
+    assert (capped.maxnreg, str(capped)) == (128, "128x64/w8/s3/r128")
+    assert capped.compile_options == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    assert LaunchConfig(128, 64, 8, 3).compile_options == {"num_warps": 8, "num_stages": 3}
+    assert "maxnreg" not in LaunchConfig(128, 64, 8, 3).to_dict() and "split_d" not in LaunchConfig(64, 64).to_dict()
+    spec = KernelSpec("float16", 64, causal=True)
+    plain = default_config(spec, (9, 0))
+    assert codegen.render("fwd", spec, plain.replace(fwd=dataclasses.replace(plain.fwd, maxnreg=128))).replace(
+        '"maxnreg": 128, ', "") == codegen.render("fwd", spec, plain)
+
+
 @pytest.mark.parametrize("text, fields", [
     ("128x64/w8/s3", {}),
     ("128x64/w4/s3/t", {"tma": 1}),
     ("64x64/w4/s2/k8/g/t", {"num_splits": 8, "pack_gqa": 1, "tma": 1}),
     ("64x128/w8/s2/a", {"atomic_dq": 1}),
     ("64x128/w8/s2/a2", {"atomic_dq": 2}),
+    ("64x128/w8/s1/t/d2", {"tma": 1, "split_d": 2}),
+    ("64x64/w4/s1/t/a2/d2", {"tma": 1, "atomic_dq": 2, "split_d": 2}),
 ])
 def test_structure_suffixes_round_trip(text, fields):
     config = LaunchConfig.parse(text)
@@ -340,6 +357,12 @@ def test_structure_suffixes_round_trip(text, fields):
     (lambda: LaunchConfig.parse("64x64/w4/s3/t/x"), r"config: expected .*\[/t\]\[/a\|/a2\]"),  # unknown suffix
     (lambda: LaunchConfig(64, 64, atomic_dq=3), "atomic_dq: expected 0, 1 or 2"),
     (lambda: LaunchConfig.parse("64x64/w4/s3/a3"), "config"),
+    (lambda: LaunchConfig(64, 64, split_d=4), "split_d: expected 1 or 2"),
+    (lambda: LaunchConfig.parse("64x64/w4/s1/d4"), "config"),
+    (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64), LaunchConfig(64, 64, split_d=2)), "split_d"),
+    (lambda: LaunchConfig(64, 64, maxnreg=16), "maxnreg: expected 0"),
+    (lambda: LaunchConfig(64, 64, maxnreg=256), "maxnreg: expected 0"),
+    (lambda: LaunchConfig(64, 64, maxnreg=128.0), "maxnreg"),
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64, pack_gqa=1), LaunchConfig(64, 64)), "pack_gqa"),
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1)), "tma"),
 ])

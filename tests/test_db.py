@@ -220,6 +220,9 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("bwd_config", {"dkdv": GOOD_CONFIG}, "bwd_config"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "block_m": 512}}, "bwd_config.dq.block_m"),
     ("fwd_config", {**GOOD_CONFIG, "tma": 2}, "fwd_config.tma"),
+    ("fwd_config", {**GOOD_CONFIG, "maxnreg": 8}, "fwd_config.maxnreg"),
+    ("bwd_config", {"dkdv": {**GOOD_CONFIG, "split_d": 3}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.split_d"),
+    ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "split_d": 2}}, "bwd_config.dq: ['split_d']"),
     # a field this version does not know (e.g. a removed switch) makes the entry invalid
     ("fwd_config", {**GOOD_CONFIG, "tma": 1, "retired_switch": 1}, "fwd_config: expected an object"),
     ("bwd_config", {"dkdv": {**GOOD_CONFIG, "num_splits": 2}, "dq": GOOD_CONFIG}, "bwd_config.dkdv: ['num_splits']"),
@@ -250,8 +253,9 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
 @pytest.mark.parametrize("fwd_config", [
     {**GOOD_CONFIG, "tma": 1},
     {**GOOD_CONFIG, "num_splits": 0, "pack_gqa": 1, "tma": 1},
+    {**GOOD_CONFIG, "tma": 1, "maxnreg": 128},
     GOOD_CONFIG,  # entries written before the structure fields existed
-], ids=["tma", "all-forward-structure", "older-entry"])
+], ids=["tma", "all-forward-structure", "register-cap", "older-entry"])
 def test_forward_structure_fields_are_stored_and_read_back(db_path, fwd_config):
     with TunedDB(db_path) as db:
         db.upsert(make_entry(fwd_config=fwd_config))

@@ -705,6 +705,30 @@ def test_direct_launches_pass_global_scratch(monkeypatch):
     assert scratch.numel() == 384 * 2 * 3 * 4 and calls[1][9] == "metadata"
 
 
+@pytest.mark.parametrize("maxnreg, options", [(0, {}), (128, {"maxnreg": 128})])
+def test_launches_compile_with_the_register_cap(maxnreg, options, monkeypatch):
+    """A config's register cap (`/rN`) reaches Triton's compiler with its warps and stages, on the first
+    launch and in a compile-only warm-up."""
+    from fatune import codegen, launch, signature
+
+    seen = []
+
+    class Jit:
+        def run(self, *args, grid, warmup, **kwargs):
+            seen.append(kwargs)
+
+        def warmup(self, *args, grid, **kwargs):
+            seen.append(kwargs)
+
+    monkeypatch.setattr(codegen, "interpreting", lambda: False)
+    values = dict.fromkeys(signature.values("attn_fwd"), 0)
+    kernel = launch.KernelLaunch(Jit(), "attn_fwd", (1, 1, 1), fatune.LaunchConfig(64, 64, 4, 3, maxnreg=maxnreg), values)
+    slots = (None,) * len(launch.SLOTS)
+    kernel(slots, stream=0)
+    kernel.warmup(kernel.pick(slots) + kernel.tail)
+    assert seen == [{"num_warps": 4, "num_stages": 3, **options}] * 2
+
+
 # ------------------------------------------------------------------ dropout
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
