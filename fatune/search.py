@@ -99,6 +99,9 @@ SDPA_BENCH = (5, 40)
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 RUNNING, WAITING = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING
 SPLIT_WAVES = 4  # a forward whose fewest programs fill this many waves of the GPU gains nothing from split-KV
+# the dQ kernel's register cap is searched up to this many lanes: there its registers, not its shared memory,
+# limit the programs per SM (a cap of 128 fits two at d64; the forward and dK/dV lost with caps, session 9)
+MAXNREG_LANES = 64
 POLL_S = 0.5  # how often a process waiting for others' trials of a shape looks again
 # Where a process's wall time on a shape goes (ShapeResult.breakdown, seconds): per trial, the phases each trial
 # records as its user attr "seconds" (ask, compile_wait, build, check, quick, full) and telling it to its
@@ -132,6 +135,7 @@ class SearchSpace:
     tma: tuple[int, ...] = (0, 1)  # forward and dK/dV; dropped at launch where TMA cannot read the tensors
     atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, where fatune.spec.atomic_dq_kinds allows; 2 = TMA reductions
     split_d: tuple[int, ...] = (1, 2)  # dK/dV only, where fatune.spec.split_d_searched
+    maxnreg: tuple[int, ...] = (0, 128)  # dQ only, 16-bit head dims up to 64 (MAXNREG_LANES): a register cap
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the structure fields it owns.
@@ -153,6 +157,9 @@ class SearchSpace:
             axes["tma"] = self.tma
             if split_d_searched(shape.spec):
                 axes["split_d"] = self.split_d
+        if kernel == "dq" and shape.spec.dtype != "float32" and \
+                max(lanes(shape.spec.head_dim), lanes(shape.spec.head_dim_v)) <= MAXNREG_LANES:
+            axes["maxnreg"] = self.maxnreg
         return axes
 
     def fills_gpu(self, shape: Shape, sms: int) -> bool:

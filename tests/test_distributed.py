@@ -5,6 +5,7 @@ with its own DB), and a worker killed mid-trial while the other finishes the stu
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import signal
 import subprocess
@@ -66,7 +67,7 @@ def check_studies(url: str, lengths: int, processes: int) -> dict[str, list[optu
         assert TRIALS <= len(finished) <= TRIALS + processes, (name, [t.state for t in trials])
         kernel = name.split(":")[1]
         axes = INTERPRETER_SPACE.axes(kernel, SHAPE)
-        start = {axis: value for axis, value in getattr(heuristic, kernel).to_dict().items() if axis in axes}
+        start = {axis: value for axis, value in dataclasses.asdict(getattr(heuristic, kernel)).items() if axis in axes}
         queued = [t.state for t in trials if t.system_attrs.get("fixed_params") == start]
         assert [state for state in queued if state != optuna.trial.TrialState.FAIL] == \
             [optuna.trial.TrialState.COMPLETE], name

@@ -239,7 +239,7 @@ def test_the_heuristic_config_is_the_first_trial(tmp_path):
     for summary in optuna.get_all_study_summaries(storage):
         kernel = summary.study_name.rsplit(":", 1)[1]
         first = optuna.load_study(study_name=summary.study_name, storage=storage).trials[0]
-        expected = getattr(heuristic, kernel).to_dict()
+        expected = dataclasses.asdict(getattr(heuristic, kernel))
         assert first.params == {axis: expected[axis] for axis in INTERPRETER_SPACE.axes(kernel, TINY)}
 
 
@@ -326,7 +326,7 @@ def test_a_killed_search_resumes_without_counting_dead_trials(tmp_path, signal_n
     for kernel, trials_of in studies(db_path).items():
         finished = [t for t in trials_of if t.state in search.FINISHED]
         assert len(finished) == trials, (kernel, trials_of)
-        expected = getattr(heuristic, kernel).to_dict()
+        expected = dataclasses.asdict(getattr(heuristic, kernel))
         first = [t for t in finished if t.params == {axis: expected[axis] for axis in t.params}]
         assert first and first[0].state == optuna.trial.TrialState.COMPLETE
     with TunedDB(db_path, readonly=True) as db:
@@ -355,6 +355,8 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     ("float16", 2, "dkdv", ["atomic_dq", "tma", "split_d"], 160),  # 256 lanes: the head-dim split is searched
     ("float32", 2, "dkdv", ["tma", "split_d"], 256),  # float32 dK/dV keeps its Kahan-summed dQ kernel
     ("float16", 2, "dq", [], 256),
+    ("bfloat16", 2, "dq", ["maxnreg"], 64),  # registers limit the d64 dQ kernel to one program per SM
+    ("float32", 2, "dq", [], 64),
 ])
 def test_forward_structure_axes(dtype, kv_heads, kernel, structure, head_dim):
     from fatune.search import GPU_SPACE
