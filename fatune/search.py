@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import math
 import os
@@ -376,15 +377,22 @@ class Checker:
         return math.inf if math.isnan(worst) else worst
 
 
-def study_name(target: Target, shape: Shape, kernel: str) -> str:
+def default_space(target: Target) -> SearchSpace:
+    return INTERPRETER_SPACE if target.interpret else GPU_SPACE
+
+
+def study_name(target: Target, shape: Shape, kernel: str, space: SearchSpace | None = None) -> str:
     """The Optuna study of one kernel of one shape: the installation and kernel spec of the tuned-DB key
     (fatune.db), with the hash of the sources its search can render (launch.search_hash) for the templates'
-    part, and the shape itself (its lengths, window, padding and documents, batch and heads: two shapes that
-    share a DB key are still different problems, whose trials must not mix in one study)."""
+    part, the hash of its axes in `space` (default: the target's) so that a space that gains or loses an axis
+    or a value starts new studies, and the shape itself (its lengths, window, padding and documents, batch and
+    heads: two shapes that share a DB key are still different problems, whose trials must not mix in one study)."""
     from fatune import launch
 
     key = key_columns(target.gpu, target.capability, shape_key(shape))
+    axes = (space or default_space(target)).axes(kernel, shape, target.sms)
     templates = launch.search_hash(shape.spec, shape.kv_heads != shape.heads)
+    templates += "-" + hashlib.sha256(repr(sorted(axes.items())).encode()).hexdigest()[:8]
     sizes = [f"w{shape.window}"] if "window" in key["mask_variant"] else []  # a window the call keeps
     sizes += [f"keys{shape.kept_keys}"] if shape.valid_keys < 1.0 else []
     sizes += [f"docs{shape.documents}"] if shape.documents else []
@@ -498,7 +506,7 @@ class KernelSearch:
         self._stale_checked = -math.inf
         self._full_until = -math.inf
         with storage_lock(storage.url):
-            self.study = optuna.create_study(study_name=study_name(target, shape, kernel), storage=storage,
+            self.study = optuna.create_study(study_name=study_name(target, shape, kernel, space), storage=storage,
                                              sampler=TrialSeededSampler(seed, SAMPLER), direction="minimize",
                                              load_if_exists=True)
         self.ensure_heuristic()
@@ -1075,7 +1083,7 @@ def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None
 
 
 def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: optuna.storages.RDBStorage,
-                    done: set[Shape] | None = None) -> int:
+                    done: set[Shape] | None = None, space: SearchSpace | None = None) -> int:
     """Trials finished so far in the studies of `shapes`, by every process and host (each study counted up
     to `trials`): a search's progress. Shapes in `done` count in full without asking the storage; shapes
     found with all their trials are added to it."""
@@ -1088,7 +1096,7 @@ def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: o
         counted = 0
         for kernel in kernels:
             try:
-                study_id = storage.get_study_id_from_name(study_name(target, shape, kernel))
+                study_id = storage.get_study_id_from_name(study_name(target, shape, kernel, space))
             except KeyError:  # not created yet
                 continue
             counted += min(trials, storage.get_n_trials(study_id, state=FINISHED))

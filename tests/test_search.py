@@ -507,6 +507,20 @@ def test_study_names_survive_template_edits_their_search_never_renders(tmp_path,
             assert study_name(target, gqa, "fwd") != gqa_name, edit
 
 
+def test_a_space_that_gains_an_axis_or_a_value_starts_new_studies():
+    """Trials of a smaller space must not seed a bigger one as if it were the same study (its new axis was
+    never tried): the study's name carries its axes; a space with the same axes keeps the name."""
+    from fatune.search import GPU_SPACE, study_name
+
+    target = Target(torch.device("cpu"), False, "NVIDIA H200", "9.0", 227 * 1024, 132)
+    shape = Shape(4, 32, 4096, 4096, 64, "bfloat16")
+    name = study_name(target, shape, "dq")
+    assert study_name(target, shape, "dq", GPU_SPACE) == name
+    assert study_name(target, shape, "dq", dataclasses.replace(GPU_SPACE, maxnreg=(0,))) != name
+    assert study_name(target, shape, "dq", dataclasses.replace(GPU_SPACE, num_warps=(4, 8))) != name
+    assert study_name(target, shape, "dq", dataclasses.replace(GPU_SPACE, split_d=(1,))) == name  # not a dQ axis
+
+
 def test_shapes_that_share_a_db_key_keep_their_trials_apart():
     """Two shapes of one tuned-DB key (lengths in one bucket, windows of one width bucket at other lengths,
     other padding or documents) are different problems: each gets its own study, so no trial timed on one

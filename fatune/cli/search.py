@@ -196,7 +196,7 @@ def _search(job, target, storage, database, pool) -> list:
         def refresh(force: bool = False) -> None:
             if force or time.monotonic() - refreshed[0] > PROGRESS_S:
                 refreshed[0] = time.monotonic()
-                bar.update(tuner.finished_trials(shapes, target, job.trials, storage, done) - bar.pos)
+                bar.update(tuner.finished_trials(shapes, target, job.trials, storage, done, job.space) - bar.pos)
 
         def on_trial(shape, kernel, best_ms):
             bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
