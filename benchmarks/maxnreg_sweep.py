@@ -6,7 +6,7 @@
 Register use sets how many programs share a multiprocessor where shared memory allows more: compiled for
 sm_90 (`fatune.offline`), the d64 forward holds 182 registers x 256 threads (one program per SM by
 registers, three by shared memory) and fits two at a cap of 128 with 24 bytes spilled; its dQ kernel fits
-two at 128 without spilling. For each shape (bf16, B·L = 16384, H·D = 2048, causal and not) the heuristic
+two at 128 with 0-16 bytes spilled. For each shape (bf16, B·L = 16384, H·D = 2048, causal and not) the heuristic
 config is timed as is and with each cap on one kernel at a time (forward: the forward's time; dK/dV or dQ:
 the whole backward's), every output checked against torch SDPA. Prints a table per shape, writes every
 measurement to OUT.json. A cap becomes a searched value only if it wins clearly here.
@@ -41,7 +41,9 @@ def shapes(lengths: list[int], head_dims: list[int], interpret: bool = False) ->
 
 
 def candidates(base: AttentionConfig, caps: list[int]) -> list[tuple[str, int, AttentionConfig]]:
-    """(kernel, cap, config): the base config (cap 0), then each kernel with each cap, the others as they are."""
+    """(kernel, cap, config): the base config without caps (the heuristic caps d64's dQ: session 9), then each
+    kernel with each cap, the others uncapped."""
+    base = base.replace(**{kernel: dataclasses.replace(getattr(base, kernel), maxnreg=0) for kernel in KERNELS})
     out = [("none", 0, base)]
     for kernel in KERNELS:
         for cap in caps:

@@ -479,11 +479,10 @@ class Plan:
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
             dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, config.dkdv, values)
-            if atomic:
-                launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.rows_grid, self.config.dq, values),
-                            dkdv,
-                            KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, self.config.dq,
-                                         values))
+            if atomic:  # the small kernels around it take dQ's tile and warps (a register cap is dQ's own)
+                rows = dataclasses.replace(self.config.dq, maxnreg=0)
+                launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.rows_grid, rows, values), dkdv,
+                            KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, rows, values))
             else:
                 dq_grid = (triton.cdiv(self.dq_rows, config.dq.block_m), *self.dq_grid[1:])
                 launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", dq_grid, config.dq, values), dkdv)

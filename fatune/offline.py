@@ -86,6 +86,8 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
     launch = getattr(config, _LAUNCH_CONFIG[kernel])
+    if kernel in ("prep", "dq_store"):  # as fatune.launch runs them: dQ's tile and warps, not its register cap
+        launch = dataclasses.replace(launch, maxnreg=0)
     absent = frozenset() if config.dkdv.atomic_dq else frozenset({"DQ_ACC"})
     if config.fwd.num_splits == 1:  # no split-KV: its buffers are not passed
         absent |= {"O_PART", "LSE_PART", "SPLIT_COUNT"}

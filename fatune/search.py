@@ -178,6 +178,7 @@ class SearchSpace:
 GPU_SPACE = SearchSpace()
 # The interpreter runs tiles as numpy arrays: a small space keeps CPU searches short.
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2),
+                                maxnreg=(0,),  # the interpreter compiles nothing: a cap changes nothing there
                                 pack_gqa=(1,), atomic_dq=(0, 1, 2))
 
 

@@ -491,6 +491,21 @@ def test_atomic_dq_launches_no_dq_kernel():
     assert not plan.atomic_dq and plan.config.dkdv.atomic_dq == 0  # Kahan-summed float32 keeps the dQ kernel
 
 
+def test_a_dq_register_cap_stays_with_the_dq_kernel():
+    """A capped dQ config (`/r128`) caps the dQ kernel; with atomic dQ, the small kernels around dK/dV take dQ's
+    tile and warps but not its cap (measured for the dQ kernel only)."""
+    from fatune.launch import Plan
+    from fatune.plans import Call
+
+    q, k, v = _qkv(lq=20, lk=36, seed=19)
+    problem = Call(is_causal=True).check(q, k, v)
+    capped = fatune.LaunchConfig(32, 16, maxnreg=128)
+    for config, expected in ((_atomic_dq().replace(dkdv=fatune.LaunchConfig(16, 32), dq=capped), [128, 0]),
+                             (_atomic_dq().replace(dq=capped), [0, 0, 0])):
+        plan = Plan(problem, config, q.device, q, k, v)
+        assert [launch.options.get("maxnreg", 0) for launch in plan.bwd_launches(torch.empty_like(q))] == expected
+
+
 @pytest.mark.parametrize("kind", [1, 2], ids=["atomics", "tma-reduce"])
 def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkeypatch, poison_outputs, request):
     """Under torch.use_deterministic_algorithms(True) an atomic-dQ config's backward launches the dQ kernel
