@@ -63,6 +63,12 @@ for stage in "$@"; do
       python3 -m fatune.cli bench --lengths 4096 --head-dims 64,128,256 --impls fatune,sdpa-cudnn,sdpa-flash,flex \
         -o "$OUT/grid4k-all" > "$OUT/grid4k-all.log" 2>&1
       head -n 14 "$OUT/grid4k-all/bench.md" ;;
+    grid-full)  # issue 11's whole training-step grid: D 64/128/256, L 1k/4k/16k, causal and not, bf16 then fp16
+      for dtype in bf16 fp16; do
+        python3 -m fatune.cli bench --head-dims 64,128,256 --lengths 1024,4096,16384 --dtypes $dtype \
+          --impls fatune,sdpa-cudnn,sdpa-flash,flex -o "$OUT/grid-full-$dtype" > "$OUT/grid-full-$dtype.log" 2>&1
+        grep -E "geometric" "$OUT/grid-full-$dtype/bench.md"
+      done ;;
     grid-d256)  # issue 11's training-step grid at head dim 256: L = 1k/4k/16k, causal and not, bf16 and fp16 (D256_DTYPES)
       python3 -m fatune.cli bench --lengths 1024,4096,16384 --head-dims 256 --dtypes ${D256_DTYPES:-bf16,fp16} \
         --impls fatune,sdpa-cudnn,sdpa-flash,flex -o "$OUT/grid-d256" > "$OUT/grid-d256.log" 2>&1

@@ -1,6 +1,6 @@
 """Search quality (issue 14): how close `fatune search` gets to the best config of each kernel's whole space.
 
-    python benchmarks/search_quality.py OUT.json --part grid [--shapes 0,1] [--kernels fwd]   # exhaustive, on a GPU
+    python benchmarks/search_quality.py OUT.json --part grid [--shapes 0,1] [--kernels fwd] [--regrid]   # exhaustive
     python benchmarks/search_quality.py OUT.json --part search [--seeds 0,1,2] [--trials 50] [--sampler random]
     python benchmarks/search_quality.py OUT.json --part retime                   # the compared configs, alike
     python benchmarks/search_quality.py OUT.json --part table                    # the markdown table
@@ -13,7 +13,8 @@ whole backward with the other kernel at the heuristic's config):
 - "grid" times every feasible config of the kernel's search space (`fatune.search.GPU_SPACE`, all
   axes, the code-structure switches included) as a search trial is timed: compiled ahead in a
   process pool, poisoned outputs checked against torch, quick timing, then the fastest five timed in
-  full. The full-timed best is the exhaustive best.
+  full. The full-timed best is the exhaustive best. Each grid records the hash of the axes it covered
+  (`fatune.search.axes_digest`); `--regrid` times again the grids of a space that has changed since.
 - "search" runs `fatune.search.search_shape` with `--trials` per kernel for each seed (fresh
   storage), then re-times in full the config that kernel's study held as best after N = 10, 20, 30,
   50 finished trials.
@@ -105,7 +106,8 @@ def exhaustive(bench: Bench, kernel: str, pool: CompilePool) -> dict:
     ranked = sorted((c for c in configs if math.isfinite(quick[c])), key=quick.get)[:FULL_TIMED]
     full = {str(c): bench.time(kernel, c, full=True) for c in ranked}
     best = min(full, key=full.get) if full else None
-    return {"configs": len(configs), "valid": sum(math.isfinite(v) for v in quick.values()),
+    return {"space": search.axes_digest(space, bench.target, bench.shape, kernel),
+            "configs": len(configs), "valid": sum(math.isfinite(v) for v in quick.values()),
             "best": best, "best_ms": full.get(best, math.inf),
             "heuristic": str(getattr(bench.heuristic, kernel)),
             "heuristic_ms": bench.time(kernel, getattr(bench.heuristic, kernel), full=True)}
@@ -236,6 +238,9 @@ def add_options(parser) -> None:
                         help="for --part search: how the trials are drawn (fatune.search.SAMPLERS)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help="for --part grid: the kernels to time "
                         "(the forward's grid is the largest: 330-660 configs on the H200 shapes)")
+    parser.add_argument("--regrid", action="store_true", help="for --part grid: time the kernels' grids again "
+                        "where the stored one covered another space (an axis or a value added since; grids from "
+                        "before session 9 record none: every one is timed again)")
 
 
 def main() -> None:
@@ -255,7 +260,10 @@ def main() -> None:
             bench = Bench(shape, target)
             if args.part == "grid":
                 for kernel in kernels:
-                    if kernel not in entry.setdefault("grid", {}):
+                    stored = entry.setdefault("grid", {}).get(kernel)
+                    space = search.INTERPRETER_SPACE if target.interpret else search.GPU_SPACE
+                    if stored is None or (args.regrid and stored.get("space")
+                                          != search.axes_digest(space, target, shape, kernel)):
                         entry["grid"][kernel] = exhaustive(bench, kernel, pool)
                         print(f"{shape.label()} {kernel}: {entry['grid'][kernel]}", flush=True)
                         resumable.save(args.out, results)

@@ -382,6 +382,13 @@ def default_space(target: Target) -> SearchSpace:
     return INTERPRETER_SPACE if target.interpret else GPU_SPACE
 
 
+def axes_digest(space: SearchSpace, target: Target, shape: Shape, kernel: str) -> str:
+    """A short hash of the axes `space` searches for `kernel` on `shape`: changes whenever an axis or a value
+    joins or leaves them."""
+    axes = space.axes(kernel, shape, target.sms)
+    return hashlib.sha256(repr(sorted(axes.items())).encode()).hexdigest()[:8]
+
+
 def study_name(target: Target, shape: Shape, kernel: str, space: SearchSpace | None = None) -> str:
     """The Optuna study of one kernel of one shape: the installation and kernel spec of the tuned-DB key
     (fatune.db), with the hash of the sources its search can render (launch.search_hash) for the templates'
@@ -391,9 +398,8 @@ def study_name(target: Target, shape: Shape, kernel: str, space: SearchSpace | N
     from fatune import launch
 
     key = key_columns(target.gpu, target.capability, shape_key(shape))
-    axes = (space or default_space(target)).axes(kernel, shape, target.sms)
     templates = launch.search_hash(shape.spec, shape.kv_heads != shape.heads)
-    templates += "-" + hashlib.sha256(repr(sorted(axes.items())).encode()).hexdigest()[:8]
+    templates += "-" + axes_digest(space or default_space(target), target, shape, kernel)
     sizes = [f"w{shape.window}"] if "window" in key["mask_variant"] else []  # a window the call keeps
     sizes += [f"keys{shape.kept_keys}"] if shape.valid_keys < 1.0 else []
     sizes += [f"docs{shape.documents}"] if shape.documents else []

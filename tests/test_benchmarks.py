@@ -58,6 +58,24 @@ def test_search_quality_grid_then_search(tmp_path):
         assert entry["search-random"]["0"][kernel]["10"]["config"] in entry["retime"][kernel]
 
 
+
+def test_search_quality_regrids_a_space_that_changed(tmp_path):
+    """A grid records the axes it covered: --regrid times again only the grids of a space that changed since
+    (here: one whose stored hash differs, as a grid from before an added axis would)."""
+    out = tmp_path / "quality.json"
+    run("search_quality.py", out, "--part", "grid", "--shapes", "0", "--kernels", "fwd,dq")
+    results = json.loads(out.read_text())
+    (entry,) = results.values()
+    fwd, dq = entry["grid"]["fwd"], entry["grid"]["dq"]
+    assert len(fwd["space"]) == 8
+    dq["space"], dq["best_ms"] = "00000000", -1.0  # as if timed over another space
+    out.write_text(json.dumps(results))
+    run("search_quality.py", out, "--part", "grid", "--shapes", "0", "--kernels", "fwd,dq", "--regrid")
+    (entry,) = json.loads(out.read_text()).values()
+    assert entry["grid"]["fwd"] == fwd, "a grid of the current space is kept"
+    assert entry["grid"]["dq"]["best_ms"] > 0 and entry["grid"]["dq"]["space"] != "00000000"
+
+
 def test_tuning_gain_gain(tmp_path):
     out = tmp_path / "gain.json"
     table = run("tuning_gain.py", out, "--part", "gain", "--shapes", "1", "--trials", "3")
