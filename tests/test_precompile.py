@@ -35,7 +35,7 @@ def launched(shape: Shape, kernel: str, inputs: dict[str, torch.Tensor], monkeyp
 
     def record(self, slots, stream):
         args = self.pick(slots) + self.tail
-        calls.append((self.fn, self.grid, self.num_warps, self.num_stages,
+        calls.append((self.fn, self.grid, sorted(self.options.items()),
                       [native_specialize_impl(CUDA, arg, False, True, True) for arg in args]))
 
     monkeypatch.setattr(launch.KernelLaunch, "__call__", record)
