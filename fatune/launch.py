@@ -30,8 +30,7 @@ from fatune import codegen, signature
 from fatune.dispatch import device_arch
 from fatune.heuristics import default_config
 from fatune.inputs import AttentionProblem
-from fatune.spec import (MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, split_d_searched,
-                         with_runnable_atomic_dq, with_runnable_split_d)
+from fatune.spec import MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, runnable_backward, split_d_searched
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
 SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
@@ -218,10 +217,9 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
     only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
     have it and for tensors it can read (dK/dV's: the query's, and with the head-dim split K's and V's), and
-    atomic dQ only where it runs as asked
-    (fatune.spec.atomic_dq_kinds; TMA reductions only on GPUs with TMA), else the next kind down; dK/dV's
-    head-dim split only where its halves fill a tensor-core operand."""
-    config = with_runnable_split_d(with_runnable_atomic_dq(config, problem.spec, tma_available(device)), problem.spec)
+    the backward's structure as it runs (fatune.spec.runnable_backward: atomic dQ of a kind that runs, TMA
+    reductions only on GPUs with TMA; the head-dim split only where its halves fill a tensor-core operand)."""
+    config = runnable_backward(config, problem.spec, tma_available(device))
     fwd = config.fwd
     pack = fwd.pack_gqa if problem.group_size > 1 else 0
     splits = fwd.num_splits
@@ -248,7 +246,7 @@ def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> lis
     fwd = config.fwd
     fwds = {dataclasses.replace(fwd, pack_gqa=fwd.pack_gqa if grouped else 0, num_splits=splits, tma=tma)
             for splits in ((1, 2) if fwd.num_splits == 0 else (fwd.num_splits,)) for tma in {fwd.tma, 0}}
-    dkdvs = {dataclasses.replace(with_runnable_split_d(with_runnable_atomic_dq(config, spec, tma_dq), spec).dkdv, tma=tma)
+    dkdvs = {dataclasses.replace(runnable_backward(config, spec, tma_dq).dkdv, tma=tma)
              for tma_dq in (True, False) for tma in {config.dkdv.tma, 0}}
     return [config.replace(fwd=f, dkdv=d) for f in sorted(fwds, key=str) for d in sorted(dkdvs, key=str)]
 

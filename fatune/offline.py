@@ -20,12 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fatune import codegen, signature
-from fatune.spec import (
-    AttentionConfig,
-    KernelSpec,
-    with_runnable_atomic_dq,
-    with_runnable_split_d,
-)
+from fatune.spec import AttentionConfig, KernelSpec, runnable_backward
 
 _KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq"),
                      "prep": ("bwd", "attn_bwd_prep"), "dq_store": ("bwd", "attn_bwd_dq_store")}
@@ -82,7 +77,7 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_kernel needs compiled (not interpreted) kernels: unset TRITON_INTERPRET")
     # as fatune.launch.resolve does
-    config = with_runnable_split_d(with_runnable_atomic_dq(config, spec, tma=arch >= (9, 0)), spec)
+    config = runnable_backward(config, spec, tma=arch >= (9, 0))
     module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
     launch = getattr(config, _LAUNCH_CONFIG[kernel])

@@ -80,9 +80,8 @@ from fatune.spec import (
     LaunchConfig,
     atomic_dq_kinds,
     lanes,
+    runnable_backward,
     split_d_searched,
-    with_runnable_atomic_dq,
-    with_runnable_split_d,
 )
 from fatune.storage import Heartbeat, open_storage, storage_lock
 
@@ -489,7 +488,7 @@ def heuristic_params(heuristic: AttentionConfig, kernel: str, spec: KernelSpec, 
     """The heuristic's trial of `kernel` (its values on `axes`), as it runs for `spec`: an atomic-dQ kind the
     head dim cannot take runs as the next one down, which is what the space offers (TMA reductions exist
     wherever a heuristic asks for them: Hopper)."""
-    runs_as = with_runnable_split_d(with_runnable_atomic_dq(heuristic, spec, tma=True), spec)
+    runs_as = runnable_backward(heuristic, spec, tma=True)
     return {axis: value for axis, value in dataclasses.asdict(getattr(runs_as, kernel)).items() if axis in axes}
 
 

@@ -356,6 +356,12 @@ def with_runnable_split_d(config: AttentionConfig, spec: KernelSpec) -> Attentio
     return config.replace(dkdv=dataclasses.replace(config.dkdv, split_d=1))
 
 
+def runnable_backward(config: AttentionConfig, spec: KernelSpec, tma: bool) -> AttentionConfig:
+    """`config`'s backward structure as a launch for `spec` runs it: atomic dQ lowered to a kind that runs
+    (TMA reductions only when `tma`), the head-dim split dropped where its halves are too narrow."""
+    return with_runnable_split_d(with_runnable_atomic_dq(config, spec, tma), spec)
+
+
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
     """The structure fields `config` sets that do not belong to `kernel` (sorted)."""
     return sorted(name for name in config.structure if kernel not in STRUCTURE_OWNER[name])
