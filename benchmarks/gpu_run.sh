@@ -211,8 +211,8 @@ GRID
       python3 benchmarks/search_quality.py "$OUT/search-quality.json" ${SQ_ARGS:---part grid} \
         > "$OUT/search-quality.log" 2>&1
       tail -n 20 "$OUT/search-quality.log" ;;
-    tuning-gain)  # issue 14: tuned vs heuristic on odd shapes, nearest-bucket loss; resumable (TG_ARGS: --part
-      # gain|nearest [--shapes 0,1] [--trials 30]; TG_FROM: an earlier run's JSON to extend)
+    tuning-gain)  # issue 14: tuned vs heuristic on odd shapes, nearest-bucket loss, tied buckets; resumable (TG_ARGS:
+      # --part gain|nearest|tie [--shapes 0,1] [--trials 30]; TG_FROM: an earlier run's JSON to extend)
       [ -n "${TG_FROM:-}" ] && cp "$TG_FROM" "$OUT/tuning-gain.json"
       python3 benchmarks/tuning_gain.py "$OUT/tuning-gain.json" ${TG_ARGS:---part gain} > "$OUT/tuning-gain.log" 2>&1
       tail -n 20 "$OUT/tuning-gain.log" ;;

@@ -166,10 +166,12 @@ def retimed(bench: Bench, entry: dict, kernel: str) -> dict[str, list[float]]:
 
 
 def timings(entry: dict, kernel: str) -> tuple[Callable[[str, float], float], str]:
-    """ms of a compared config (its retimed median when retimed, else the given first timing) and which."""
+    """ms of a compared config and which timings they are: retimed medians when every compared config was
+    retimed (alike), else every config's first timing (a grid timed again since, or a new search's picks, would
+    otherwise be set against medians of other rounds)."""
     retime = entry.get("retime", {}).get(kernel)
-    if retime:
-        return lambda name, first: statistics.median(retime[name]) if name in retime else first, "retimed"
+    if retime and set(compared_configs(entry, kernel)) <= set(retime):
+        return lambda name, first: statistics.median(retime[name]), "retimed"
     return lambda name, first: first, "first timing"
 
 

@@ -3,6 +3,7 @@ the loss of a nearest-bucket entry against a search at the exact shape.
 
     python benchmarks/tuning_gain.py OUT.json --part gain [--shapes 0,1] [--trials 30]     # on a GPU
     python benchmarks/tuning_gain.py OUT.json --part nearest [--trials 30]
+    python benchmarks/tuning_gain.py OUT.json --part tie [--db tuned_db/nvidia-h200.sqlite]
     python benchmarks/tuning_gain.py OUT.json --part table
     TRITON_INTERPRET=1 python benchmarks/tuning_gain.py OUT.json --part gain --interpret   # CPU smoke run
 
@@ -13,6 +14,9 @@ the loss of a nearest-bucket entry against a search at the exact shape.
   representative length for L = 3000 and 6000; the nearer entry of the shipped H200 DB's grid for L =
   4096 and 16384) and at its own length; both winners are timed at the shape's own length, alternately
   (once when they are the same config): loss = 1 - exact ms / representative ms (goal <= 5%).
+- "tie": a length exactly between two grid lengths of a tuned DB (L = 1024 between 512 and 2048, 4096
+  between 2048 and 8192) is as near the entry below as the one above; both entries' configs and the
+  heuristic's are timed at the shape's own length, alternately: which side a tie should go to.
 
 Training steps are timed with `fatune.measure.time_training_step` (forward + backward through
 autograd, do_bench medians). Results accumulate in OUT.json, so runs can be split over GPU commands.
@@ -28,6 +32,8 @@ import torch
 
 import fatune
 from fatune import search
+from fatune.db import TunedDB, bucket_distance, is_decode, is_stale, shape_key
+from fatune.dispatch import device_identity
 from fatune.heuristics import default_config
 from fatune.measure import Shape, make_inputs, time_training_step
 from fatune.precompile import CompilePool
@@ -53,6 +59,9 @@ NEAREST_SHAPES = [  # (the shape, the length of the entry that serves it)
 ROUNDS = 3  # two configs timed alternately this many times each (medians): same-config timings drift by a few %
 INTERPRETER_GAIN = [Shape(1, 2, 40, 40, 24, "float16", causal=True), Shape(1, 4, 24, 56, 16, "float16", kv_heads=2)]
 INTERPRETER_NEAREST = [(Shape(1, 2, 40, 40, 16, "float16", causal=True), 64)]
+TIE_SHAPES = [Shape(16384 // length, 2048 // d, length, length, d, "bfloat16", causal=causal)
+              for length in (1024, 4096) for d in (64, 128) for causal in (False, True)]
+INTERPRETER_TIE = [Shape(1, 2, 64, 64, 16, "float16")]
 
 
 def searched_config(shape: Shape, target: search.Target, trials: int, pool: CompilePool) -> AttentionConfig:
@@ -104,6 +113,31 @@ def heuristic_of(shape: Shape, target: search.Target) -> AttentionConfig:
     return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability())
 
 
+def tie_entries(shape: Shape, db_path: str, target: search.Target) -> dict[int, AttentionConfig]:
+    """The configs of the DB's usable entries for `shape` at the least bucket distance, by their L_q bucket."""
+    gpu, capability = device_identity(target.device)
+    key = shape_key(shape)
+    filters = {"gpu": gpu, "capability": capability, **dataclasses.asdict(key)}
+    del filters["seqlen_q_bucket"], filters["seqlen_k_bucket"]
+    with TunedDB(db_path, readonly=True) as db:
+        usable = [e for e in db.entries(**filters) if not is_stale(e) and not is_decode(e.seqlen_q_bucket)]
+    if not usable:
+        return {}
+    least = min(bucket_distance(e, key) for e in usable)
+    return {e.seqlen_q_bucket: e.attention_config() for e in usable if bucket_distance(e, key) == least}
+
+
+def tie_row(shape: Shape, db_path: str, target: search.Target) -> dict:
+    """Training-step ms of the tied entries' configs and the heuristic's at `shape`, alternately (medians)."""
+    configs = {f"L={bucket} entry": config for bucket, config in sorted(tie_entries(shape, db_path, target).items())}
+    configs["heuristic"] = heuristic_of(shape, target)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(1 if target.interpret else ROUNDS):
+        for name, config in configs.items():
+            times[name].append(step_ms(shape, config, target))
+    return {name: {"config": short(config), "ms": statistics.median(times[name])} for name, config in configs.items()}
+
+
 def table(results: dict) -> str:
     lines = [("| part | shape | heuristic / other config | ms (heuristic or representative) | ms (tuned or exact) "
               "| tuned gain or nearest-bucket loss |"), "|---|---|---|---|---|---|"]
@@ -113,25 +147,36 @@ def table(results: dict) -> str:
     for label, row in results.get("nearest", {}).items():
         lines.append(f"| nearest | {label} | {row['representative']} | {row['representative_ms']:.3f} | "
                      f"{row['exact_ms']:.3f} ({row['exact']}) | {100 * (1 - row['exact_ms'] / row['representative_ms']):.1f}% |")
+    if results.get("tie"):
+        lines += ["", "| tie | shape | config | training step ms | vs fastest |", "|---|---|---|---|---|"]
+        for label, row in results["tie"].items():
+            fastest = min(timed["ms"] for timed in row.values())
+            for name, timed in row.items():
+                lines.append(f"| tie | {label} | {name}: {timed['config']} | {timed['ms']:.3f} | "
+                             f"{timed['ms'] / fastest:.3f}x |")
     return "\n".join(lines)
 
 
 def main() -> None:
-    args = resumable.arguments(__doc__, ("gain", "nearest"), trials=30)
+    args = resumable.arguments(__doc__, ("gain", "nearest", "tie"), trials=30, extra=lambda parser: parser.add_argument(
+        "--db", default="tuned_db/nvidia-h200.sqlite", help="the tuned DB whose tied entries --part tie times"))
     results = resumable.load(args.out)
     if args.part == "table":
         print(table(results))
         return
     target = search.Target.detect(args.interpret)
     cases = {"gain": INTERPRETER_GAIN if args.interpret else GAIN_SHAPES,
-             "nearest": INTERPRETER_NEAREST if args.interpret else NEAREST_SHAPES}[args.part]
+             "nearest": INTERPRETER_NEAREST if args.interpret else NEAREST_SHAPES,
+             "tie": INTERPRETER_TIE if args.interpret else TIE_SHAPES}[args.part]
     done = results.setdefault(args.part, {})
     with resumable.compile_pool(args, target) as pool:
         for case in resumable.pick(cases, args.shapes):
             shape, length = case if args.part == "nearest" else (case, 0)
             if shape.label() in done:
                 continue
-            if args.part == "gain":
+            if args.part == "tie":
+                row = tie_row(shape, args.db, target)
+            elif args.part == "gain":
                 tuned, heuristic = searched_config(shape, target, args.trials, pool), heuristic_of(shape, target)
                 heuristic_ms, tuned_ms = side_by_side(shape, heuristic, tuned, target)
                 row = {"tuned": short(tuned), "tuned_ms": tuned_ms, "heuristic": short(heuristic),

@@ -76,6 +76,22 @@ def test_search_quality_regrids_a_space_that_changed(tmp_path):
     assert entry["grid"]["dq"]["best_ms"] > 0 and entry["grid"]["dq"]["space"] != "00000000"
 
 
+def test_search_quality_table_mixes_no_timing_rounds(tmp_path):
+    """A retime that misses a compared config (the grid timed again since) is not used: all first timings."""
+    out = tmp_path / "quality.json"
+    grid = {"configs": 2, "valid": 2, "best": "16x16/w4/s1", "best_ms": 1.0, "heuristic": "32x16/w4/s1",
+            "heuristic_ms": 2.0}
+    entry = {"grid": {"fwd": grid}, "search": {"0": {"fwd": {"10": {"config": "32x16/w4/s1", "ms": 2.0}}}},
+             "retime": {"fwd": {"32x16/w4/s1": [0.5, 0.5, 0.5], "16x32/w4/s1": [0.4, 0.4, 0.4]}}}
+    out.write_text(json.dumps({"float16 b1 h2 lq40 lk40 d16": entry}))
+    row = next(line for line in run("search_quality.py", out, "--part", "table").splitlines() if "| fwd |" in line)
+    assert row.endswith("| 1.000 (16x16/w4/s1) | 0.500 | 0.500 | – | – | – | first timing |"), row
+    entry["retime"]["fwd"]["16x16/w4/s1"] = [1.0, 1.0, 1.0]
+    out.write_text(json.dumps({"float16 b1 h2 lq40 lk40 d16": entry}))
+    row = next(line for line in run("search_quality.py", out, "--part", "table").splitlines() if "| fwd |" in line)
+    assert row.endswith("| 0.500 (32x16/w4/s1) | 1.000 | 1.000 | – | – | – | retimed |"), row
+
+
 def test_tuning_gain_gain(tmp_path):
     out = tmp_path / "gain.json"
     table = run("tuning_gain.py", out, "--part", "gain", "--shapes", "1", "--trials", "3")
@@ -92,6 +108,36 @@ def test_tuning_gain_nearest(tmp_path):
     if row["exact"] == row["representative"]:  # one timing for both: the loss is exactly 0
         assert row["exact_ms"] == row["representative_ms"]
     assert f"| nearest | {label} |" in table
+
+
+def test_tuning_gain_tie_times_both_tied_entries_and_the_heuristic(tmp_path):
+    """L = 64 is one octave from a DB's L = 32 entry and from its L = 128 entry: both and the heuristic are timed."""
+    from dataclasses import replace
+
+    import triton
+
+    from fatune import codegen
+    from fatune.db import Entry, TunedDB
+
+    base = Entry(gpu="triton-interpreter", capability="cpu", triton_version=triton.__version__, torch_version="2.13.0",
+                 template_hash=codegen.template_hash(), dtype="float16", head_dim=16, head_dim_v=16, mask_variant="none",
+                 group_size=1, seqlen_q_bucket=32, seqlen_k_bucket=32,
+                 fwd_config={"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},
+                 bwd_config={"dkdv": {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},
+                             "dq": {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}},
+                 fwd_ms=1.0, bwd_ms=2.0, fwd_bwd_ms=3.0, tflops=1.0, trials=3)
+    upper = replace(base, seqlen_q_bucket=128, seqlen_k_bucket=128, fwd_config={**base.fwd_config, "block_n": 32})
+    far = replace(base, seqlen_q_bucket=512, seqlen_k_bucket=512)
+    db_path = tmp_path / "tuned.sqlite"
+    with TunedDB(db_path) as db:
+        for entry in (base, upper, far):
+            db.upsert(replace(entry, template_hash=entry.check().kernel_hash()))
+    out = tmp_path / "tie.json"
+    table = run("tuning_gain.py", out, "--part", "tie", "--db", str(db_path))
+    ((label, row),) = json.loads(out.read_text())["tie"].items()
+    assert set(row) == {"L=32 entry", "L=128 entry", "heuristic"}, "the two nearest entries, not the far one"
+    assert row["L=128 entry"]["config"].startswith("fwd 16x32/") and all(timed["ms"] > 0 for timed in row.values())
+    assert table.count(f"| tie | {label} |") == 3 and table.count("| 1.000x |") >= 1
 
 
 def test_dkdv_split_probe_computes_the_gradients_split_or_not(tmp_path):
