@@ -140,6 +140,18 @@ def test_tuning_gain_tie_times_both_tied_entries_and_the_heuristic(tmp_path):
     assert table.count(f"| tie | {label} |") == 3 and table.count("| 1.000x |") >= 1
 
 
+def test_stream_probe_times_every_schedule_and_its_delta_pass_is_right(tmp_path):
+    """The concurrent-dQ probe (issue 11) runs its schedules (sequential in the interpreter) and its Delta pass
+    matches rowsum(dO * O)."""
+    out = tmp_path / "stream.json"
+    table = run("stream_probe.py", out)
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and table.count("| float16 b1 h2 lq48 lk48 d16") == 2
+    for row in rows.values():
+        assert row["delta_error"] < 1e-3
+        assert all(row[name] > 0 for name in ("sequential", "dq", "dkdv", "delta", "concurrent", "gain"))
+
+
 def test_dkdv_split_probe_computes_the_gradients_split_or_not(tmp_path):
     """The d256 head-dim split probe (issue 11): every program owns a part of dK and dV and still matches
     torch's gradients, in the interpreter's float16."""

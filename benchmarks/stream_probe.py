@@ -1,0 +1,161 @@
+"""Probe (issue 11): would the backward gain from running its dQ kernel beside the dK/dV kernel?
+
+    python benchmarks/stream_probe.py OUT.json [--lengths 1024,4096,16384] [--head-dims 64,128,256]
+    TRITON_INTERPRET=1 python benchmarks/stream_probe.py OUT.json --interpret     # CPU smoke run
+
+fatune's backward launches the dQ kernel (which also writes Delta = rowsum(dO * O)) and then the dK/dV
+kernel (which reads Delta), one after the other: each kernel's last wave leaves multiprocessors idle.
+FlexAttention's backward is one launch whose programs do either job, and on the d128 shapes it takes
+1.07-1.20x less time than fatune's two kernels (BENCHMARKS.md, sessions 5 and 10). Run concurrently, the two
+kernels would fill each other's tails, but dK/dV would then need Delta from a pass of its own.
+
+Per shape (B·L = 16384, H·D = 2048, bf16, causal and not; the heuristic's tiles with a separate dQ kernel),
+do_bench medians, L2 flushed, of:
+- "sequential": dQ then dK/dV on one stream (what a training step runs today);
+- "dq" and "dkdv": each kernel alone;
+- "delta": a Delta-only pass (a small Triton kernel here: rowsum(dO * O) into float32);
+- "concurrent": dQ on a second stream beside dK/dV on the first (forked and joined with events), launched
+  dQ first or dK/dV first ("concurrent-dkdv-first"). Timing only: the dK/dV kernel here reads the Delta
+  that the dQ kernel is writing (the same values a Delta pass would have written before).
+gain = sequential / (delta + the faster concurrent order): above 1, the structure is worth building.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from fatune.heuristics import default_config
+from fatune.launch import current_stream
+from fatune.measure import KernelRunner, Shape, bench, make_inputs
+
+
+@triton.jit
+def delta_rows(O, DO, DELTA, rows, HEAD_DIM_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """DELTA[r] = sum over the head dim of O[r] * dO[r], for BLOCK_ROWS rows of two (rows, HEAD_DIM_V) views."""
+    offs_r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_r[:, None] < rows) & (offs_d[None, :] < HEAD_DIM_V)
+    o = tl.load(O + offs_r[:, None] * HEAD_DIM_V + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs_r[:, None] * HEAD_DIM_V + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + offs_r, tl.sum(o * do, axis=1), mask=offs_r < rows)
+
+
+def shapes(lengths: list[int], head_dims: list[int], dtype: str) -> list[Shape]:
+    return [Shape(max(1, 16384 // length), 2048 // d, length, length, d, dtype, causal=causal)
+            for d in head_dims for length in lengths for causal in (False, True)]
+
+
+class Probe:
+    """The backward's launches of one shape with the heuristic's tiles and a separate dQ kernel."""
+
+    def __init__(self, shape: Shape, device: str):
+        base = default_config(shape.spec, None if device == "cpu" else torch.cuda.get_device_capability())
+        self.config = base.replace(dkdv=dataclasses.replace(base.dkdv, atomic_dq=0))
+        self.inputs = make_inputs(shape, device)
+        self.runner = KernelRunner(shape, self.config, self.inputs)
+        self.runner.prepare()
+        self.dq, self.dkdv = self.runner.plan.bwd_launches(self.runner.args.grad_out, atomic=False)
+        out, grad_out = self.runner.args.out, self.runner.args.grad_out
+        width = shape.head_dim_v
+        self.out, self.grad_out = out.reshape(-1, width), grad_out.contiguous().reshape(-1, width)
+        self.delta = torch.empty(self.out.shape[0], dtype=torch.float32, device=device)
+        self.cuda = device != "cpu"
+        if self.cuda:
+            self.side = torch.cuda.Stream()
+            self.forked, self.joined = torch.cuda.Event(), torch.cuda.Event()
+
+    def launch(self, kernel, stream) -> None:
+        kernel(self.runner.slots, stream)
+
+    def sequential(self) -> None:
+        stream = current_stream(self.runner.plan.device)
+        self.launch(self.dq, stream)
+        self.launch(self.dkdv, stream)
+
+    def alone(self, kernel) -> None:
+        self.launch(kernel, current_stream(self.runner.plan.device))
+
+    def delta_pass(self) -> None:
+        rows, width = self.out.shape
+        block = 64
+        delta_rows[(triton.cdiv(rows, block),)](self.out, self.grad_out, self.delta, rows, HEAD_DIM_V=width,
+                                                 BLOCK_ROWS=block, BLOCK_DV=triton.next_power_of_2(width))
+
+    def concurrent(self, dkdv_first: bool) -> None:
+        """dQ on the side stream beside dK/dV on the current one (sequential in the interpreter)."""
+        if not self.cuda:
+            return self.sequential()
+        main = torch.cuda.current_stream()
+        self.forked.record(main)
+        self.side.wait_event(self.forked)
+        main_handle, side_handle = main.cuda_stream, self.side.cuda_stream
+        if dkdv_first:
+            self.launch(self.dkdv, main_handle)
+        with torch.cuda.stream(self.side):
+            self.launch(self.dq, side_handle)
+        if not dkdv_first:
+            self.launch(self.dkdv, main_handle)
+        self.joined.record(self.side)
+        main.wait_event(self.joined)
+        return None
+
+
+def timed(fn, interpret: bool) -> float:
+    """do_bench median ms (one wall-clock run in the interpreter)."""
+    if interpret:
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+    fn()
+    torch.cuda.synchronize()
+    return bench(fn)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--interpret", action="store_true", help="a tiny float16 shape in Triton's interpreter")
+    args = parser.parse_args()
+    interpret = args.interpret or os.environ.get("TRITON_INTERPRET") == "1"
+    device = "cpu" if interpret else "cuda"
+    cases = ([Shape(1, 2, 48, 48, 16, "float16", causal=causal) for causal in (False, True)] if interpret else
+             shapes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.head_dims.split(",")], args.dtype))
+    results = {}
+    for shape in cases:
+        probe = Probe(shape, device)
+        row = {"config": str(probe.config),
+               "sequential": timed(probe.sequential, interpret),
+               "dq": timed(lambda p=probe: p.alone(p.dq), interpret),
+               "dkdv": timed(lambda p=probe: p.alone(p.dkdv), interpret),
+               "delta": timed(probe.delta_pass, interpret),
+               "concurrent": timed(lambda p=probe: p.concurrent(False), interpret),
+               "concurrent-dkdv-first": timed(lambda p=probe: p.concurrent(True), interpret)}
+        if interpret:  # the Delta pass against torch (the GPU run trusts the same kernel)
+            expected = (probe.out.float() * probe.grad_out.float()).sum(-1)
+            row["delta_error"] = float((probe.delta - expected).abs().max())
+        row["gain"] = row["sequential"] / (row["delta"] + min(row["concurrent"], row["concurrent-dkdv-first"]))
+        results[shape.label()] = row
+        print(f"{shape.label()}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in row.items()), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print("| shape | sequential ms | dQ + dK/dV alone | Delta pass | concurrent (dQ first / dK/dV first) | gain |")
+    print("|---|---|---|---|---|---|")
+    for label, row in results.items():
+        print(f"| {label} | {row['sequential']:.3f} | {row['dq']:.3f} + {row['dkdv']:.3f} | {row['delta']:.3f} | "
+              f"{row['concurrent']:.3f} / {row['concurrent-dkdv-first']:.3f} | {row['gain']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
