@@ -74,8 +74,8 @@ for stage in "$@"; do
         --impls fatune,sdpa-cudnn,sdpa-flash,flex -o "$OUT/grid-d256" > "$OUT/grid-d256.log" 2>&1
       head -n 16 "$OUT/grid-d256/bench.md" ;;
     stream-probe)  # issue 11: the backward's dQ kernel beside its dK/dV kernel on a second stream (timing probe)
-      python3 benchmarks/stream_probe.py "$OUT/stream-probe.json" ${STREAM_ARGS:-} > "$OUT/stream-probe.log" 2>&1
-      tail -n 22 "$OUT/stream-probe.log" ;;
+      python3 benchmarks/stream_probe.py "$OUT/stream-probe.json" ${STREAM_ARGS:---masked} > "$OUT/stream-probe.log" 2>&1
+      tail -n 26 "$OUT/stream-probe.log" ;;
     split-accuracy)  # dK/dV's head-dim split and every head-dim case against the accuracy rule
       FATUNE_GPU_REPORT="$OUT/gpu_report-split.json" python3 -m pytest tests/test_variants.py \
         -k "gpu_split_d or gpu_variant" -m gpu -n 8 -q -p no:cacheprovider > "$OUT/split-accuracy.log" 2>&1

@@ -1,6 +1,6 @@
 """Probe (issue 11): would the backward gain from running its dQ kernel beside the dK/dV kernel?
 
-    python benchmarks/stream_probe.py OUT.json [--lengths 1024,4096,16384] [--head-dims 64,128,256]
+    python benchmarks/stream_probe.py OUT.json [--lengths 1024,4096,16384] [--head-dims 64,128,256] [--masked]
     TRITON_INTERPRET=1 python benchmarks/stream_probe.py OUT.json --interpret     # CPU smoke run
 
 fatune's backward launches the dQ kernel (which also writes Delta = rowsum(dO * O)) and then the dK/dV
@@ -18,6 +18,8 @@ do_bench medians, L2 flushed, of:
   dQ first or dK/dV first ("concurrent-dkdv-first"). Timing only: the dK/dV kernel here reads the Delta
   that the dQ kernel is writing (the same values a Delta pass would have written before).
 gain = sequential / (delta + the faster concurrent order): above 1, the structure is worth building.
+--masked adds issue 12's cases (d128, L = 8192, H = 16, B = 2: causal window of 1024 keys, GQA 8:1 causal,
+key padding to half the keys, two packed causal documents), where the two kernels also trail Flex's one.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def delta_rows(O, DO, DELTA, rows, HEAD_DIM_V: tl.constexpr, BLOCK_ROWS: tl.cons
 def shapes(lengths: list[int], head_dims: list[int], dtype: str) -> list[Shape]:
     return [Shape(max(1, 16384 // length), 2048 // d, length, length, d, dtype, causal=causal)
             for d in head_dims for length in lengths for causal in (False, True)]
+
+
+def masked_shapes(dtype: str) -> list[Shape]:
+    base = Shape(2, 16, 8192, 8192, 128, dtype, causal=True)
+    return [dataclasses.replace(base, window=1024), dataclasses.replace(base, kv_heads=2),
+            dataclasses.replace(base, causal=False, valid_keys=0.5), dataclasses.replace(base, documents=2)]
 
 
 class Probe:
@@ -125,12 +133,16 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--masked", action="store_true", help="also issue 12's masked, GQA and packed cases")
     parser.add_argument("--interpret", action="store_true", help="a tiny float16 shape in Triton's interpreter")
     args = parser.parse_args()
     interpret = args.interpret or os.environ.get("TRITON_INTERPRET") == "1"
     device = "cpu" if interpret else "cuda"
     cases = ([Shape(1, 2, 48, 48, 16, "float16", causal=causal) for causal in (False, True)] if interpret else
-             shapes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.head_dims.split(",")], args.dtype))
+             shapes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.head_dims.split(",")], args.dtype)
+             + (masked_shapes(args.dtype) if args.masked else []))
+    if interpret and args.masked:
+        cases.append(Shape(1, 4, 48, 48, 16, "float16", causal=True, kv_heads=2, window=20))
     results = {}
     for shape in cases:
         probe = Probe(shape, device)

@@ -141,12 +141,12 @@ def test_tuning_gain_tie_times_both_tied_entries_and_the_heuristic(tmp_path):
 
 
 def test_stream_probe_times_every_schedule_and_its_delta_pass_is_right(tmp_path):
-    """The concurrent-dQ probe (issue 11) runs its schedules (sequential in the interpreter) and its Delta pass
-    matches rowsum(dO * O)."""
+    """The concurrent-dQ probe (issues 11, 12) runs its schedules (sequential in the interpreter) and its Delta
+    pass matches rowsum(dO * O), GQA and a window included."""
     out = tmp_path / "stream.json"
-    table = run("stream_probe.py", out)
+    table = run("stream_probe.py", out, "--masked")
     rows = json.loads(out.read_text())
-    assert len(rows) == 2 and table.count("| float16 b1 h2 lq48 lk48 d16") == 2
+    assert len(rows) == 3 and table.count("| float16 b1 h2 lq48 lk48 d16") == 2 and "window20 |" in table
     for row in rows.values():
         assert row["delta_error"] < 1e-3
         assert all(row[name] > 0 for name in ("sequential", "dq", "dkdv", "delta", "concurrent", "gain"))
