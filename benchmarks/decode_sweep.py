@@ -20,7 +20,8 @@ import fatune
 from fatune.bench import INFERENCE_SHAPES
 from fatune.dispatch import device_arch
 from fatune.heuristics import default_config
-from fatune.launch import choose_splits, sm_count
+from fatune.dispatch import sm_count
+from fatune.launch import choose_splits
 from fatune.measure import bench, kernel_times
 from fatune.spec import DTYPES, MAX_SPLITS, KernelSpec, LaunchConfig
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fatune.launch import sm_count
+from fatune.dispatch import sm_count
 
 LOG2E = 1.4426950408889634
 

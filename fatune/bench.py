@@ -62,13 +62,15 @@ class BenchRow:
 def _fatune_config(name: str, shape: Shape, device: torch.device):
     """The config an implementation named in FATUNE_IMPLS forces on `device` (None: dispatched)."""
     from fatune.db import is_decode, seqlen_bucket
-    from fatune.dispatch import device_arch
-    from fatune.heuristics import default_config
+    from fatune.dispatch import device_arch, sm_count
+    from fatune.heuristics import decode_programs, default_config
 
     if name not in ("fatune-heuristic", "fatune-plain"):
         return None
     decode = is_decode(seqlen_bucket(shape.seqlen_q))
-    config = default_config(shape.spec, device_arch(device), decode)
+    fills = decode and decode_programs(shape.batch, shape.kv_heads, shape.heads // shape.kv_heads,
+                                       shape.seqlen_q) >= sm_count(device)
+    config = default_config(shape.spec, device_arch(device), decode, fills)
     if name == "fatune-plain":
         config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
     return config

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, is_decode, label, problem_key
-from fatune.heuristics import Arch, default_config
+from fatune.heuristics import Arch, decode_programs, default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import AttentionConfig
 
@@ -55,6 +55,19 @@ class Decision:
         lines.append(f"config: {self.config}")
         lines += [f"skipped: {line}" for line in self.skipped]
         return "\n".join(lines)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (4 for the interpreter, so that CPU tests can split)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_fills_gpu(problem: AttentionProblem, device: torch.device) -> bool:
+    """Whether a decode call's query tiles alone fill `device`'s multiprocessors (no key split runs)."""
+    return decode_programs(problem.batch, problem.kv_heads, problem.group_size, problem.max_seqlen_q) >= sm_count(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,13 +116,16 @@ class Dispatcher:
             if not isinstance(config, AttentionConfig):
                 raise TypeError(f"config: expected a fatune.AttentionConfig or None, got {type(config).__name__}")
             return Decision(config, "argument", "config passed to fatune.attention")
-        key = (device, problem_key(problem))
+        call = problem_key(problem)
+        # the decode heuristic depends on whether the call's tiles fill the GPU, which its key does not say
+        fills = is_decode(call.seqlen_q_bucket) and decode_fills_gpu(problem, device)
+        key = (device, call, fills)
         found = self._memo.get(key)
         if found is None:
             with self._lock:
                 found = self._memo.get(key)
                 if found is None:
-                    found = self._lookup(problem, *device_identity(device), device_arch(device))
+                    found = self._lookup(problem, *device_identity(device), device_arch(device), fills)
                     self._memo[key] = found
         decision, trouble = found
         if strict and (decision.layer == "heuristic" or trouble):
@@ -119,12 +135,14 @@ class Dispatcher:
                                 f"run `fatune search` for this shape or fix the DB\n{decision.describe()}")
         return decision
 
-    def lookup(self, problem: AttentionProblem, gpu: str, capability: str, arch: Arch | None) -> Decision:
-        """The decision for `problem` on the GPU named `gpu` (no memo; `decide` memoises)."""
-        return self._lookup(problem, gpu, capability, arch)[0]
+    def lookup(self, problem: AttentionProblem, gpu: str, capability: str, arch: Arch | None,
+               fills_gpu: bool = False) -> Decision:
+        """The decision for `problem` on the GPU named `gpu` (no memo; `decide` memoises); `fills_gpu`: for
+        the decode heuristic, whether the call's tiles fill that GPU (decode_fills_gpu)."""
+        return self._lookup(problem, gpu, capability, arch, fills_gpu)[0]
 
-    def _lookup(self, problem: AttentionProblem, gpu: str, capability: str,
-                arch: Arch | None) -> tuple[Decision, str | None]:
+    def _lookup(self, problem: AttentionProblem, gpu: str, capability: str, arch: Arch | None,
+                fills_gpu: bool = False) -> tuple[Decision, str | None]:
         """The decision, and the first DB problem met on the way (None if there was none)."""
         skipped: list[str] = []
 
@@ -146,7 +164,7 @@ class Dispatcher:
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
                                      tuple(skipped)), skipped[0] if skipped else None)
         decode = is_decode(key.seqlen_q_bucket)
-        return (Decision(default_config(problem.spec, arch, decode), "heuristic",
+        return (Decision(default_config(problem.spec, arch, decode, fills_gpu), "heuristic",
                          f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped)),
                 skipped[0] if skipped else None)
 

@@ -91,15 +91,29 @@ def with_forward_structure(config: AttentionConfig) -> AttentionConfig:
     return config.replace(fwd=dataclasses.replace(config.fwd, num_splits=0, pack_gqa=1))
 
 
-def _decode_forward(block_d: int) -> LaunchConfig:
-    """Few queries against a long cache: a 16-row tile (packed GQA rows fill it) and long key
-    tiles streamed deep, split across the GPU (benchmarks/decode_sweep.py on an H200)."""
-    return LaunchConfig(16, 64, num_warps=4, num_stages=4 if block_d <= 128 else 2)
+DECODE_BLOCK_M = 16  # the decode forward's query tile
 
 
-def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False) -> AttentionConfig:
+def decode_programs(batch: int, kv_heads: int, group: int, seqlen_q: int) -> int:
+    """Programs of the decode forward before any key split: one per DECODE_BLOCK_M rows of each K/V head's
+    query rows (a GQA group's heads packed)."""
+    return -(-seqlen_q * group // DECODE_BLOCK_M) * kv_heads * batch
+
+
+def _decode_forward(block_d: int, fills_gpu: bool) -> LaunchConfig:
+    """Few queries against a long cache: a 16-row tile (packed GQA rows fill it) and long key tiles,
+    streamed 4 stages deep by one program per multiprocessor when the keys are split across the GPU,
+    2 deep when the tiles alone fill it and several programs share a multiprocessor (B=64, L_k=2048 on
+    an H200: 133-137 us with 2 stages, 138-139 with 4; 2 loses where the keys are split;
+    benchmarks/decode_sweep.py, session 6)."""
+    return LaunchConfig(DECODE_BLOCK_M, 64, num_warps=4, num_stages=4 if block_d <= 128 and not fills_gpu else 2)
+
+
+def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
+                   fills_gpu: bool = False) -> AttentionConfig:
     """Heuristic config for `spec` on a GPU of compute capability `arch` (None: interpreter);
-    `decode`: the call has at most DECODE_QUERIES queries per sequence."""
+    `decode`: the call has at most DECODE_QUERIES queries per sequence; `fills_gpu`: (decode) its
+    decode_programs are at least the GPU's multiprocessors, so no key split runs."""
     if arch is None:
         return with_forward_structure(INTERPRETER_CONFIG)
     block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
@@ -108,5 +122,5 @@ def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False) ->
     else:
         config = _generic(block_d if spec.dtype != "float32" else 2 * block_d)
     if decode and spec.dtype != "float32":
-        config = config.replace(fwd=_decode_forward(block_d))
+        config = config.replace(fwd=_decode_forward(block_d, fills_gpu))
     return with_forward_structure(with_runnable_split_d(config, spec))

@@ -27,7 +27,7 @@ from triton import knobs
 from triton.compiler import CompiledKernel
 
 from fatune import codegen, signature
-from fatune.dispatch import device_arch
+from fatune.dispatch import device_arch, sm_count
 from fatune.heuristics import default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, runnable_backward, split_d_searched
@@ -174,14 +174,6 @@ class KernelLaunch:
         """Compile what this launch runs (into Triton's cache), launching nothing."""
         if not codegen.interpreting():
             self.fn.warmup(*args, grid=self.grid, **self.options)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (4 for the interpreter, so that CPU tests can split)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_splits(programs: int, key_tiles: int, sms: int) -> int:

@@ -60,7 +60,7 @@ import torch
 
 from fatune import storage as storage_module
 from fatune.db import Entry, TunedDB, is_decode, key_columns, seqlen_bucket, shape_key
-from fatune.heuristics import default_config
+from fatune.heuristics import decode_programs, default_config
 from fatune.measure import (
     KernelRunner,
     Shape,
@@ -880,8 +880,11 @@ def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float
     each kernel may start trials until its share of `seconds` from now has passed; `warm`: configs to
     try early (KernelSearch.warm_start)."""
     started = time.time()
-    decode = forward_only(shape)  # the decode heuristic's test
-    heuristic = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode)
+    decode = forward_only(shape)  # the decode heuristic's tests, as the dispatcher makes them
+    fills = decode and target.sms is not None and \
+        decode_programs(shape.batch, shape.kv_heads, shape.heads // shape.kv_heads, shape.seqlen_q) >= target.sms
+    heuristic = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode,
+                               fills)
     kernels = shape_kernels(shape)
     searches = [KernelSearch(target, shape, kernel, heuristic, space, storage, seed, trials,
                              deadline=started + seconds * (index + 1) / len(kernels), warm=warm)

@@ -96,6 +96,23 @@ def test_decode_and_prefill_entries_serve_only_their_own_calls(tmp_path, seqlen_
         (("user-db", expected) if expected else ("heuristic", None))
 
 
+@pytest.mark.parametrize("batch, stages", [(1, 4), (3, 4), (4, 2), (16, 2)])
+def test_the_decode_heuristic_streams_deeper_where_the_keys_are_split(tmp_path, monkeypatch, batch, stages):
+    """A decode call's tiles (here one per sequence: 4 query heads packed over one K/V head) against the
+    interpreter's 4 multiprocessors: fewer than 4 split the keys, one program per multiprocessor, 4 stages
+    deep; 4 or more fill it, several programs share a multiprocessor, 2 stages. Batch sizes share a DB key,
+    so each gets its own memoised decision."""
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: (9, 0))
+    chooser = Dispatcher(user_db=tmp_path / "missing.sqlite", shipped=[])
+    q = torch.empty(batch, 4, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(batch, 1, 8192, 128, dtype=torch.bfloat16, device="meta")
+    decode = check_inputs(q, k, k, enable_gqa=True)
+    decision = chooser.decide(decode, torch.device("cpu"))
+    assert decision.layer == "heuristic" and decision.config.fwd.block_m == 16
+    assert decision.config.fwd.num_stages == stages
+    assert chooser.lookup(decode, GPU, CAPABILITY, (9, 0), fills_gpu=stages == 2).config == decision.config
+
+
 def test_stale_entries_are_skipped_and_logged_once(tmp_path, caplog):
     path = write(tmp_path / "u.sqlite", entry(template_hash="feedfacefeedface"), entry(triton_version="0.0.1",
                                                                                        seqlen_q_bucket=512))
