@@ -171,7 +171,7 @@ def timings(entry: dict, kernel: str) -> tuple[Callable[[str, float], float], st
     otherwise be set against medians of other rounds)."""
     retime = entry.get("retime", {}).get(kernel)
     if retime and set(compared_configs(entry, kernel)) <= set(retime):
-        return lambda name, first: statistics.median(retime[name]), "retimed"
+        return lambda name, first: statistics.median(retime[name]) if name in retime else first, "retimed"
     return lambda name, first: first, "first timing"
 
 

@@ -16,8 +16,12 @@ do_bench medians, L2 flushed, of:
 - "delta": a Delta-only pass (a small Triton kernel here: rowsum(dO * O) into float32);
 - "concurrent": dQ on a second stream beside dK/dV on the first (forked and joined with events), launched
   dQ first or dK/dV first ("concurrent-dkdv-first"). Timing only: the dK/dV kernel here reads the Delta
-  that the dQ kernel is writing (the same values a Delta pass would have written before).
-gain = sequential / (delta + the faster concurrent order): above 1, the structure is worth building.
+  that the dQ kernel is writing;
+- "heuristic": the heuristic's own backward where it differs from the probed one (atomic dQ at d64 causal).
+gain = sequential / (delta + the faster concurrent order): above 1, the structure is worth building. The
+Delta pass prices rowsum(dO * O) only: the dQ kernel computes the rows that see at most 128 keys (a causal
+head's first tiles, narrow windows, short documents) exactly, as the sum of P * dP, which a real Delta pass
+would have to do too (a small extra cost on those rows, not timed here).
 --masked adds issue 12's cases (d128, L = 8192, H = 16, B = 2: causal window of 1024 keys, GQA 8:1 causal,
 key padding to half the keys, two packed causal documents), where the two kernels also trail Flex's one.
 """
@@ -72,8 +76,11 @@ class Probe:
         self.runner.prepare()
         self.dq, self.dkdv = self.runner.plan.bwd_launches(self.runner.args.grad_out, atomic=False)
         out, grad_out = self.runner.args.out, self.runner.args.grad_out
+        if shape.documents:  # (tokens, H, Dv): rows in Delta's (head, token) order
+            out, grad_out = out.transpose(0, 1), grad_out.transpose(0, 1)
         width = shape.head_dim_v
-        self.out, self.grad_out = out.reshape(-1, width), grad_out.contiguous().reshape(-1, width)
+        self.out, self.grad_out = out.reshape(-1, width), grad_out.reshape(-1, width)
+        self.heuristic = base if base != self.config else None
         self.delta = torch.empty(self.out.shape[0], dtype=torch.float32, device=device)
         self.cuda = device != "cpu"
         if self.cuda:
@@ -93,9 +100,10 @@ class Probe:
 
     def delta_pass(self) -> None:
         rows, width = self.out.shape
-        block = 64
+        lanes = triton.next_power_of_2(width)
+        block = max(16, 4096 // lanes)  # two float32 tiles of 4096 elements on 4 warps: no spills at d256
         delta_rows[(triton.cdiv(rows, block),)](self.out, self.grad_out, self.delta, rows, HEAD_DIM_V=width,
-                                                 BLOCK_ROWS=block, BLOCK_DV=triton.next_power_of_2(width))
+                                                 BLOCK_ROWS=block, BLOCK_DV=lanes)
 
     def concurrent(self, dkdv_first: bool) -> None:
         """dQ on the side stream beside dK/dV on the current one (sequential in the interpreter)."""
@@ -142,7 +150,8 @@ def main() -> None:
              shapes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.head_dims.split(",")], args.dtype)
              + (masked_shapes(args.dtype) if args.masked else []))
     if interpret and args.masked:
-        cases.append(Shape(1, 4, 48, 48, 16, "float16", causal=True, kv_heads=2, window=20))
+        cases += [Shape(1, 4, 48, 48, 16, "float16", causal=True, kv_heads=2, window=20),
+                  Shape(2, 2, 40, 40, 16, "float16", valid_keys=0.5), Shape(2, 2, 40, 40, 16, "float16", documents=2)]
     results = {}
     for shape in cases:
         probe = Probe(shape, device)
@@ -153,20 +162,26 @@ def main() -> None:
                "delta": timed(probe.delta_pass, interpret),
                "concurrent": timed(lambda p=probe: p.concurrent(False), interpret),
                "concurrent-dkdv-first": timed(lambda p=probe: p.concurrent(True), interpret)}
-        if interpret:  # the Delta pass against torch (the GPU run trusts the same kernel)
-            expected = (probe.out.float() * probe.grad_out.float()).sum(-1)
-            row["delta_error"] = float((probe.delta - expected).abs().max())
+        if probe.heuristic is not None:
+            heuristic = KernelRunner(shape, probe.heuristic, probe.inputs)
+            heuristic.prepare()
+            row["heuristic"] = timed(heuristic.run("bwd"), interpret)
+        if interpret:  # the Delta pass against the dQ kernel's (the GPU run trusts the same kernel)
+            probe.sequential()
+            row["delta_error"] = float((probe.delta - probe.runner.args.delta.reshape(-1)).abs().max())
         row["gain"] = row["sequential"] / (row["delta"] + min(row["concurrent"], row["concurrent-dkdv-first"]))
         results[shape.label()] = row
         print(f"{shape.label()}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in row.items()), flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print("| shape | sequential ms | dQ + dK/dV alone | Delta pass | concurrent (dQ first / dK/dV first) | gain |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | sequential ms | dQ + dK/dV alone | Delta pass | concurrent (dQ first / dK/dV first) | gain "
+          "| heuristic's backward |")
+    print("|---|---|---|---|---|---|---|")
     for label, row in results.items():
+        heuristic = f"{row['heuristic']:.3f}" if "heuristic" in row else "the same"
         print(f"| {label} | {row['sequential']:.3f} | {row['dq']:.3f} + {row['dkdv']:.3f} | {row['delta']:.3f} | "
-              f"{row['concurrent']:.3f} / {row['concurrent-dkdv-first']:.3f} | {row['gain']:.3f} |")
+              f"{row['concurrent']:.3f} / {row['concurrent-dkdv-first']:.3f} | {row['gain']:.3f} | {heuristic} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ autograd, do_bench medians). Results accumulate in OUT.json, so runs can be spli
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 
@@ -32,7 +33,7 @@ import torch
 
 import fatune
 from fatune import search
-from fatune.db import TunedDB, bucket_distance, is_decode, is_stale, shape_key
+from fatune.db import TunedDB, bucket_distance, is_decode, is_stale, nearest, shape_key
 from fatune.dispatch import device_identity
 from fatune.heuristics import default_config
 from fatune.measure import Shape, make_inputs, time_training_step
@@ -113,29 +114,42 @@ def heuristic_of(shape: Shape, target: search.Target) -> AttentionConfig:
     return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability())
 
 
-def tie_entries(shape: Shape, db_path: str, target: search.Target) -> dict[int, AttentionConfig]:
-    """The configs of the DB's usable entries for `shape` at the least bucket distance, by their L_q bucket."""
+def tie_entries(shape: Shape, db_path: str, target: search.Target) -> tuple[dict[str, AttentionConfig], str | None]:
+    """The configs of the DB's usable entries for `shape` at the least bucket distance, named by their buckets,
+    and the name of the one `fatune.db.nearest` serves the call with (None: no entry)."""
     gpu, capability = device_identity(target.device)
     key = shape_key(shape)
     filters = {"gpu": gpu, "capability": capability, **dataclasses.asdict(key)}
     del filters["seqlen_q_bucket"], filters["seqlen_k_bucket"]
     with TunedDB(db_path, readonly=True) as db:
         usable = [e for e in db.entries(**filters) if not is_stale(e) and not is_decode(e.seqlen_q_bucket)]
-    if not usable:
-        return {}
-    least = min(bucket_distance(e, key) for e in usable)
-    return {e.seqlen_q_bucket: e.attention_config() for e in usable if bucket_distance(e, key) == least}
+    served = nearest(usable, key)
+    if served is None:
+        return {}, None
+    least = bucket_distance(served[0], key)
+
+    def name(entry) -> str:
+        return f"Lq={entry.seqlen_q_bucket} Lk={entry.seqlen_k_bucket} entry"
+
+    tied = sorted((e for e in usable if bucket_distance(e, key) == least), key=lambda e: (e.seqlen_q_bucket, e.seqlen_k_bucket))
+    return {name(e): e.attention_config() for e in tied}, name(served[0])
 
 
-def tie_row(shape: Shape, db_path: str, target: search.Target) -> dict:
-    """Training-step ms of the tied entries' configs and the heuristic's at `shape`, alternately (medians)."""
-    configs = {f"L={bucket} entry": config for bucket, config in sorted(tie_entries(shape, db_path, target).items())}
+def tie_row(shape: Shape, db_path: str, target: search.Target) -> dict | None:
+    """Training-step ms of the tied entries' configs and the heuristic's at `shape`, alternately (medians), and
+    which entry the dispatcher serves; None when fewer than two entries tie."""
+    configs, served = tie_entries(shape, db_path, target)
+    if len(configs) < 2:
+        print(f"tie {shape.label()}: {len(configs)} nearest entries in {db_path}, no tie to time", flush=True)
+        return None
     configs["heuristic"] = heuristic_of(shape, target)
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(1 if target.interpret else ROUNDS):
         for name, config in configs.items():
             times[name].append(step_ms(shape, config, target))
-    return {name: {"config": short(config), "ms": statistics.median(times[name])} for name, config in configs.items()}
+    row = {name: {"config": short(config), "ms": statistics.median(times[name])} for name, config in configs.items()}
+    row[served]["served"] = True
+    return row
 
 
 def table(results: dict) -> str:
@@ -152,7 +166,8 @@ def table(results: dict) -> str:
         for label, row in results["tie"].items():
             fastest = min(timed["ms"] for timed in row.values())
             for name, timed in row.items():
-                lines.append(f"| tie | {label} | {name}: {timed['config']} | {timed['ms']:.3f} | "
+                served = " (served)" if timed.get("served") else ""
+                lines.append(f"| tie | {label} | {name}{served}: {timed['config']} | {timed['ms']:.3f} | "
                              f"{timed['ms'] / fastest:.3f}x |")
     return "\n".join(lines)
 
@@ -169,13 +184,15 @@ def main() -> None:
              "nearest": INTERPRETER_NEAREST if args.interpret else NEAREST_SHAPES,
              "tie": INTERPRETER_TIE if args.interpret else TIE_SHAPES}[args.part]
     done = results.setdefault(args.part, {})
-    with resumable.compile_pool(args, target) as pool:
+    with contextlib.nullcontext() if args.part == "tie" else resumable.compile_pool(args, target) as pool:
         for case in resumable.pick(cases, args.shapes):
             shape, length = case if args.part == "nearest" else (case, 0)
             if shape.label() in done:
                 continue
             if args.part == "tie":
                 row = tie_row(shape, args.db, target)
+                if row is None:
+                    continue
             elif args.part == "gain":
                 tuned, heuristic = searched_config(shape, target, args.trials, pool), heuristic_of(shape, target)
                 heuristic_ms, tuned_ms = side_by_side(shape, heuristic, tuned, target)

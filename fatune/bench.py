@@ -63,14 +63,13 @@ def _fatune_config(name: str, shape: Shape, device: torch.device):
     """The config an implementation named in FATUNE_IMPLS forces on `device` (None: dispatched)."""
     from fatune.db import is_decode, seqlen_bucket
     from fatune.dispatch import device_arch, sm_count
-    from fatune.heuristics import decode_programs, default_config
+    from fatune.heuristics import default_config
 
     if name not in ("fatune-heuristic", "fatune-plain"):
         return None
     decode = is_decode(seqlen_bucket(shape.seqlen_q))
-    fills = decode and decode_programs(shape.batch, shape.kv_heads, shape.heads // shape.kv_heads,
-                                       shape.seqlen_q) >= sm_count(device)
-    config = default_config(shape.spec, device_arch(device), decode, fills)
+    shares = decode and shape.decode_shares_sms(sm_count(device), packed=name != "fatune-plain")
+    config = default_config(shape.spec, device_arch(device), decode, shares)
     if name == "fatune-plain":
         config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
     return config

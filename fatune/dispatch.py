@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, is_decode, label, problem_key
-from fatune.heuristics import Arch, decode_programs, default_config
+from fatune.heuristics import Arch, decode_shares_sms, default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import AttentionConfig
 
@@ -65,9 +65,10 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_fills_gpu(problem: AttentionProblem, device: torch.device) -> bool:
-    """Whether a decode call's query tiles alone fill `device`'s multiprocessors (no key split runs)."""
-    return decode_programs(problem.batch, problem.kv_heads, problem.group_size, problem.max_seqlen_q) >= sm_count(device)
+def decode_shares_sms_on(problem: AttentionProblem, device: torch.device) -> bool:
+    """heuristics.decode_shares_sms for a call on `device` (its GQA groups packed, as the decode forward does)."""
+    return decode_shares_sms(problem.batch, problem.kv_heads, problem.group_size, problem.max_seqlen_q,
+                             sm_count(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,15 +118,16 @@ class Dispatcher:
                 raise TypeError(f"config: expected a fatune.AttentionConfig or None, got {type(config).__name__}")
             return Decision(config, "argument", "config passed to fatune.attention")
         call = problem_key(problem)
-        # the decode heuristic depends on whether the call's tiles fill the GPU, which its key does not say
-        fills = is_decode(call.seqlen_q_bucket) and decode_fills_gpu(problem, device)
-        key = (device, call, fills)
+        # the decode heuristic depends on how many programs the call's tiles give each multiprocessor, which
+        # its key (no batch) does not say
+        shares = is_decode(call.seqlen_q_bucket) and decode_shares_sms_on(problem, device)
+        key = (device, call, shares)
         found = self._memo.get(key)
         if found is None:
             with self._lock:
                 found = self._memo.get(key)
                 if found is None:
-                    found = self._lookup(problem, *device_identity(device), device_arch(device), fills)
+                    found = self._lookup(problem, *device_identity(device), device_arch(device), shares)
                     self._memo[key] = found
         decision, trouble = found
         if strict and (decision.layer == "heuristic" or trouble):
@@ -136,13 +138,13 @@ class Dispatcher:
         return decision
 
     def lookup(self, problem: AttentionProblem, gpu: str, capability: str, arch: Arch | None,
-               fills_gpu: bool = False) -> Decision:
-        """The decision for `problem` on the GPU named `gpu` (no memo; `decide` memoises); `fills_gpu`: for
-        the decode heuristic, whether the call's tiles fill that GPU (decode_fills_gpu)."""
-        return self._lookup(problem, gpu, capability, arch, fills_gpu)[0]
+               shares_sms: bool = False) -> Decision:
+        """The decision for `problem` on the GPU named `gpu` (no memo; `decide` memoises); `shares_sms`: for
+        the decode heuristic, decode_shares_sms on that GPU."""
+        return self._lookup(problem, gpu, capability, arch, shares_sms)[0]
 
     def _lookup(self, problem: AttentionProblem, gpu: str, capability: str, arch: Arch | None,
-                fills_gpu: bool = False) -> tuple[Decision, str | None]:
+                shares_sms: bool = False) -> tuple[Decision, str | None]:
         """The decision, and the first DB problem met on the way (None if there was none)."""
         skipped: list[str] = []
 
@@ -164,7 +166,7 @@ class Dispatcher:
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
                                      tuple(skipped)), skipped[0] if skipped else None)
         decode = is_decode(key.seqlen_q_bucket)
-        return (Decision(default_config(problem.spec, arch, decode, fills_gpu), "heuristic",
+        return (Decision(default_config(problem.spec, arch, decode, shares_sms), "heuristic",
                          f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped)),
                 skipped[0] if skipped else None)
 

@@ -94,26 +94,27 @@ def with_forward_structure(config: AttentionConfig) -> AttentionConfig:
 DECODE_BLOCK_M = 16  # the decode forward's query tile
 
 
-def decode_programs(batch: int, kv_heads: int, group: int, seqlen_q: int) -> int:
-    """Programs of the decode forward before any key split: one per DECODE_BLOCK_M rows of each K/V head's
-    query rows (a GQA group's heads packed)."""
-    return -(-seqlen_q * group // DECODE_BLOCK_M) * kv_heads * batch
+def decode_shares_sms(batch: int, kv_heads: int, group: int, seqlen_q: int, sms: int) -> bool:
+    """Whether a decode call's forward gives each of `sms` multiprocessors at least two programs before any
+    key split: one program per DECODE_BLOCK_M rows of each K/V head's query rows (`group` query heads packed;
+    1 when unpacked, `kv_heads` then counting every query head), per sequence."""
+    return -(-seqlen_q * group // DECODE_BLOCK_M) * kv_heads * batch >= 2 * sms
 
 
-def _decode_forward(block_d: int, fills_gpu: bool) -> LaunchConfig:
+def _decode_forward(block_d: int, shares_sms: bool) -> LaunchConfig:
     """Few queries against a long cache: a 16-row tile (packed GQA rows fill it) and long key tiles,
-    streamed 4 stages deep by one program per multiprocessor when the keys are split across the GPU,
-    2 deep when the tiles alone fill it and several programs share a multiprocessor (B=64, L_k=2048 on
-    an H200: 133-137 us with 2 stages, 138-139 with 4; 2 loses where the keys are split;
-    benchmarks/decode_sweep.py, session 6)."""
-    return LaunchConfig(DECODE_BLOCK_M, 64, num_warps=4, num_stages=4 if block_d <= 128 and not fills_gpu else 2)
+    streamed 4 stages deep while each multiprocessor runs one program (its keys split across the GPU, or
+    too few tiles to go round), 2 deep when the tiles give every multiprocessor several programs, which
+    then hide each other's loads (B=64, L_k=2048 on an H200, ~4 programs per multiprocessor: 133-137 us with
+    2 stages, 138-139 with 4; 2 loses where the keys are split; benchmarks/decode_sweep.py, session 6)."""
+    return LaunchConfig(DECODE_BLOCK_M, 64, num_warps=4, num_stages=4 if block_d <= 128 and not shares_sms else 2)
 
 
 def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
-                   fills_gpu: bool = False) -> AttentionConfig:
+                   shares_sms: bool = False) -> AttentionConfig:
     """Heuristic config for `spec` on a GPU of compute capability `arch` (None: interpreter);
-    `decode`: the call has at most DECODE_QUERIES queries per sequence; `fills_gpu`: (decode) its
-    decode_programs are at least the GPU's multiprocessors, so no key split runs."""
+    `decode`: the call has at most DECODE_QUERIES queries per sequence; `shares_sms`: (decode) its tiles
+    give every multiprocessor at least two programs (decode_shares_sms)."""
     if arch is None:
         return with_forward_structure(INTERPRETER_CONFIG)
     block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
@@ -122,5 +123,5 @@ def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
     else:
         config = _generic(block_d if spec.dtype != "float32" else 2 * block_d)
     if decode and spec.dtype != "float32":
-        config = config.replace(fwd=_decode_forward(block_d, fills_gpu))
+        config = config.replace(fwd=_decode_forward(block_d, shares_sms))
     return with_forward_structure(with_runnable_split_d(config, spec))

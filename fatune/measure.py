@@ -90,6 +90,14 @@ class Shape:
             return longest, longest
         return self.seqlen_q, self.seqlen_k
 
+    def decode_shares_sms(self, sms: int, packed: bool = True) -> bool:
+        """heuristics.decode_shares_sms for this shape on a GPU of `sms` multiprocessors (`packed`: GQA groups
+        packed into the tiles, as the decode forward does)."""
+        from fatune.heuristics import decode_shares_sms
+
+        group = self.heads // self.kv_heads if packed else 1
+        return decode_shares_sms(self.documents or self.batch, self.heads // group, group, self.key_lengths()[0], sms)
+
     def input_sizes(self) -> dict[str, tuple[int, ...]]:
         """q, k, v and dO sizes: (B, H, L, D), or (tokens, H, D) when packed."""
         def size(heads: int, length: int, dim: int) -> tuple[int, ...]:

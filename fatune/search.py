@@ -60,7 +60,7 @@ import torch
 
 from fatune import storage as storage_module
 from fatune.db import Entry, TunedDB, is_decode, key_columns, seqlen_bucket, shape_key
-from fatune.heuristics import decode_programs, default_config
+from fatune.heuristics import default_config
 from fatune.measure import (
     KernelRunner,
     Shape,
@@ -881,10 +881,9 @@ def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float
     try early (KernelSearch.warm_start)."""
     started = time.time()
     decode = forward_only(shape)  # the decode heuristic's tests, as the dispatcher makes them
-    fills = decode and target.sms is not None and \
-        decode_programs(shape.batch, shape.kv_heads, shape.heads // shape.kv_heads, shape.seqlen_q) >= target.sms
+    shares = decode and target.sms is not None and shape.decode_shares_sms(target.sms)
     heuristic = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode,
-                               fills)
+                               shares)
     kernels = shape_kernels(shape)
     searches = [KernelSearch(target, shape, kernel, heuristic, space, storage, seed, trials,
                              deadline=started + seconds * (index + 1) / len(kernels), warm=warm)

@@ -96,12 +96,13 @@ def test_decode_and_prefill_entries_serve_only_their_own_calls(tmp_path, seqlen_
         (("user-db", expected) if expected else ("heuristic", None))
 
 
-@pytest.mark.parametrize("batch, stages", [(1, 4), (3, 4), (4, 2), (16, 2)])
-def test_the_decode_heuristic_streams_deeper_where_the_keys_are_split(tmp_path, monkeypatch, batch, stages):
+@pytest.mark.parametrize("batch, stages", [(1, 4), (4, 4), (7, 4), (8, 2), (16, 2)])
+def test_the_decode_heuristic_streams_deeper_with_one_program_per_multiprocessor(tmp_path, monkeypatch, batch,
+                                                                                   stages):
     """A decode call's tiles (here one per sequence: 4 query heads packed over one K/V head) against the
-    interpreter's 4 multiprocessors: fewer than 4 split the keys, one program per multiprocessor, 4 stages
-    deep; 4 or more fill it, several programs share a multiprocessor, 2 stages. Batch sizes share a DB key,
-    so each gets its own memoised decision."""
+    interpreter's 4 multiprocessors: up to 7 programs (split keys, or at most one or two per multiprocessor)
+    stream 4 stages deep; from 8, every multiprocessor has two programs to interleave, 2 stages. Batch sizes
+    share a DB key, so each regime gets its own memoised decision."""
     monkeypatch.setattr(dispatch, "device_arch", lambda device: (9, 0))
     chooser = Dispatcher(user_db=tmp_path / "missing.sqlite", shipped=[])
     q = torch.empty(batch, 4, 1, 128, dtype=torch.bfloat16, device="meta")
@@ -110,7 +111,7 @@ def test_the_decode_heuristic_streams_deeper_where_the_keys_are_split(tmp_path, 
     decision = chooser.decide(decode, torch.device("cpu"))
     assert decision.layer == "heuristic" and decision.config.fwd.block_m == 16
     assert decision.config.fwd.num_stages == stages
-    assert chooser.lookup(decode, GPU, CAPABILITY, (9, 0), fills_gpu=stages == 2).config == decision.config
+    assert chooser.lookup(decode, GPU, CAPABILITY, (9, 0), shares_sms=stages == 2).config == decision.config
 
 
 def test_stale_entries_are_skipped_and_logged_once(tmp_path, caplog):

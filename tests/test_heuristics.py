@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fatune.heuristics import default_config
+from fatune.measure import Shape
 from fatune.spec import KernelSpec
 
 
@@ -14,8 +15,8 @@ from fatune.spec import KernelSpec
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_every_head_dim_and_dtype_has_a_config(head_dim, dtype, arch, causal):
     spec = KernelSpec(dtype, head_dim, causal=causal)
-    for decode, fills_gpu in ((False, False), (True, False), (True, True)):
-        config = default_config(spec, arch, decode, fills_gpu)
+    for decode, shares_sms in ((False, False), (True, False), (True, True)):
+        config = default_config(spec, arch, decode, shares_sms)
         assert config.fwd.num_splits == 0 and config.fwd.pack_gqa == 1  # chosen at launch from the grid
         assert set(config.dkdv.structure) <= {"tma", "atomic_dq", "split_d"} and not config.dq.structure  # measured kinds
         if arch == (9, 0):  # fits an H100/H200's 227 KiB of shared memory per block, by the search's estimate
@@ -33,9 +34,20 @@ def test_decode_calls_get_small_query_tiles_on_gpus():
 
 
 @pytest.mark.parametrize("head_dim, split, filled", [(64, 4, 2), (128, 4, 2), (256, 2, 2)])
-def test_decode_tiles_stream_deeper_when_the_keys_are_split(head_dim, split, filled):
-    """One program per multiprocessor when the keys are split: 4 stages deep (2 at d256, for shared memory);
-    2 when the tiles fill the GPU and programs share multiprocessors."""
+def test_decode_tiles_stream_deeper_with_one_program_per_multiprocessor(head_dim, split, filled):
+    """One program per multiprocessor (keys split): 4 stages deep (2 at d256, for shared memory); 2 when the
+    tiles give every multiprocessor several programs."""
     spec = KernelSpec("bfloat16", head_dim)
     assert default_config(spec, (9, 0), decode=True).fwd.num_stages == split
-    assert default_config(spec, (9, 0), decode=True, fills_gpu=True).fwd.num_stages == filled
+    assert default_config(spec, (9, 0), decode=True, shares_sms=True).fwd.num_stages == filled
+
+
+@pytest.mark.parametrize("shape, packed, sms, shares", [
+    (Shape(64, 32, 1, 2048, 128, "bfloat16", kv_heads=8), True, 132, True),  # 512 programs
+    (Shape(8, 32, 1, 8192, 128, "bfloat16", kv_heads=8), True, 132, False),  # 64: the keys are split
+    (Shape(8, 32, 1, 8192, 128, "bfloat16", kv_heads=8), False, 132, False),  # unpacked: 256 < 264
+    (Shape(9, 32, 1, 8192, 128, "bfloat16", kv_heads=8), False, 132, True),  # 288
+    (Shape(1, 4, 16, 16, 16, "float16", documents=16), True, 4, True),  # 16 packed one-token documents
+])
+def test_a_shape_counts_its_decode_programs_as_a_call_does(shape, packed, sms, shares):
+    assert shape.decode_shares_sms(sms, packed) is shares
