@@ -115,7 +115,10 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
       # Trials per kernel per shape: SHIP_TRIALS (20); fp16 SHIP_TRIALS_FP16 (16: TPE models after its first 10, and
       # its studies start from the bf16 winners of the same lengths, which the two dtypes' kernels mostly share).
       # A window is searched only at lengths it does not cover (L_q + L_k > width: a wider one is dropped by the
-      # call, leaving plain causal, which the "both" search has).
+      # call, leaving plain causal, which the "both" search has). L = 32768 (B = 1) is searched apart with a quarter
+      # of the default heads (SHIP_LONG_HEADS_DIV, 4; at least 2; GQA shapes keep theirs): its steps are the
+      # longest by far (63% of a "both" search's wall time at d64 with 32 heads, session 10), and a quarter of the
+      # heads still gives every kernel at least 512 programs (~4 waves or more); the DB key has no head count.
       db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
       stored=benchmarks/results/ship-db-h200-done.txt  # the searches whose winners are stored (commit it with the DB)
       deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
@@ -134,9 +137,17 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             echo "--- $dtype d$d $mask $(date -u +%H:%M:%S)" | tee -a "$OUT/ship-db.txt"
             trials=${SHIP_TRIALS:-20}
             [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-16}
+            long=""
+            case "$mask" in gqa*) ;; *) [ "${SHIP_LONG_HEADS_DIV:-4}" -gt 1 ] && long=32768 && lengths=${lengths%,32768} ;; esac
             python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$lengths" $extra \
               --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
             rc=$?
+            if [ -n "$long" ] && [ $rc = 0 ]; then
+              heads=$(( 2048 / d / ${SHIP_LONG_HEADS_DIV:-4} )); [ "$heads" -lt 2 ] && heads=2
+              python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$long" --heads "$heads" $extra \
+                --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
+              rc=$?
+            fi
             echo "rc $rc" >> "$OUT/ship-db.txt"
             [ $rc = 0 ] && echo "$dtype d$d $mask" >> "$stored"
           done
