@@ -75,6 +75,17 @@ def test_nearest_bucket_on_a_log_scale(tmp_path):
     assert fwd_block(chooser.lookup(problem(30000), GPU, CAPABILITY, None)) == 64
 
 
+@pytest.mark.parametrize("lower_ms, upper_ms", [(1.0, 9.0), (9.0, 1.0)])
+def test_a_tie_between_buckets_goes_to_the_lower_whatever_their_times(tmp_path, lower_ms, upper_ms):
+    """L = 1024 is one octave from 512 and from 2048: entries of different buckets timed different problems, so
+    their stored times do not decide (a smaller problem is always faster)."""
+    rows = [entry(seqlen_q_bucket=n, seqlen_k_bucket=n, fwd_bwd_ms=ms, fwd_config={**make_entry().fwd_config,
+                                                                                  "block_m": b})
+            for n, b, ms in ((512, 16, lower_ms), (2048, 32, upper_ms))]
+    chooser = Dispatcher(user_db=write(tmp_path / "u.sqlite", *rows), shipped=[])
+    assert fwd_block(chooser.lookup(problem(1024), GPU, CAPABILITY, None)) == 16
+
+
 PREFILL = {"seqlen_q_bucket": 4096, "fwd_config": {**make_entry().fwd_config, "block_m": 128}}
 DECODE = {"seqlen_q_bucket": 16, "fwd_config": {**make_entry().fwd_config, "block_m": 32},
           "bwd_ms": math.nan, "fwd_bwd_ms": math.nan}
