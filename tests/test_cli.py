@@ -188,6 +188,20 @@ def test_db_which_explains_and_lists_an_unusable_db_as_skipped(tmp_path):
     assert f"skipped: fatune: ignoring tuned DB {tmp_path / 'garbage.sqlite'}" in result.output
 
 
+@pytest.mark.parametrize("batch, stages", [(1, 4), (64, 2)])
+def test_db_which_gives_a_decode_call_the_depth_its_batch_gets(tmp_path, batch, stages):
+    """A decode call's heuristic depends on its programs per multiprocessor (this machine's: 4 in the
+    interpreter): one sequence of one K/V head streams 4 deep, 64 sequences 2 deep."""
+    from fatune.db import TunedDB
+
+    TunedDB(tmp_path / "empty.sqlite").close()
+    result = CliRunner().invoke(cli, ["db", "which", "--head-dim", "128", "--seqlen", "1", "--seqlen-k", "8192",
+                                      "--heads", "8", "--kv-heads", "1", "--batch", str(batch), "--capability", "9.0",
+                                      "--db", str(tmp_path / "empty.sqlite")])
+    assert result.exit_code == 0, result.output
+    assert "layer: heuristic" in result.output and f"config: fwd 16x64/w4/s{stages}/" in result.output, result.output
+
+
 def test_db_list_names_invalid_rows_and_lists_the_rest(tmp_path):
     from tests.test_db import raw_insert
 

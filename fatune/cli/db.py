@@ -170,13 +170,16 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
 @click.option("--seqlen", type=click.IntRange(1, MAX_LENGTH), required=True,
               help="Query length (and key length unless --seqlen-k).")
 @click.option("--seqlen-k", type=click.IntRange(0, MAX_LENGTH), default=0)
+@click.option("--batch", type=click.IntRange(1, 1 << 20), default=1, show_default=True,
+              help="Sequences (decode calls: the heuristic's pipeline depth follows the programs per multiprocessor "
+                   "of this machine's GPU).")
 @click.option("--heads", type=click.IntRange(1, 65536), default=16, show_default=True)
 @click.option("--kv-heads", type=click.IntRange(0, 65536), default=0, help="Key/value heads (default: --heads).")
 @click.option("--causal", is_flag=True)
 @click.option("--window", type=click.IntRange(-1), default=-1, help="Causal sliding window (left size).")
 @click.option("--gpu", default=None, help="GPU name (default: this machine's GPU).")
 @click.option("--capability", default=None, callback=parse_capability, help="Compute capability of --gpu, e.g. 9.0.")
-def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, heads, kv_heads, causal, window, gpu,
+def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, heads, kv_heads, causal, window, gpu,
           capability) -> None:
     """Say which tuned entry (or heuristic) fatune.attention would use for a call, and why.
 
@@ -189,8 +192,8 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, heads, kv_head
     import torch
 
     from fatune import codegen
-    from fatune.db import check_readable
-    from fatune.dispatch import Dispatcher, device_arch, device_identity
+    from fatune.db import check_readable, is_decode, seqlen_bucket
+    from fatune.dispatch import Dispatcher, device_arch, device_identity, sm_count
     from fatune.inputs import check_inputs
     from fatune.measure import Shape
     from fatune.spec import DTYPES
@@ -199,7 +202,7 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, heads, kv_head
         raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}", param_hint="--kv-heads")
     if db_path is not None:
         check_readable(db_path)  # a DB named on the command line must exist
-    shape = Shape(batch=1, heads=heads, seqlen_q=seqlen, seqlen_k=seqlen_k or seqlen, head_dim=head_dim,
+    shape = Shape(batch=batch, heads=heads, seqlen_q=seqlen, seqlen_k=seqlen_k or seqlen, head_dim=head_dim,
                   dtype=dtype, causal=causal or window >= 0, kv_heads=kv_heads or heads, head_dim_v=head_dim_v,
                   window=window)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -211,11 +214,13 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, heads, kv_head
         cap, arch = f"{capability[0]}.{capability[1]}", capability
     # one-row stand-ins expanded by strides: the call's sizes without its memory
     element = DTYPES[shape.dtype]
-    q, k, v = (torch.empty(1, h, 1, d, dtype=element).expand(1, h, length, d)
+    q, k, v = (torch.empty(1, h, 1, d, dtype=element).expand(batch, h, length, d)
                for h, length, d in ((shape.heads, shape.seqlen_q, head_dim), (shape.kv_heads, shape.seqlen_k, head_dim),
                                     (shape.kv_heads, shape.seqlen_k, shape.head_dim_v)))
     problem = check_inputs(q, k, v, **shape.attention_kwargs("cpu"))
-    decision = Dispatcher(user_db=db_path).lookup(problem, name, cap, arch)
+    # a decode heuristic's depth depends on the GPU's multiprocessors: known for this machine's GPU only
+    shares = not gpu and is_decode(seqlen_bucket(seqlen)) and shape.decode_shares_sms(sm_count(device))
+    decision = Dispatcher(user_db=db_path).lookup(problem, name, cap, arch, shares)
     click.echo(f"call: {shape.label()} on {name} (sm {cap})")
     click.echo(decision.describe())
     for kind in ("fwd", "bwd"):
