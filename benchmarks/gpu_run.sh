@@ -116,9 +116,10 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
       # its studies start from the bf16 winners of the same lengths, which the two dtypes' kernels mostly share).
       # A window is searched only at lengths it does not cover (L_q + L_k > width: a wider one is dropped by the
       # call, leaving plain causal, which the "both" search has). L = 32768 (B = 1) is searched apart with a quarter
-      # of the default heads (SHIP_LONG_HEADS_DIV, 4; at least 2; GQA shapes keep theirs): its steps are the
-      # longest by far (63% of a "both" search's wall time at d64 with 32 heads, session 10), and a quarter of the
-      # heads still gives every kernel at least 512 programs (~4 waves or more); the DB key has no head count.
+      # of the default heads (SHIP_LONG_HEADS_DIV, 4; at least 2): its steps are the longest by far (63% of a "both"
+      # search's wall time at d64 with 32 heads, session 10), and a quarter of the heads still gives every kernel at
+      # least 512 programs (~4 waves or more); the DB key has no head count. GQA shapes keep their heads (few K/V
+      # heads), and so does key padding (a quarter of the keys: most dK/dV programs have no work).
       db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
       stored=benchmarks/results/ship-db-h200-done.txt  # the searches whose winners are stored (commit it with the DB)
       deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
@@ -138,7 +139,7 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             trials=${SHIP_TRIALS:-20}
             [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-16}
             long=""
-            case "$mask" in gqa*) ;; *) [ "${SHIP_LONG_HEADS_DIV:-4}" -gt 1 ] && long=32768 && lengths=${lengths%,32768} ;; esac
+            case "$mask" in gqa*|padding) ;; *) [ "${SHIP_LONG_HEADS_DIV:-4}" -gt 1 ] && long=32768 && lengths=${lengths%,32768} ;; esac
             python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$lengths" $extra \
               --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
             rc=$?

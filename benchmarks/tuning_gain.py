@@ -15,7 +15,7 @@ the loss of a nearest-bucket entry against a search at the exact shape.
   4096 and 16384) and at its own length; both winners are timed at the shape's own length, alternately
   (once when they are the same config): loss = 1 - exact ms / representative ms (goal <= 5%).
 - "tie": a length exactly between two grid lengths of a tuned DB (L = 1024 between 512 and 2048, 4096
-  between 2048 and 8192) is as near the entry below as the one above; both entries' configs and the
+  between 2048 and 8192, 16384 between 8192 and 32768) is as near the entry below as the one above; both entries' configs and the
   heuristic's are timed at the shape's own length, alternately: which side a tie should go to.
 
 Training steps are timed with `fatune.measure.time_training_step` (forward + backward through
@@ -60,8 +60,8 @@ NEAREST_SHAPES = [  # (the shape, the length of the entry that serves it)
 ROUNDS = 3  # two configs timed alternately this many times each (medians): same-config timings drift by a few %
 INTERPRETER_GAIN = [Shape(1, 2, 40, 40, 24, "float16", causal=True), Shape(1, 4, 24, 56, 16, "float16", kv_heads=2)]
 INTERPRETER_NEAREST = [(Shape(1, 2, 40, 40, 16, "float16", causal=True), 64)]
-TIE_SHAPES = [Shape(16384 // length, 2048 // d, length, length, d, "bfloat16", causal=causal)
-              for length in (1024, 4096) for d in (64, 128) for causal in (False, True)]
+TIE_SHAPES = [Shape(max(1, 16384 // length), 2048 // d, length, length, d, "bfloat16", causal=causal)
+              for length in (1024, 4096, 16384) for d in (64, 128) for causal in (False, True)]
 INTERPRETER_TIE = [Shape(1, 2, 64, 64, 16, "float16")]
 
 

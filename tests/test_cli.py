@@ -188,18 +188,29 @@ def test_db_which_explains_and_lists_an_unusable_db_as_skipped(tmp_path):
     assert f"skipped: fatune: ignoring tuned DB {tmp_path / 'garbage.sqlite'}" in result.output
 
 
-@pytest.mark.parametrize("batch, stages", [(1, 4), (64, 2)])
-def test_db_which_gives_a_decode_call_the_depth_its_batch_gets(tmp_path, batch, stages):
-    """A decode call's heuristic depends on its programs per multiprocessor (this machine's: 4 in the
-    interpreter): one sequence of one K/V head streams 4 deep, 64 sequences 2 deep."""
+@pytest.mark.parametrize("batch, sms, stages", [(1, ["--sms", "132"], 4), (264, ["--sms", "132"], 2),
+                                               (264, [], 4), (264, ["--sms", "200"], 4)])
+def test_db_which_gives_a_decode_call_the_depth_its_batch_gets(tmp_path, batch, sms, stages):
+    """A decode call's heuristic depends on its programs per multiprocessor: one sequence of one K/V head streams
+    4 deep; 264 sequences on 132 multiprocessors, 2 deep; for a GPU named by --capability whose multiprocessors
+    are not given, one program per multiprocessor is assumed."""
     from fatune.db import TunedDB
 
     TunedDB(tmp_path / "empty.sqlite").close()
     result = CliRunner().invoke(cli, ["db", "which", "--head-dim", "128", "--seqlen", "1", "--seqlen-k", "8192",
                                       "--heads", "8", "--kv-heads", "1", "--batch", str(batch), "--capability", "9.0",
-                                      "--db", str(tmp_path / "empty.sqlite")])
+                                      *sms, "--db", str(tmp_path / "empty.sqlite")])
     assert result.exit_code == 0, result.output
     assert "layer: heuristic" in result.output and f"config: fwd 16x64/w4/s{stages}/" in result.output, result.output
+
+
+def test_db_which_refuses_a_call_too_large_to_describe(tmp_path):
+    from fatune.db import TunedDB
+
+    TunedDB(tmp_path / "empty.sqlite").close()
+    result = CliRunner().invoke(cli, ["db", "which", "--head-dim", "128", "--seqlen", "1", "--seqlen-k", "2147483647",
+                                      "--heads", "65536", "--batch", "1048576", "--db", str(tmp_path / "empty.sqlite")])
+    assert_one_line_error(result, 2, "no such call")
 
 
 def test_db_list_names_invalid_rows_and_lists_the_rest(tmp_path):

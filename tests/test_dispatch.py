@@ -86,6 +86,16 @@ def test_a_tie_between_buckets_goes_to_the_lower_whatever_their_times(tmp_path, 
     assert fwd_block(chooser.lookup(problem(1024), GPU, CAPABILITY, None)) == 16
 
 
+def test_a_tie_between_buckets_across_lq_and_lk_goes_to_the_smaller_problem(tmp_path):
+    """A call at Lq 4096, Lk 512 is three octaves from (1024, 1024) and from (4096, 64): the smaller problem wins."""
+    rows = [entry(seqlen_q_bucket=q, seqlen_k_bucket=k, fwd_config={**make_entry().fwd_config, "block_m": b})
+            for q, k, b in ((1024, 1024, 16), (4096, 64, 32))]
+    chooser = Dispatcher(user_db=write(tmp_path / "u.sqlite", *rows), shipped=[])
+    q = torch.empty(1, 4, 4096, 64, dtype=torch.float16, device="meta")
+    k = torch.empty(1, 4, 512, 64, dtype=torch.float16, device="meta")
+    assert fwd_block(chooser.lookup(check_inputs(q, k, k, is_causal=True), GPU, CAPABILITY, None)) == 32
+
+
 PREFILL = {"seqlen_q_bucket": 4096, "fwd_config": {**make_entry().fwd_config, "block_m": 128}}
 DECODE = {"seqlen_q_bucket": 16, "fwd_config": {**make_entry().fwd_config, "block_m": 32},
           "bwd_ms": math.nan, "fwd_bwd_ms": math.nan}

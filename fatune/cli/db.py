@@ -171,15 +171,17 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
               help="Query length (and key length unless --seqlen-k).")
 @click.option("--seqlen-k", type=click.IntRange(0, MAX_LENGTH), default=0)
 @click.option("--batch", type=click.IntRange(1, 1 << 20), default=1, show_default=True,
-              help="Sequences (decode calls: the heuristic's pipeline depth follows the programs per multiprocessor "
-                   "of this machine's GPU).")
+              help="Sequences (decode calls: the heuristic's pipeline depth follows the programs per multiprocessor).")
+@click.option("--sms", type=click.IntRange(1, 1 << 16), default=None,
+              help="Multiprocessors of the GPU (default: this machine's GPU's, unless --gpu or --capability names "
+                   "another; then one program per multiprocessor is assumed for decode calls).")
 @click.option("--heads", type=click.IntRange(1, 65536), default=16, show_default=True)
 @click.option("--kv-heads", type=click.IntRange(0, 65536), default=0, help="Key/value heads (default: --heads).")
 @click.option("--causal", is_flag=True)
 @click.option("--window", type=click.IntRange(-1), default=-1, help="Causal sliding window (left size).")
 @click.option("--gpu", default=None, help="GPU name (default: this machine's GPU).")
 @click.option("--capability", default=None, callback=parse_capability, help="Compute capability of --gpu, e.g. 9.0.")
-def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, heads, kv_heads, causal, window, gpu,
+def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, sms, heads, kv_heads, causal, window, gpu,
           capability) -> None:
     """Say which tuned entry (or heuristic) fatune.attention would use for a call, and why.
 
@@ -214,12 +216,17 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, heads, 
         cap, arch = f"{capability[0]}.{capability[1]}", capability
     # one-row stand-ins expanded by strides: the call's sizes without its memory
     element = DTYPES[shape.dtype]
-    q, k, v = (torch.empty(1, h, 1, d, dtype=element).expand(batch, h, length, d)
-               for h, length, d in ((shape.heads, shape.seqlen_q, head_dim), (shape.kv_heads, shape.seqlen_k, head_dim),
-                                    (shape.kv_heads, shape.seqlen_k, shape.head_dim_v)))
-    problem = check_inputs(q, k, v, **shape.attention_kwargs("cpu"))
-    # a decode heuristic's depth depends on the GPU's multiprocessors: known for this machine's GPU only
-    shares = not gpu and is_decode(seqlen_bucket(seqlen)) and shape.decode_shares_sms(sm_count(device))
+    try:
+        q, k, v = (torch.empty(1, h, 1, d, dtype=element).expand(batch, h, length, d)
+                   for h, length, d in ((shape.heads, shape.seqlen_q, head_dim),
+                                        (shape.kv_heads, shape.seqlen_k, head_dim),
+                                        (shape.kv_heads, shape.seqlen_k, shape.head_dim_v)))
+        problem = check_inputs(q, k, v, **shape.attention_kwargs("cpu"))
+    except (RuntimeError, ValueError) as error:
+        raise click.UsageError(f"no such call: {error}") from None
+    if sms is None and not (gpu or capability):
+        sms = sm_count(device)  # this machine's GPU (the interpreter's 4 without one)
+    shares = sms is not None and is_decode(seqlen_bucket(seqlen)) and shape.decode_shares_sms(sms)
     decision = Dispatcher(user_db=db_path).lookup(problem, name, cap, arch, shares)
     click.echo(f"call: {shape.label()} on {name} (sm {cap})")
     click.echo(decision.describe())
