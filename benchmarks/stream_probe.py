@@ -37,6 +37,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from bwd_variants import shapes  # B·L = 16384, H·D = 2048, causal and not
 
 from fatune.heuristics import default_config
 from fatune.launch import current_stream
@@ -52,11 +53,6 @@ def delta_rows(O, DO, DELTA, rows, HEAD_DIM_V: tl.constexpr, BLOCK_ROWS: tl.cons
     o = tl.load(O + offs_r[:, None] * HEAD_DIM_V + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + offs_r[:, None] * HEAD_DIM_V + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + offs_r, tl.sum(o * do, axis=1), mask=offs_r < rows)
-
-
-def shapes(lengths: list[int], head_dims: list[int], dtype: str) -> list[Shape]:
-    return [Shape(max(1, 16384 // length), 2048 // d, length, length, d, dtype, causal=causal)
-            for d in head_dims for length in lengths for causal in (False, True)]
 
 
 def masked_shapes(dtype: str) -> list[Shape]:
