@@ -40,7 +40,7 @@ log = logging.getLogger("fatune")
 
 _TITLES = {
     "fwd": "FlashAttention forward: O = softmax(Q K^T * sm_scale) V and the per-row LSE.",
-    "bwd": "FlashAttention backward: Delta = rowsum(dO * O), then dK/dV and dQ, P recomputed tile by tile.",
+    "bwd": "FlashAttention backward: Delta = rowsum(dO * O), dK/dV and dQ, P recomputed tile by tile from the LSE.",
     "dropout_mask": "The dropout keep-mask of the attention kernels, materialised for tests and debugging.",
 }
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from fatune import dropout, plans
-from fatune.launch import layout_like
+from fatune.launch import layout_like, lse_dtype
 from fatune.plans import Call
 from fatune.spec import KERNELS, AttentionConfig, LaunchConfig
 
@@ -62,7 +62,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
     prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
     if prepared.plan is None:
         out = plans.run_without_kernels(prepared, q, k, v, call)
-        return out, q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=torch.float32)
+        return out, q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
     return prepared.plan.forward(q, k, v, call.extras, seed)
 
 
@@ -70,7 +70,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 def _(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, seed, dropout_p, is_causal, scale,
       enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, config):
     out = torch.empty_strided(*layout_like(q.shape, q.stride(), v.shape[-1]), dtype=q.dtype, device=q.device)
-    return out, q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=torch.float32)
+    return out, q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("fatune::attention_backward", mutates_args=())

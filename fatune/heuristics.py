@@ -32,7 +32,7 @@ def _hopper(block_d: int, dtype: str, causal: bool) -> AttentionConfig:
             dkdv=LaunchConfig(64, 64, num_warps=4, num_stages=3, tma=1, atomic_dq=2) if causal
             else LaunchConfig(32, 128, num_warps=4, num_stages=3),
             # not causal, the dQ kernel capped at 128 registers runs two programs per SM: the backward takes
-            # 6-10% less time at L=1024-16384 (bf16, session 9); causal runs atomic dQ (this only sizes Delta)
+            # 6-10% less time at L=1024-16384 (bf16, session 9); causal runs atomic dQ (this sizes the Delta pass)
             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, maxnreg=0 if causal else 128),
         )
     if block_d <= 128 and not wide:

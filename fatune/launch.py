@@ -30,7 +30,15 @@ from fatune import codegen, signature
 from fatune.dispatch import device_arch, sm_count
 from fatune.heuristics import default_config
 from fatune.inputs import AttentionProblem
-from fatune.spec import MAX_SPLITS, AttentionConfig, KernelSpec, LaunchConfig, runnable_backward, split_d_searched
+from fatune.spec import (
+    MAX_SPLITS,
+    AttentionConfig,
+    KernelSpec,
+    LaunchConfig,
+    atomic_dq_pass_config,
+    runnable_backward,
+    split_d_searched,
+)
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
 SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
@@ -104,6 +112,12 @@ def _direct_launcher(binary: CompiledKernel) -> tuple[Callable, tuple, int] | No
     return launcher.launch, (binary.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                              binary.packed_metadata, None, None, None), \
         launcher.global_scratch_size * launcher.num_ctas
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the per-row LSE (log2 units) the forward stores for inputs of `dtype`: float64 for float32
+    inputs, float32 otherwise (fatune.spec.lse_dtype_name)."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
 
 
 def scratch_buffer(size: int, alignment: int = 128, stream: int | None = None) -> torch.Tensor:
@@ -331,6 +345,7 @@ class Plan:
         self.grad_layouts = tuple(layout_like(t.shape, t.stride()) for t in (q, k, v))
         rows = (1, problem.heads, problem.seqlen_q) if packed else (problem.batch, problem.heads, problem.seqlen_q)
         self.lse_layout = (rows, contiguous_strides(rows))
+        self.lse_dtype = lse_dtype(q.dtype)
         mask, alibi = problem.attn_mask, problem.alibi_slopes
         self.values: dict[str, Any] = {
             "sm_scale": problem.scale, "window_left": problem.window_left, "window_right": problem.window_right,
@@ -394,7 +409,7 @@ class Plan:
 
     def allocate_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         out = new_buffer(*self.out_layout, self.dtype, self.device)
-        return out, new_buffer(*self.lse_layout, torch.float32, self.device)
+        return out, new_buffer(*self.lse_layout, self.lse_dtype, self.device)
 
     def on_device(self) -> bool:
         """Whether the current CUDA device is the tensors' (a kernel launches on the current one)."""
@@ -407,7 +422,7 @@ class Plan:
             return self._forward(q, k, v, extras, seed)
         # no split-KV, kernels loaded, on the current device: allocate, launch (every call after the first)
         out = new_buffer(*self.out_layout, self.dtype, self.device)
-        lse = new_buffer(*self.lse_layout, torch.float32, self.device)
+        lse = new_buffer(*self.lse_layout, self.lse_dtype, self.device)
         slots = self.slots(q, k, v, out, lse, extras, seed)
         stream = current_stream(self.device)
         for launch in launches:
@@ -427,7 +442,7 @@ class Plan:
         stream = current_stream(self.device)
         if self.splits > 1:
             o_part = new_buffer(*self.o_part_layout, torch.float32, self.device)
-            lse_part = new_buffer(*self.lse_part_layout, torch.float32, self.device)
+            lse_part = new_buffer(*self.lse_part_layout, self.lse_dtype, self.device)
             counts = split_counts(self.device, stream, self.split_tiles)
             first = SLOTS.index("O_PART")
             slots = slots[:first] + (o_part, lse_part, counts) + slots[first + 3:]
@@ -469,10 +484,10 @@ class Plan:
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
             dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, config.dkdv, values)
-            if atomic:  # the small kernels around it take dQ's tile and warps (a register cap is dQ's own)
-                rows = dataclasses.replace(self.config.dq, maxnreg=0)
-                launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.rows_grid, rows, values), dkdv,
-                            KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, rows, values))
+            if atomic:  # the passes around it take dQ's tile and warps (atomic_dq_pass_config)
+                prep, store = (atomic_dq_pass_config(self.config, kernel) for kernel in ("prep", "dq_store"))
+                launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.dq_grid, prep, values), dkdv,
+                            KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, store, values))
             else:
                 dq_grid = (triton.cdiv(self.dq_rows, config.dq.block_m), *self.dq_grid[1:])
                 launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", dq_grid, config.dq, values), dkdv)

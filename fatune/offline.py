@@ -20,11 +20,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fatune import codegen, signature
-from fatune.spec import AttentionConfig, KernelSpec, runnable_backward
+from fatune.spec import (
+    KERNELS,
+    AttentionConfig,
+    KernelSpec,
+    atomic_dq_pass_config,
+    runnable_backward,
+)
 
 _KERNEL_FUNCTIONS = {"fwd": ("fwd", "attn_fwd"), "dkdv": ("bwd", "attn_bwd_dkdv"), "dq": ("bwd", "attn_bwd_dq"),
                      "prep": ("bwd", "attn_bwd_prep"), "dq_store": ("bwd", "attn_bwd_dq_store")}
-_LAUNCH_CONFIG = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "prep": "dq", "dq_store": "dq"}  # whose warps/stages
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,7 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     config = runnable_backward(config, spec, tma=arch >= (9, 0))
     module_kind, function_name = _KERNEL_FUNCTIONS[kernel]
     fn = getattr(codegen.load(module_kind, spec, config), function_name)
-    launch = getattr(config, _LAUNCH_CONFIG[kernel])
-    if kernel in ("prep", "dq_store"):  # as fatune.launch runs them: dQ's tile and warps, not its register cap
-        launch = dataclasses.replace(launch, maxnreg=0)
+    launch = getattr(config, kernel) if kernel in KERNELS else atomic_dq_pass_config(config, kernel)
     absent = frozenset() if config.dkdv.atomic_dq else frozenset({"DQ_ACC"})
     if config.fwd.num_splits == 1:  # no split-KV: its buffers are not passed
         absent |= {"O_PART", "LSE_PART", "SPLIT_COUNT"}

@@ -4,7 +4,7 @@ Each of the forward, dK/dV and dQ configs gets its own Optuna study (multivariat
 fixed seed). The forward's minimises the forward's median time; the two backward studies
 both minimise the whole backward's (dQ and dK/dV kernels, with the other config at its best
 so far), because with atomic dQ one kernel does both's work and the dQ config only sizes
-the small kernels around it. An inference shape (at most DECODE_QUERIES queries per
+the passes around it (Delta, which sums P dP on query tiles whose rows see few keys, and dQ's store). An inference shape (at most DECODE_QUERIES queries per
 sequence: forward_only) gets the forward's study alone; its winner is re-timed as the
 forward alone and stored with the heuristic's backward configs (bwd_ms and fwd_bwd_ms NaN:
 not timed). A training step's forward+backward time is measured again end

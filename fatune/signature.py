@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fatune.spec import KernelSpec
 
-# pointer name -> element type ("io": the inputs' dtype; "mask": the mask's)
+# pointer name -> element type ("io": the inputs' dtype; "mask": the mask's; "lse": the LSE's, float64 for
+# float32 inputs (fatune.spec.lse_dtype_name))
 POINTERS: dict[str, str] = {
-    "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "fp32",
+    "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "lse",
     "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64",
     "DO": "io", "DELTA": "fp32", "DQ": "io", "DK": "io", "DV": "io",
-    "O_PART": "fp32", "LSE_PART": "fp32", "SPLIT_COUNT": "i32", "OUT": "i8", "DQ_ACC": "fp32",
+    "O_PART": "fp32", "LSE_PART": "lse", "SPLIT_COUNT": "i32", "OUT": "i8", "DQ_ACC": "fp32",
 }
 FLOAT_SCALARS = frozenset({"sm_scale", "dropout_p"})
 
@@ -48,7 +49,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
                       *strides("q", "k", "v", "do", "dk", "dv", "dqa"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
     "attn_bwd_dq": ("Q", "K", "V", "O", "DO", "LSE", "DELTA", "DQ", *OPTIONAL_INPUTS, *RUN_TIME,
                     *strides("q", "k", "v", "o", "do", "dq"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
-    "attn_bwd_prep": ("O", "DO", "DELTA", "DQ_ACC", "L_Q", *strides("o", "do"), *STAT_STRIDES, *strides("dqa")),
+    "attn_bwd_prep": ("Q", "K", "V", "O", "DO", "LSE", "DELTA", "DQ_ACC", *OPTIONAL_INPUTS, *RUN_TIME,
+                      *strides("q", "k", "v", "o", "do", "dqa"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
     "attn_bwd_dq_store": ("DQ_ACC", "DQ", "sm_scale", "L_Q", *strides("dqa", "dq")),
     "dropout_mask_kernel": ("OUT", "SEED", "dropout_p", "H", "L_Q", "L_K", *strides("out", dims="bhqk")),
 }
@@ -102,6 +104,8 @@ def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozens
             types[name] = "*" + dtype
         elif kind == "mask":
             types[name] = "*i1" if spec.attn_mask == "bool" else "*" + dtype
+        elif kind == "lse":
+            types[name] = "*fp64" if spec.dtype == "float32" else "*fp32"
         else:
             types[name] = "*" + kind
     return types

@@ -55,6 +55,11 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
+def lse_dtype_name(dtype: str) -> str:
+    """The Triton type of the per-row LSE the forward stores for inputs of `dtype` (KernelSpec's LSE_DTYPE)."""
+    return "tl.float64" if dtype == "float32" else "tl.float32"
+
+
 def lanes(dim: int) -> int:
     """Width of the register tile holding `dim` elements: the next power of two, at least 16."""
     return max(16, 1 << (dim - 1).bit_length())
@@ -144,11 +149,16 @@ class KernelSpec:
             # Delta = rowsum(dO * O) is later subtracted from dP (cancellation): for float32
             # inputs it is summed in float64 so its rounding stays below dP's.
             "DELTA_ACC": TritonExpr("tl.float64" if self.dtype == "float32" else "tl.float32"),
+            # the per-row LSE (log2 units): P = exp2(S - LSE) loses the LSE's rounding at |LSE|'s magnitude
+            # (4e-6 at 40), a float32 S's own size: float64 for float32 inputs (float32 dV's errors past 2x
+            # torch's on 12 of 88 random calls, 6 with it); 16-bit rounding is far coarser
+            "LSE_DTYPE": TritonExpr(lse_dtype_name(self.dtype)),
             # at head dims up to 32 the tile products are cheap next to the rest of a tile's work, and
             # dS's 16-bit rounding dominates dQ's error: split dS into hi + lo in every tile, not just
             # the masked ones (fp16 d16 causal dQ was 2.06x torch's error, over the 2x rule)
             "SPLIT_DS_EVERYWHERE": self.dtype != "float32" and max(self.head_dim, self.head_dim_v) <= 32,
-            # dQ tiles whose rows see at most this many keys take Delta as sum P dP, not from O (EXACT_DELTA)
+            # dQ tiles whose rows see at most this many keys take Delta as sum P dP, not rowsum(dO * O): O's
+            # rounding would reach their large dS (a row with one key gets dS = 0 exactly, as softmax's backward)
             "EXACT_DELTA_KEYS": 128,
         }
 
@@ -170,8 +180,6 @@ class KernelSpec:
             "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,
             # 16-bit dS is split into hi + lo parts in masked tiles (see attn_bwd.py.jinja)
             "SPLIT_DS": self.dtype != "float32",
-            # 16-bit O's rounding in Delta = rowsum(dO * O) matters where rows see few keys (attn_bwd.py.jinja)
-            "EXACT_DELTA": self.dtype != "float32",
             # float32 gradients are summed with Kahan compensation (see _common.py.jinja)
             "COMPENSATED": self.dtype == "float32",
             "PAD_D": lanes(self.head_dim) != self.head_dim,
@@ -322,8 +330,9 @@ STRUCTURE_OWNER = {"num_splits": ("fwd",), "pack_gqa": ("fwd",), "tma": ("fwd", 
 def atomic_dq_kinds(spec: KernelSpec) -> tuple[int, ...]:
     """The atomic_dq values that run as themselves for `spec` (fatune.launch.resolve lowers the others):
     only 0 for float32 (its gradients are Kahan-summed, which atomics cannot do) and at head dims up to
-    16 (atomic dQ's Delta comes from the 16-bit O, whose rounding reaches the dQ of rows that see few
-    keys: too coarse there); 2 only where TMA can address dQ's float32 rows (head dim a multiple of 4)."""
+    16 (fp16 d16 causal dQ measured 2.06x torch's error on the H200 when atomic dQ's Delta came from the
+    16-bit O; it now sums P dP where rows see few keys, as the dQ kernel does, not yet re-measured there);
+    2 only where TMA can address dQ's float32 rows (head dim a multiple of 4)."""
     if spec.dtype == "float32" or max(spec.head_dim, spec.head_dim_v) <= 16:
         return (0,)
     return (0, 1, 2) if spec.head_dim % 4 == 0 else (0, 1)
@@ -365,6 +374,16 @@ def runnable_backward(config: AttentionConfig, spec: KernelSpec, tma: bool) -> A
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
     """The structure fields `config` sets that do not belong to `kernel` (sorted)."""
     return sorted(name for name in config.structure if kernel not in STRUCTURE_OWNER[name])
+
+
+def atomic_dq_pass_config(config: AttentionConfig, kernel: str) -> LaunchConfig:
+    """The launch config of atomic dQ's passes around the dK/dV kernel, `kernel` 'prep' (Delta and the zeroed
+    accumulator) or 'dq_store': dQ's tile and warps without its register cap; the prep pass unpipelined, as its
+    key loop runs only on query tiles whose rows see few keys, and stages would reserve shared memory (up to
+    160 KiB at d128) for every program of an otherwise memory-bound pass."""
+    if kernel not in ("prep", "dq_store"):
+        raise ValueError(f"kernel: expected 'prep' or 'dq_store', got {kernel!r}")
+    return dataclasses.replace(config.dq, maxnreg=0, num_stages=1 if kernel == "prep" else config.dq.num_stages)
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,35 @@ def test_tma_dq_renders_one_descriptor_per_program_and_compiles_for_sm90(tmp_pat
                                "(spec, tag, info)\n", tmp_path)
 
 
+# atomic dQ's passes around the dK/dV kernel: (spec, dK/dV config)
+ATOMIC_DQ_PASS_CASES = [
+    (KernelSpec("bfloat16", 64, causal=True), "64x128/w8/s2/a"),
+    (KernelSpec("float16", 40, 24, seqlens="varlen", causal=True, window_left=True, bottom_right=True, alibi=True,
+                dropout=True), "64x64/w4/s2/a2"),
+    (KernelSpec("bfloat16", 128, attn_mask="bool"), "64x64/w4/s2/a"),
+]
+
+
+def test_atomic_dq_passes_compile_for_sm90(tmp_path):
+    """The pass before the atomic-dQ dK/dV kernel (Delta, summed from recomputed P dP where rows see few keys,
+    and the zeroed float32 accumulator) and dQ's final store lower to sm_90 cubins with dQ's warps and no
+    spills; the pass recomputes S and dP on tensor cores."""
+    script = (
+        "from fatune import offline\n"
+        "from fatune.heuristics import default_config\n"
+        "from fatune.spec import KernelSpec, LaunchConfig\n"
+        f"for args, tag in {[(s.to_dict(), tag) for s, tag in ATOMIC_DQ_PASS_CASES]!r}:\n"
+        "    spec = KernelSpec(**args)\n"
+        "    config = default_config(spec, (9, 0)).replace(dkdv=LaunchConfig.parse(tag))\n"
+        "    for kernel in ('prep', 'dq_store'):\n"
+        "        info = offline.compile_kernel(kernel, spec, config)\n"
+        "        assert info.num_warps == config.dq.num_warps and not info.spills, (kernel, spec, info)\n"
+        "        assert info.uses_wgmma == (kernel == 'prep'), (kernel, spec, info)\n"
+        "        print(kernel, spec.dtype, spec.head_dim, info)\n"
+    )
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 2 * len(ATOMIC_DQ_PASS_CASES)
+
+
 # backward with the query and dO tiles read by TMA: (spec, dK/dV config)
 TMA_DKDV_COMPILE_CASES = [
     (KernelSpec("bfloat16", 128, causal=True), "64x64/w4/s2/t"),

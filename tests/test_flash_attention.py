@@ -6,6 +6,8 @@ compiled on a CUDA GPU, in bf16 and fp16, at larger sizes.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -96,21 +98,49 @@ def test_same_kernel_is_deterministic():
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-pass", "split-kv"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_forward_stores_the_lse_in_log2_units(dtype, splits):
+    """The per-row LSE the backward recomputes P = exp2(S log2(e) - LSE) from: log2 of the row's sum of
+    2^(S log2(e)), so a row's only key gets P = 1 exactly; float64 for float32 inputs (at |LSE| ~ 40 a float32
+    LSE rounds by 4e-6, as much as S itself), float32 for 16-bit inputs; -inf for a row that sees no key."""
+    from fatune import plans
+
+    torch.manual_seed(stable_seed("lse", dtype, splits))
+    q, k, v = random_qkv(1, 2, 2, 37, 53, 32, 32, dtype=dtype, device=DEVICE)
+    keep = torch.rand(1, 2, 37, 53, device=DEVICE) < 0.7
+    keep[0, 1, 5] = False
+    tiles = LaunchConfig(16, 16, 4, 1)
+    config = AttentionConfig(LaunchConfig(16, 16, 4, 1, num_splits=splits), tiles, tiles)
+    call = plans.Call(attn_mask=keep, scale=2.0)
+    plan = plans.prepare(q, k, v, call, config, True).plan
+    _, lse = plan.forward(q.detach(), k.detach(), v.detach(), call.extras)
+    scores = (q.double() @ k.double().transpose(-1, -2) * 2.0).masked_fill(~keep, float("-inf"))
+    expected = scores.logsumexp(-1) / math.log(2.0)
+    assert lse.dtype == (torch.float64 if dtype == torch.float32 else torch.float32)
+    assert lse[0, 1, 5] == float("-inf")
+    seen = expected.isfinite()
+    assert torch.allclose(lse.double()[seen], expected[seen], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("atomic", [0, 1], ids=["dq-kernel", "atomic-dq"])
 @pytest.mark.parametrize("window", [None, (100, 0)], ids=["causal", "window"])
-def test_delta_is_summed_from_p_dp_where_rows_see_few_keys(window):
+def test_delta_is_summed_from_p_dp_where_rows_see_few_keys(window, atomic):
     """Delta = rowsum(dO O) from the 16-bit O carries O's rounding into dQ; dQ tiles whose rows see at
-    most EXACT_DELTA_KEYS keys sum P dP instead (to float32 rounding), the other tiles keep rowsum(dO O)."""
+    most EXACT_DELTA_KEYS keys sum P dP instead (to float32 rounding), the other tiles keep rowsum(dO O).
+    The dQ kernel does it, or with atomic dQ the pass before the dK/dV kernel."""
     from fatune import plans
     from fatune.launch import Plan
 
     torch.manual_seed(4)
     length, tile = 200, 32
-    q, k, v = random_qkv(1, 1, 1, length, length, 16, 16, dtype=torch.float16, device=DEVICE)
-    grad_out = torch.randn(1, 1, length, 16, dtype=torch.float16, device=DEVICE)
-    config = AttentionConfig(fwd=LaunchConfig(tile, tile, 4, 1), dkdv=LaunchConfig(tile, tile, 4, 1),
+    q, k, v = random_qkv(1, 1, 1, length, length, 32, 32, dtype=torch.float16, device=DEVICE)
+    grad_out = torch.randn(1, 1, length, 32, dtype=torch.float16, device=DEVICE)
+    config = AttentionConfig(fwd=LaunchConfig(tile, tile, 4, 1), dkdv=LaunchConfig(tile, tile, 4, 1, atomic_dq=atomic),
                              dq=LaunchConfig(tile, tile, 4, 1))
     call = plans.Call(is_causal=window is None, window_size=window or (-1, -1))
     plan = plans.prepare(q, k, v, call, config, True).plan
+    assert plan.adds_dq_atomically() == bool(atomic)
     out, lse = plan.forward(q.detach(), k.detach(), v.detach())
     captured = []
     allocate = Plan.allocate_backward
@@ -126,7 +156,7 @@ def test_delta_is_summed_from_p_dp_where_rows_see_few_keys(window):
 
     rows, cols = torch.arange(length)[:, None], torch.arange(length)[None, :]
     visible = cols <= rows if window is None else (cols <= rows) & (cols >= rows - window[0])
-    scores = (q[0, 0].double() @ k[0, 0].double().T) * 16 ** -0.5
+    scores = (q[0, 0].double() @ k[0, 0].double().T) * 32 ** -0.5
     p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     exact = (p * (grad_out[0, 0].double() @ v[0, 0].double().T)).sum(-1)
     from_o = (grad_out[0, 0].double() * out[0, 0].double()).sum(-1)

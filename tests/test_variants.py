@@ -147,6 +147,50 @@ def test_causal_with_window(poison_outputs):
     run_and_compare(q, k, v, is_causal=True, window_size=(10, 10))
 
 
+# Every row sees exactly one key, so softmax's backward gives dS = P (dP - sum P dP) = 0 exactly: the
+# golden's dQ is 0 and PyTorch's is 0 too, which leaves fatune only the accuracy rule's floor.
+ONE_KEY_ROWS = {  # case: (_qkv's sizes, fatune.attention's arguments)
+    "diagonal-window": ({"lq": 37, "lk": 53}, {"window_size": (0, 0), "causal_alignment": "top_left"}),
+    "decode-top-left-causal": ({"b": 3, "h": 4, "hkv": 2, "lq": 1, "lk": 40}, {"is_causal": True, "enable_gqa": True}),
+    "diagonal-dropout": ({"lq": 20, "lk": 20}, {"window_size": (0, 0), "dropout_p": 0.3}),
+}
+
+
+@pytest.mark.parametrize("dtype, atomic", [(F16, 0), (F16, 1), (F16, 2), (torch.float32, 0)],  # float32: no atomic dQ
+                         ids=["fp16-dq-kernel", "fp16-atomic-dq", "fp16-tma-reduce", "fp32"])
+@pytest.mark.parametrize("case", list(ONE_KEY_ROWS))
+def test_rows_that_see_one_key_get_exact_gradients(case, dtype, atomic, monkeypatch, poison_outputs):
+    """The backward recomputes P = 1 exactly from the forward's LSE (kept in log2 units, so no conversion
+    rounds it: dQ was up to 5e-7 off), and Delta is summed from the same P and dP, also in the pass before
+    atomic dQ (Delta from the rounded O, with dropout's 1 / (1 - p), missed by up to 1e-2): dQ is exactly 0.
+    (dK too on a GPU, where S^T = K Q^T is S's own FMA chain; the interpreter's numpy products of the
+    transposed tiles may differ in the last bit, so dK is held to the accuracy rule here.)"""
+    sizes, kwargs = ONE_KEY_ROWS[case]
+    q, k, v = _qkv(**sizes, dtype=dtype, seed=stable_seed("one-key", case, dtype))
+    keep = None
+    if "dropout_p" in kwargs:
+        monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([77], device=device))
+        keep = dropout.keep_mask(77, kwargs["dropout_p"], q.shape[0], q.shape[1], q.shape[2], k.shape[2], DEVICE)
+    config = _atomic_dq(kind=atomic)
+    out = fatune.attention(q, k, v, config=config, **kwargs)
+    (dq,) = torch.autograd.grad(out, (q,), torch.randn_like(out))
+    assert torch.count_nonzero(dq) == 0
+    run_and_compare(q, k, v, config=config, dropout_keep=keep, **kwargs)
+
+
+@pytest.mark.parametrize("lq, lk", [(1, 39), (40, 97)], ids=str)
+def test_peaked_rows_keep_dq_accurate(lq, lk, poison_outputs):
+    """Rows dominated by one key with a large score (S ~ 30, P ~ 1): the recomputed P carries the LSE's
+    rounding as a common factor, which Delta = sum P dP (~10 here) would turn into dS; Delta divided by
+    sum P keeps it a relative error (before: dQ up to 7x PyTorch's error)."""
+    q, k, v = _qkv(b=1, h=2, hkv=2, lq=lq, lk=lk, d=144, dv=144, seed=stable_seed("peaked", lq, lk))
+    with torch.no_grad():
+        for row in range(lq):  # key (5 row) mod L_k lies along query row: its score is 2.5 |q|^2 / sqrt(d) ~ 30
+            k[:, :, (5 * row + 3) % lk] = 2.5 * q[:, :, row]
+    for _ in range(4):  # a fresh dO each time
+        run_and_compare(q, k, v)
+
+
 def test_alignment_defaults_document_sdpa_and_flash_attn():
     """is_causal alone is SDPA's top-left; with a window the default is flash-attn's bottom-right."""
     q, k, v = _qkv(lq=3, lk=6)
