@@ -69,6 +69,10 @@ for stage in "$@"; do
           --impls fatune,sdpa-cudnn,sdpa-flash,flex -o "$OUT/grid-full-$dtype" > "$OUT/grid-full-$dtype.log" 2>&1
         grep -E "geometric" "$OUT/grid-full-$dtype/bench.md"
       done ;;
+    grid-causal)  # the causal shapes of the grid at d64/d128 in bf16 (where the heuristic runs atomic dQ and its Delta pass)
+      python3 -m fatune.cli bench --head-dims 64,128 --lengths 1024,4096,16384 --causal yes --dtypes bf16 \
+        --impls fatune,sdpa-cudnn,flex -o "$OUT/grid-causal" > "$OUT/grid-causal.log" 2>&1
+      head -n 14 "$OUT/grid-causal/bench.md" ;;
     grid-d256)  # issue 11's training-step grid at head dim 256: L = 1k/4k/16k, causal and not, bf16 and fp16 (D256_DTYPES)
       python3 -m fatune.cli bench --lengths 1024,4096,16384 --head-dims 256 --dtypes ${D256_DTYPES:-bf16,fp16} \
         --impls fatune,sdpa-cudnn,sdpa-flash,flex -o "$OUT/grid-d256" > "$OUT/grid-d256.log" 2>&1
