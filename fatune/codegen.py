@@ -83,7 +83,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
     """The one options dict a template renders from: constexpr constants, switches, parameter lists."""
     constants = spec.options()
     structure = {"PACK_GQA": False, "SPLIT_KV": False, "TMA": False, "ATOMIC_DQ": False, "TMA_DQ": False,
-                 "TMA_BWD": False, "SPLIT_D": False}
+                 "TMA_BWD": False, "SPLIT_D": False, "CONCURRENT_DQ": False}
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         structure.update({"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1,
@@ -106,6 +106,8 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         structure["TMA_DQ"] = structure["ATOMIC_DQ"] and config.dkdv.atomic_dq == 2
         structure["TMA_BWD"] = bool(config.dkdv.tma)
         structure["SPLIT_D"] = config.dkdv.split_d == 2
+        # the dQ kernel reads Delta from a pass of its own, so it can run beside the dK/dV kernel
+        structure["CONCURRENT_DQ"] = bool(config.dq.concurrent) and not structure["ATOMIC_DQ"]
         if structure["SPLIT_D"]:  # the head-dim half of dK, dV (and atomic dQ) each program owns
             constants.update(OWN_D=lanes(spec.head_dim) // 2, OWN_DV=lanes(spec.head_dim_v) // 2)
     return {

@@ -252,9 +252,11 @@ def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> lis
     fwd = config.fwd
     fwds = {dataclasses.replace(fwd, pack_gqa=fwd.pack_gqa if grouped else 0, num_splits=splits, tma=tma)
             for splits in ((1, 2) if fwd.num_splits == 0 else (fwd.num_splits,)) for tma in {fwd.tma, 0}}
-    dkdvs = {dataclasses.replace(runnable_backward(config, spec, tma_dq).dkdv, tma=tma)
-             for tma_dq in (True, False) for tma in {config.dkdv.tma, 0}}
-    return [config.replace(fwd=f, dkdv=d) for f in sorted(fwds, key=str) for d in sorted(dkdvs, key=str)]
+    backwards = {(dataclasses.replace(runnable.dkdv, tma=tma), runnable.dq)
+                 for runnable in (runnable_backward(config, spec, tma_dq) for tma_dq in (True, False))
+                 for tma in {config.dkdv.tma, 0}}
+    return [config.replace(fwd=f, dkdv=d, dq=q) for f in sorted(fwds, key=str)
+            for d, q in sorted(backwards, key=lambda pair: (str(pair[0]), str(pair[1])))]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -306,6 +308,19 @@ def current_stream(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+_side_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device, stream: int) -> torch.cuda.Stream:
+    """The second stream a concurrent dQ kernel runs on beside `stream` (a raw stream of `device`), one per
+    stream a backward is launched on (Plan.run_backward): a CUDA-graph capture on one stream never draws in
+    work another stream's backward queued on a shared side stream."""
+    side = _side_streams.get((device, stream))
+    if side is None:
+        side = _side_streams[(device, stream)] = torch.cuda.Stream(device)
+    return side
 
 
 _split_counts: dict[tuple[torch.device, int | None], torch.Tensor] = {}
@@ -471,8 +486,9 @@ class Plan:
 
     def bwd_launches(self, grad_out: torch.Tensor, atomic: bool | None = None) -> tuple[KernelLaunch, ...]:
         """The backward's kernels in launch order, for gradients of this stride and alignment (cached):
-        dQ and Delta, then dK/dV; with atomic dQ (`atomic`, default adds_dq_atomically()): Delta (and a zeroed
-        dQ accumulator), dK/dV with dQ, then dQ's store."""
+        dQ and Delta, then dK/dV; with a concurrent dQ kernel: Delta, then dQ and dK/dV (dK/dV first with
+        `concurrent=2`; `beside` tells which runs on the second stream); with atomic dQ (`atomic`, default
+        adds_dq_atomically()): Delta (and a zeroed dQ accumulator), dK/dV with dQ, then dQ's store."""
         atomic = self._atomic(atomic)
         key = (grad_out.stride(), grad_out.data_ptr() % 16, atomic)
         launches = self._bwd.get(key)
@@ -490,9 +506,40 @@ class Plan:
                             KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, store, values))
             else:
                 dq_grid = (triton.cdiv(self.dq_rows, config.dq.block_m), *self.dq_grid[1:])
-                launches = (KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", dq_grid, config.dq, values), dkdv)
+                dq = KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", dq_grid, config.dq, values)
+                if config.dq.concurrent:
+                    prep = KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", dq_grid,
+                                        atomic_dq_pass_config(config, "prep"), values)
+                    launches = (prep, dq, dkdv) if config.dq.concurrent == 1 else (prep, dkdv, dq)
+                else:
+                    launches = (dq, dkdv)
             self._bwd[key] = launches
         return launches
+
+    def beside(self) -> int | None:
+        """The index in bwd_launches() of the dQ kernel that runs on a second stream beside dK/dV, or None: a
+        dQ config without `concurrent`, or an atomic-dQ config (in deterministic mode too, whose dQ kernel
+        takes the heuristic's dQ config)."""
+        return None if self.atomic_dq else {0: None, 1: 1, 2: 2}[self.config.dq.concurrent]
+
+    def run_backward(self, slots: tuple, launches: tuple[KernelLaunch, ...], beside: int | None) -> None:
+        """Launch `launches` on the current stream in order; `beside` (see beside()): the one that runs on a
+        second stream instead, forked after the first launch (Delta) and joined before returning, so the
+        gradients are ready on the current stream as after any launch (in the interpreter: all in order)."""
+        stream = current_stream(self.device)
+        if beside is None or stream is None:
+            for launch in launches:
+                launch(slots, stream)
+            return
+        main, side = torch.cuda.current_stream(self.device), side_stream(self.device, stream)
+        launches[0](slots, stream)
+        forked, joined = torch.cuda.Event(), torch.cuda.Event()
+        forked.record(main)
+        side.wait_event(forked)
+        for index in range(1, len(launches)):
+            launches[index](slots, side.cuda_stream if index == beside else stream)
+        joined.record(side)
+        main.wait_event(joined)
 
     def allocate_backward(self, atomic: bool | None = None) -> tuple[torch.Tensor, ...]:
         """(delta, dq, dk, dv, dq_acc) buffers; dq_acc (atomic dQ's float32 accumulator) is None without it
@@ -513,11 +560,8 @@ class Plan:
         launches = self.bwd_launches(grad_out, atomic)
         buffers = self.allocate_backward(atomic)
         slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, *buffers)
-        dq, dk, dv = buffers[1:4]
-        stream = current_stream(self.device)
-        for launch in launches:
-            launch(slots, stream)
-        return dq, dk, dv
+        self.run_backward(slots, launches, self.beside())
+        return buffers[1:4]
 
     # -- arguments ---------------------------------------------------------------------------
 

@@ -259,20 +259,13 @@ class KernelRunner:
         """A no-argument callable launching the forward ('fwd', split-KV's merge included) or the
         whole backward ('dq', 'dkdv' or 'bwd': its two configs share the work, and with atomic dQ one
         kernel does both's, so either is timed as the backward a training step runs)."""
-        from fatune.launch import current_stream
-
         if kernel == "fwd":
             return lambda: self.plan.run_forward(self.slots)
         if kernel not in ("dq", "dkdv", "bwd"):
             raise ValueError(f"kernel: expected 'fwd', 'dq', 'dkdv' or 'bwd', got {kernel!r}")
         launches = self.plan.bwd_launches(self.args.grad_out, atomic=True)
-
-        def backward() -> None:
-            stream = current_stream(self.plan.device)
-            for launch in launches:
-                launch(self.slots, stream)
-
-        return backward
+        beside = self.plan.beside()
+        return lambda: self.plan.run_backward(self.slots, launches, beside)
 
     def prepare(self) -> None:
         """Run the forward once so the backward reads a real O and LSE."""

@@ -136,6 +136,9 @@ class SearchSpace:
     atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, where fatune.spec.atomic_dq_kinds allows; 2 = TMA reductions
     split_d: tuple[int, ...] = (1, 2)  # dK/dV only, where fatune.spec.split_d_searched
     maxnreg: tuple[int, ...] = (0, 128)  # dQ only, 16-bit head dims up to 64 (MAXNREG_LANES): a register cap
+    # dQ only: the dQ kernel on a second stream beside dK/dV (1: dQ launched first, 2: dK/dV first); not searched
+    # until benchmarks/stream_probe.py shows a gain on the H200 (a new axis would also reset issue 14's grids)
+    concurrent: tuple[int, ...] = (0,)
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the structure fields it owns.
@@ -160,6 +163,8 @@ class SearchSpace:
         if kernel == "dq" and shape.spec.dtype != "float32" and \
                 max(lanes(shape.spec.head_dim), lanes(shape.spec.head_dim_v)) <= MAXNREG_LANES:
             axes["maxnreg"] = self.maxnreg
+        if kernel == "dq" and len(self.concurrent) > 1:
+            axes["concurrent"] = self.concurrent
         return axes
 
     def fills_gpu(self, shape: Shape, sms: int) -> bool:
@@ -178,6 +183,7 @@ GPU_SPACE = SearchSpace()
 # The interpreter runs tiles as numpy arrays: a small space keeps CPU searches short.
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2),
                                 maxnreg=(0,),  # the interpreter compiles nothing: a cap changes nothing there
+                                concurrent=(0,),  # nor has it streams to run kernels side by side
                                 pack_gqa=(1,), atomic_dq=(0, 1, 2))
 
 

@@ -32,7 +32,8 @@ _DTYPE_ALIASES = {
     "f32": "float32",
 }
 MAX_HEAD_DIM = 256
-_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a([12])?)?(/d2)?(?:/r(\d+))?")
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:/w(\d+))?(?:/s(\d+))?(?:/k(\d+))?(/g)?(/t)?(/a([12])?)?(/d2)?(/c([12])?)?"
+                        r"(?:/r(\d+))?")
 MAX_SPLITS = 128
 MIN_MAXNREG = 24  # the fewest registers per thread ptxas accepts as a cap
 _POW2_TILES = (16, 32, 64, 128, 256)
@@ -224,6 +225,12 @@ class LaunchConfig:
         (and of dQ's, with atomic dQ): half the accumulators, so large head dims keep tensor-core
         tiles in registers, for S and dP computed over the full head dim by both (1.5x the
         products). Head dims of at least 32 lanes (fatune.launch.resolve takes 1 below).
+    dQ only:
+    concurrent: 1 = the dQ kernel runs on a second CUDA stream beside the dK/dV kernel, launched first,
+        after a pass of its own computes Delta (as the dQ kernel otherwise does before dK/dV starts); 2 =
+        the same, the dK/dV kernel launched first. Each kernel's last wave leaves multiprocessors idle that
+        the other's programs can take. No effect with atomic dQ (no dQ kernel runs) or in the interpreter
+        (no streams: the three launches run in order).
     Every kernel:
     maxnreg: registers per thread the compiler may use (0: its own choice, up to 255); fewer can fit
         more programs on a multiprocessor where shared memory allows, at the price of spills.
@@ -238,6 +245,7 @@ class LaunchConfig:
     tma: int = 0
     atomic_dq: int = 0
     split_d: int = 1
+    concurrent: int = 0
     maxnreg: int = 0
 
     def __post_init__(self) -> None:
@@ -260,6 +268,8 @@ class LaunchConfig:
             raise ValueError(f"atomic_dq: expected 0, 1 or 2, got {self.atomic_dq!r}")
         if self.split_d not in (1, 2) or not _is_int(self.split_d):
             raise ValueError(f"split_d: expected 1 or 2, got {self.split_d!r}")
+        if self.concurrent not in (0, 1, 2) or not _is_int(self.concurrent):
+            raise ValueError(f"concurrent: expected 0, 1 or 2, got {self.concurrent!r}")
         if not _is_int(self.maxnreg) or not (self.maxnreg == 0 or MIN_MAXNREG <= self.maxnreg <= 255):
             raise ValueError(f"maxnreg: expected 0 (the compiler's choice) or an int in {MIN_MAXNREG}..255, "
                              f"got {self.maxnreg!r}")
@@ -295,22 +305,24 @@ class LaunchConfig:
         if self.num_splits != 1:
             text += f"/k{self.num_splits}"
         atomic = {0: "", 1: "/a", 2: "/a2"}[self.atomic_dq]
+        concurrent = {0: "", 1: "/c", 2: "/c2"}[self.concurrent]
         return text + ("/g" if self.pack_gqa else "") + ("/t" if self.tma else "") + atomic + \
-            ("/d2" if self.split_d == 2 else "") + (f"/r{self.maxnreg}" if self.maxnreg else "")
+            ("/d2" if self.split_d == 2 else "") + concurrent + (f"/r{self.maxnreg}" if self.maxnreg else "")
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2][/rREGS]', e.g.
-        '128x64/w4/s3', '64x64/w4/s2/k8/g' or '128x64/w8/s3/t/r128' (forward) or '64x128/w8/s2/a' or
-        '64x64/w4/s1/t/d2' (dK/dV)."""
+        """Read the `str()` form back: 'MxN[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2][/c|/c2][/rREGS]',
+        e.g. '128x64/w4/s3', '64x64/w4/s2/k8/g' or '128x64/w8/s3/t/r128' (forward), '64x128/w8/s2/a' or
+        '64x64/w4/s1/t/d2' (dK/dV), '128x64/w8/s3/c' (dQ)."""
         match = _CONFIG_RE.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2][/rREGS] "
-                             f"such as 128x64/w4/s3, got {text!r}")
-        block_m, block_n, warps, stages, splits, pack, tma, atomic, atomic_kind, split_d, maxnreg = match.groups()
+            raise ValueError(f"config: expected BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES][/kSPLITS][/g][/t][/a|/a2][/d2][/c|/c2]"
+                             f"[/rREGS] such as 128x64/w4/s3, got {text!r}")
+        (block_m, block_n, warps, stages, splits, pack, tma, atomic, atomic_kind, split_d, concurrent, concurrent_kind,
+         maxnreg) = match.groups()
         return cls(int(block_m), int(block_n), int(warps or 4), int(stages or 2), int(splits or 1), int(bool(pack)),
                    tma=int(bool(tma)), atomic_dq=int(atomic_kind or 1) if atomic else 0, split_d=2 if split_d else 1,
-                   maxnreg=int(maxnreg or 0))
+                   concurrent=int(concurrent_kind or 1) if concurrent else 0, maxnreg=int(maxnreg or 0))
 
 
 def _is_int(value: Any) -> bool:
@@ -318,13 +330,13 @@ def _is_int(value: Any) -> bool:
 
 
 # the code-structure fields and their plain-kernel values
-STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "atomic_dq": 0, "split_d": 1}
+STRUCTURE_FIELDS = {"num_splits": 1, "pack_gqa": 0, "tma": 0, "atomic_dq": 0, "split_d": 1, "concurrent": 0}
 # fields added after the first shipped DB, and their plain values (LaunchConfig.to_dict; older entries lack them)
-LATER_FIELDS = {"split_d": 1, "maxnreg": 0}
+LATER_FIELDS = {"split_d": 1, "maxnreg": 0, "concurrent": 0}
 KERNELS = ("fwd", "dkdv", "dq")
 # the kernels whose code each structure field changes (the others keep the plain value)
 STRUCTURE_OWNER = {"num_splits": ("fwd",), "pack_gqa": ("fwd",), "tma": ("fwd", "dkdv"), "atomic_dq": ("dkdv",),
-                   "split_d": ("dkdv",)}
+                   "split_d": ("dkdv",), "concurrent": ("dq",)}
 
 
 def atomic_dq_kinds(spec: KernelSpec) -> tuple[int, ...]:
@@ -367,8 +379,12 @@ def with_runnable_split_d(config: AttentionConfig, spec: KernelSpec) -> Attentio
 
 def runnable_backward(config: AttentionConfig, spec: KernelSpec, tma: bool) -> AttentionConfig:
     """`config`'s backward structure as a launch for `spec` runs it: atomic dQ lowered to a kind that runs
-    (TMA reductions only when `tma`), the head-dim split dropped where its halves are too narrow."""
-    return with_runnable_split_d(with_runnable_atomic_dq(config, spec, tma), spec)
+    (TMA reductions only when `tma`), the head-dim split dropped where its halves are too narrow, a concurrent
+    dQ kernel dropped where atomic dQ leaves no dQ kernel to run."""
+    config = with_runnable_split_d(with_runnable_atomic_dq(config, spec, tma), spec)
+    if config.dkdv.atomic_dq and config.dq.concurrent:
+        config = config.replace(dq=dataclasses.replace(config.dq, concurrent=0))
+    return config
 
 
 def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
@@ -377,13 +393,15 @@ def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
 
 
 def atomic_dq_pass_config(config: AttentionConfig, kernel: str) -> LaunchConfig:
-    """The launch config of atomic dQ's passes around the dK/dV kernel, `kernel` 'prep' (Delta and the zeroed
-    accumulator) or 'dq_store': dQ's tile and warps without its register cap; the prep pass unpipelined, as its
+    """The launch config of the passes around the dK/dV kernel, `kernel` 'prep' (Delta, and atomic dQ's zeroed
+    accumulator; also before a concurrent dQ kernel) or 'dq_store' (atomic dQ's): dQ's tile and warps without
+    its register cap; the prep pass unpipelined, as its
     key loop runs only on query tiles whose rows see few keys, and stages would reserve shared memory (up to
     160 KiB at d128) for every program of an otherwise memory-bound pass."""
     if kernel not in ("prep", "dq_store"):
         raise ValueError(f"kernel: expected 'prep' or 'dq_store', got {kernel!r}")
-    return dataclasses.replace(config.dq, maxnreg=0, num_stages=1 if kernel == "prep" else config.dq.num_stages)
+    return dataclasses.replace(config.dq, maxnreg=0, num_stages=1 if kernel == "prep" else config.dq.num_stages,
+                               concurrent=0)
 
 
 @dataclass(frozen=True)

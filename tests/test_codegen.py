@@ -287,6 +287,29 @@ def test_atomic_dq_passes_compile_for_sm90(tmp_path):
     assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 2 * len(ATOMIC_DQ_PASS_CASES)
 
 
+def test_concurrent_dq_compiles_for_sm90(tmp_path):
+    """With `concurrent`, the Delta pass and the dQ kernel that reads its Delta lower to sm_90 cubins (the dQ
+    kernel without the Delta code, and so without the O load)."""
+    spec = KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True)
+    config = default_config(spec, (9, 0))
+    config = config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=0),
+                            dq=dataclasses.replace(config.dq, concurrent=1))
+    source = codegen.render("bwd", spec, config)
+    dq = source.split("def attn_bwd_dq(")[1].split("def attn_bwd_prep(")[0]
+    assert "tile_delta(" not in dq and "tl.load(O " not in dq and "load_row_stats(" in dq
+    assert "DQ_ACC" not in source.split("def attn_bwd_prep(")[1].split('"""')[2]  # no accumulator to zero
+    script = (
+        "from fatune import offline\n"
+        "from fatune.spec import AttentionConfig, KernelSpec\n"
+        f"spec, config = KernelSpec(**{spec.to_dict()!r}), AttentionConfig.from_dict({config.to_dict()!r})\n"
+        "for kernel in ('prep', 'dq'):\n"
+        "    info = offline.compile_kernel(kernel, spec, config)\n"
+        "    assert info.uses_wgmma and not info.spills, (kernel, info)\n"
+        "    print(kernel, info)\n"
+    )
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 2
+
+
 # backward with the query and dO tiles read by TMA: (spec, dK/dV config)
 TMA_DKDV_COMPILE_CASES = [
     (KernelSpec("bfloat16", 128, causal=True), "64x64/w4/s2/t"),
@@ -370,6 +393,8 @@ def test_a_register_cap_is_a_compile_option_not_source():
     ("64x128/w8/s2/a2", {"atomic_dq": 2}),
     ("64x128/w8/s1/t/d2", {"tma": 1, "split_d": 2}),
     ("64x64/w4/s1/t/a2/d2", {"tma": 1, "atomic_dq": 2, "split_d": 2}),
+    ("128x64/w8/s3/c", {"concurrent": 1}),
+    ("128x64/w8/s3/c2/r128", {"concurrent": 2}),
 ])
 def test_structure_suffixes_round_trip(text, fields):
     config = LaunchConfig.parse(text)
@@ -394,6 +419,10 @@ def test_structure_suffixes_round_trip(text, fields):
     (lambda: LaunchConfig(64, 64, maxnreg=128.0), "maxnreg"),
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64, pack_gqa=1), LaunchConfig(64, 64)), "pack_gqa"),
     (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64), LaunchConfig(64, 64, tma=1)), "tma"),
+    (lambda: LaunchConfig(64, 64, concurrent=3), "concurrent: expected 0, 1 or 2"),
+    (lambda: LaunchConfig.parse("64x64/w4/s3/c3"), "config"),
+    (lambda: AttentionConfig(LaunchConfig(64, 64), LaunchConfig(64, 64, concurrent=1), LaunchConfig(64, 64)),
+     "concurrent"),
 ])
 def test_bad_structure_fields_name_the_field(make, message):
     with pytest.raises(ValueError, match=message):

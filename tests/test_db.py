@@ -223,6 +223,8 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("fwd_config", {**GOOD_CONFIG, "maxnreg": 8}, "fwd_config.maxnreg"),
     ("bwd_config", {"dkdv": {**GOOD_CONFIG, "split_d": 3}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.split_d"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "split_d": 2}}, "bwd_config.dq: ['split_d']"),
+    ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "concurrent": 3}}, "bwd_config.dq.concurrent"),
+    ("bwd_config", {"dkdv": {**GOOD_CONFIG, "concurrent": 1}, "dq": GOOD_CONFIG}, "bwd_config.dkdv: ['concurrent']"),
     # a field this version does not know (e.g. a removed switch) makes the entry invalid
     ("fwd_config", {**GOOD_CONFIG, "tma": 1, "retired_switch": 1}, "fwd_config: expected an object"),
     ("bwd_config", {"dkdv": {**GOOD_CONFIG, "num_splits": 2}, "dq": GOOD_CONFIG}, "bwd_config.dkdv: ['num_splits']"),
@@ -263,6 +265,14 @@ def test_forward_structure_fields_are_stored_and_read_back(db_path, fwd_config):
     fwd = entry.attention_config().fwd
     assert {name: getattr(fwd, name) for name in fwd_config} == fwd_config
     assert fwd.tma == fwd_config.get("tma", 0)
+
+
+def test_a_concurrent_dq_config_is_stored_and_read_back(db_path):
+    dq = {**GOOD_CONFIG, "concurrent": 2}
+    with TunedDB(db_path) as db:
+        db.upsert(make_entry(bwd_config={"dkdv": GOOD_CONFIG, "dq": dq}))
+        [entry] = db.entries()
+    assert entry.attention_config().dq.concurrent == 2 and entry.attention_config().dkdv.concurrent == 0
 
 
 @pytest.mark.parametrize("name, value, named", INVALID_FIELDS, ids=[f"{n}={v!r}" for n, v, _ in INVALID_FIELDS])

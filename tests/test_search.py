@@ -357,12 +357,16 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     ("float16", 2, "dq", [], 256),
     ("bfloat16", 2, "dq", ["maxnreg"], 64),  # registers limit the d64 dQ kernel to one program per SM
     ("float32", 2, "dq", [], 64),
+    ("float16", 2, "dq+concurrent", ["concurrent"], 128),  # offered once the stream probe shows a gain
 ])
 def test_forward_structure_axes(dtype, kv_heads, kernel, structure, head_dim):
     from fatune.search import GPU_SPACE
 
     shape = Shape(1, 2, 64, 64, head_dim, dtype, kv_heads=kv_heads)
-    axes = GPU_SPACE.axes(kernel, shape)
+    space = GPU_SPACE
+    if kernel == "dq+concurrent":
+        kernel, space = "dq", dataclasses.replace(GPU_SPACE, concurrent=(0, 1, 2))
+    axes = space.axes(kernel, shape)
     assert list(axes)[4:] == structure
     assert axes.get("tma", (0, 1)) == (0, 1)
     assert all(config.tma in (0, 1) for config in GPU_SPACE.grid(kernel, shape)[:50])

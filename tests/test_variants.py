@@ -535,6 +535,50 @@ def test_atomic_dq_launches_no_dq_kernel():
     assert not plan.atomic_dq and plan.config.dkdv.atomic_dq == 0  # Kahan-summed float32 keeps the dQ kernel
 
 
+def _concurrent_dq(kind=1):
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    return INTERPRETER_CONFIG.replace(dq=fatune.LaunchConfig(32, 16, concurrent=kind))
+
+
+@pytest.mark.parametrize("kind", [1, 2], ids=["dq-first", "dkdv-first"])
+@pytest.mark.parametrize("make", [case[1] for case in ATOMIC_DQ_CASES], ids=[case[0] for case in ATOMIC_DQ_CASES])
+def test_concurrent_dq(make, kind, poison_outputs):
+    """The dQ kernel that reads Delta from the pass before it (to run beside dK/dV) gives the same gradients."""
+    q, k, v, kwargs = make()
+    run_and_compare(q, k, v, config=_concurrent_dq(kind), **kwargs)
+
+
+def test_concurrent_dq_packed_varlen_and_dropout(monkeypatch, poison_outputs):
+    q, k, v, cu_q, cu_k = _packed([1, 16, 0, 7], [40, 21, 5, 3], 4, 2, 32, 32, seed=5)
+    run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16, max_seqlen_k=40,
+                    is_causal=True, enable_gqa=True, config=_concurrent_dq())
+    monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([31], device=device))
+    q, k, v = _qkv(lq=20, lk=36, seed=21)
+    keep = dropout.keep_mask(31, 0.25, 2, 2, 20, 36, DEVICE)
+    run_and_compare(q, k, v, dropout_p=0.25, window_size=(3, 0), dropout_keep=keep, config=_concurrent_dq(2))
+
+
+def test_concurrent_dq_launches_delta_first():
+    """Delta's pass, then dQ and dK/dV in the order asked (`beside`: the one on the second stream); atomic dQ
+    leaves no dQ kernel to run beside, and deterministic mode's dQ kernel (the heuristic's) runs in order."""
+    from fatune.launch import Plan
+    from fatune.plans import Call
+
+    q, k, v = _qkv(lq=20, lk=36, seed=19)
+    problem = Call(is_causal=True).check(q, k, v)
+    for kind, names, beside in ((1, ["attn_bwd_prep", "attn_bwd_dq", "attn_bwd_dkdv"], 1),
+                                (2, ["attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq"], 2)):
+        plan = Plan(problem, _concurrent_dq(kind), q.device, q, k, v)
+        assert [launch.fn.__name__ for launch in plan.bwd_launches(torch.empty_like(q))] == names
+        assert plan.beside() == beside
+    atomic = _concurrent_dq().replace(dkdv=fatune.LaunchConfig(16, 32, atomic_dq=1))
+    plan = Plan(problem, atomic, q.device, q, k, v)
+    assert plan.config.dq.concurrent == 0 and plan.beside() is None
+    assert [launch.fn.__name__ for launch in plan.bwd_launches(torch.empty_like(q), atomic=False)] == \
+        ["attn_bwd_dq", "attn_bwd_dkdv"]
+
+
 def test_a_dq_register_cap_stays_with_the_dq_kernel():
     """A capped dQ config (`/r128`) caps the dQ kernel; with atomic dQ, the small kernels around dK/dV take dQ's
     tile and warps but not its cap (measured for the dQ kernel only)."""
@@ -938,8 +982,40 @@ def test_gpu_skipped_work_is_not_paid_for(case):
     assert sparse < limit * dense, f"{case}: {sparse:.3f} ms is not well under dense {dense:.3f} ms"
 
 
-# (case id, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, num_splits, pack_gqa, seqlens_k or None):
-# inference shapes on a long cache, odd split counts, caches filled less than their length, GQA and not
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["causal-bottom-right", "gqa-8", "key-padding", "window", "head-dim-80",
+                                  "head-dim-256", "alibi", "mask-bool"])
+def test_gpu_concurrent_dq(name, dtype, poison_outputs, record_gpu_errors):
+    """The dQ kernel on a second stream beside the dK/dV kernel (Delta from the pass before both), either
+    launched first, against the accuracy rule; then inside a CUDA graph, whose replay gives the same gradients."""
+    from fatune.dispatch import device_arch
+    from fatune.heuristics import default_config
+
+    q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed("concurrent", name, dtype)), dtype)
+    base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], q.shape[-1]), device_arch(q.device))
+    base = base.replace(dkdv=dataclasses.replace(base.dkdv, atomic_dq=0))
+    from tests.test_custom_op import warm_up_on_a_side_stream
+
+    grad_out = torch.randn(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)
+    for kind in (1, 2):  # dQ launched first, dK/dV launched first
+        config = base.replace(dq=dataclasses.replace(base.dq, concurrent=kind))
+        record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+        def step(config=config):
+            return torch.autograd.grad(fatune.attention(q, k, v, config=config, **kwargs), (q, k, v), grad_out)
+
+        eager = step()
+        warm_up_on_a_side_stream(step)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        for grad, got, want in zip(("dq", "dk", "dv"), captured, eager):
+            assert torch.equal(got, want), f"concurrent={kind}: {grad}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", ["causal-bottom-right", "gqa-8", "key-padding", "window", "head-dim-80",
@@ -989,6 +1065,8 @@ def test_gpu_deterministic_mode_repeats_the_backward_bit_for_bit(dtype, determin
         assert all(torch.equal(a, b) for a, b in zip(first, grads))
 
 
+# (case id, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, num_splits, pack_gqa, seqlens_k or None):
+# inference shapes on a long cache, odd split counts, caches filled less than their length, GQA and not
 GPU_INFERENCE_CASES = [
     ("decode-7-splits", 4, 32, 8, 1, 4099, 128, 7, 1, None),
     ("decode-cache-fill-auto", 3, 16, 4, 1, 3000, 128, 0, 1, [3000, 17, 1999]),
