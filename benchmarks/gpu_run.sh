@@ -167,6 +167,16 @@ GRID
       python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"
       cp "$db" benchmarks/results/ship-db-h200-optuna.sqlite "$stored" "$OUT/" 2>/dev/null
       python3 -m fatune.cli db list --db "$db" | tail -n 5 ;;
+    db-refresh)  # the shipped H200 DB's stale entries (kernels changed since they were timed) re-timed beside the
+      # heuristic with today's kernels, the faster kept (fatune db refresh; REFRESH_ARGS: e.g. --head-dim 64).
+      # It writes each entry as it finishes: cut at REFRESH_TIMEOUT (s, default 480) it keeps what it wrote, and
+      # the DB still comes back; run it again to go on (refreshed entries are current: not timed twice). Commit it.
+      db=tuned_db/nvidia-h200.sqlite
+      timeout "${REFRESH_TIMEOUT:-480}" python3 -m fatune.cli db refresh --db "$db" ${REFRESH_ARGS:-} \
+        > "$OUT/db-refresh.log" 2>&1; echo "rc $?" >> "$OUT/db-refresh.log"
+      python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"
+      cp "$db" "$OUT/"
+      tail -n 3 "$OUT/db-refresh.log" ;;
     sweep2)  # the default sweep (L = 512..16384, causal and not: 12 shapes) with --workers 1, then --workers 2
       # (run on the 2-GPU machine). Each run gets a fresh DB, Optuna storage and Triton cache (the second is not a
       # cache hit of the first; its two workers share one cache, as on any host). SWEEP_TRIALS per kernel per

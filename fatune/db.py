@@ -276,13 +276,18 @@ class Entry:
         or by forward time when either is forward-only (like with like: it has no backward time). Otherwise the
         two timed different problems and their times say nothing about each other's configs: the newer search
         wins (its studies started from the entry it replaces, fatune.search.warm_starts); a tie keeps `other`."""
-        sized = not any(part in self.mask_variant for part in _UNSTORED_SIZES)
-        if sized and (self.batch, self.heads, self.seqlen_q, self.seqlen_k) == \
+        if self.sized and (self.batch, self.heads, self.seqlen_q, self.seqlen_k) == \
                 (other.batch, other.heads, other.seqlen_q, other.seqlen_k):
             if self.forward_only or other.forward_only:
                 return self.fwd_ms < other.fwd_ms
             return self.fwd_bwd_ms < other.fwd_bwd_ms
         return (self.created_at or _now()) > (other.created_at or _now())
+
+    @property
+    def sized(self) -> bool:
+        """Whether the stored batch, heads and lengths describe the whole problem this entry timed: its mask
+        variant has no size an entry does not store (a window's width, the kept keys, documents, a mask)."""
+        return not any(part in self.mask_variant for part in _UNSTORED_SIZES)
 
     def describe(self) -> str:
         """A short name for messages: GPU, dtype, head dim, mask variant and buckets."""
@@ -673,12 +678,21 @@ class TunedDB:
         return nearest(usable, key)
 
     def delete(self, entries: Iterable[Entry]) -> int:
-        count = 0
         with self.transaction():
-            for entry in entries:
-                where, args = self._where(dict(zip(KEY_COLUMNS, entry.key())))
-                count += self.db.execute(f"delete from {TABLE} where {where}", args).rowcount
+            return self.delete_in_transaction(entries)
+
+    def delete_in_transaction(self, entries: Iterable[Entry]) -> int:
+        """delete() for a caller that holds the write transaction: the rows of these entries' keys."""
+        count = 0
+        for entry in entries:
+            where, args = self._where(dict(zip(KEY_COLUMNS, entry.key())))
+            count += self.db.execute(f"delete from {TABLE} where {where}", args).rowcount
         return count
+
+    def current(self, key: tuple) -> list[Entry]:
+        """The valid entries that are not stale under `key` (KEY_COLUMNS' values; the kernel hash not compared)."""
+        filters = {column: value for column, value in zip(KEY_COLUMNS, key) if column != "template_hash"}
+        return [entry for entry in self.entries(on_invalid=lambda message: None, **filters) if not is_stale(entry)]
 
     def count(self) -> int:
         return self.db[TABLE].count

@@ -879,6 +879,14 @@ def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture
                     candidate.search._tell(candidate.trial, heartbeat, None)
 
 
+def heuristic_config(shape: Shape, target: Target) -> AttentionConfig:
+    """The config the dispatcher would take for `shape` on `target` with no tuned entry (the decode heuristic's
+    tests made as it makes them)."""
+    decode = forward_only(shape)
+    shares = decode and target.sms is not None and shape.decode_shares_sms(target.sms)
+    return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode, shares)
+
+
 def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float,
                     storage: optuna.storages.RDBStorage, seed: int, space: SearchSpace,
                     warm: tuple[AttentionConfig, ...] = ()) -> tuple[AttentionConfig, list[KernelSearch]]:
@@ -886,10 +894,7 @@ def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float
     each kernel may start trials until its share of `seconds` from now has passed; `warm`: configs to
     try early (KernelSearch.warm_start)."""
     started = time.time()
-    decode = forward_only(shape)  # the decode heuristic's tests, as the dispatcher makes them
-    shares = decode and target.sms is not None and shape.decode_shares_sms(target.sms)
-    heuristic = default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode,
-                               shares)
+    heuristic = heuristic_config(shape, target)
     kernels = shape_kernels(shape)
     searches = [KernelSearch(target, shape, kernel, heuristic, space, storage, seed, trials,
                              deadline=started + seconds * (index + 1) / len(kernels), warm=warm)

@@ -164,6 +164,53 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
 
 @db.command()
 @db_option
+@filter_options
+@click.option("--rounds", type=click.IntRange(1, 50), default=3, show_default=True,
+              help="Timings of each config per entry, alternating (their median decides).")
+@click.option("--compile-workers", type=click.IntRange(0, 256), default=None,
+              help="Processes compiling the next entries' kernels while one is timed (default: CPU cores - 1, "
+                   "at most 16).")
+@click.option("--interpret", is_flag=True, help="Run in Triton's interpreter on the CPU (timings not meaningful).")
+@click.option("--dry-run", is_flag=True, help="Only say which entries would be timed, on which problem.")
+def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers, interpret, dry_run) -> None:
+    """Re-time stale entries with today's kernels instead of searching again.
+
+    An entry tuned on this GPU whose kernels have changed since (or whose Triton version differs)
+    has its stored configs timed again beside the heuristic's, on the problem it was measured on
+    (key padding and packed documents at `fatune search`'s defaults), both checked against torch;
+    the faster takes its place under today's versions, unless a current entry of that key is
+    already there. Entries of other GPUs are left alone. To find new configs, run `fatune search`.
+
+    Example:
+
+        fatune db refresh --db tuned_db/nvidia-h200.sqlite
+    """
+    import os
+
+    from fatune.refresh import refresh_db
+    from fatune.search import Target
+
+    try:
+        target = Target.detect(interpret)
+    except RuntimeError as error:
+        if not dry_run:
+            raise click.ClickException(str(error)) from None
+        target = None  # a dry run without a GPU: every stale entry is listed
+    if compile_workers is None:
+        compile_workers = min(16, max(0, (os.cpu_count() or 1) - 1))
+    counts: dict[str, int] = {}
+    with _open(db_path, readonly=dry_run, create=False) as database:
+        for result in refresh_db(database, target, rounds=rounds, dry_run=dry_run, compile_workers=compile_workers,
+                                 on_invalid=lambda message: click.echo(f"warning: {message}", err=True),
+                                 gpu=gpu, dtype=dtype, head_dim=head_dim, mask_variant=mask_variant):
+            outcome = result.outcome.split(":")[0]
+            counts[outcome] = counts.get(outcome, 0) + 1
+            click.echo(result.describe())
+    click.echo(", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())) or "no entries")
+
+
+@db.command()
+@db_option
 @click.option("--head-dim", type=click.IntRange(1, 256), required=True)
 @click.option("--head-dim-v", type=click.IntRange(0, 256), default=0, help="Value head dim (default: --head-dim).")
 @click.option("--dtype", default="bf16", show_default=True, callback=parse_dtype)

@@ -1,0 +1,273 @@
+"""`fatune db refresh`: stale entries re-timed with today's kernels beside the heuristic (interpreter, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from fatune import refresh
+from fatune.cli import cli
+from fatune.db import Entry, TunedDB, is_stale, key_columns, shape_key
+from fatune.measure import Shape
+from fatune.refresh import entry_key, entry_shape, refresh_db
+from fatune.search import Target, heuristic_config
+from fatune.spec import AttentionConfig, LaunchConfig
+
+SHIPPED = Path(__file__).parent.parent / "tuned_db" / "nvidia-h200.sqlite"
+TUNED = AttentionConfig(fwd=LaunchConfig(32, 16, num_warps=4, num_stages=1),
+                        dkdv=LaunchConfig(16, 32, num_warps=4, num_stages=1),
+                        dq=LaunchConfig(32, 16, num_warps=4, num_stages=1))
+INTERPRETER = Target(torch.device("cpu"), True, "triton-interpreter", "cpu", None)
+
+
+def entry_for(shape: Shape, config: AttentionConfig = TUNED, gpu: str = "triton-interpreter", capability: str = "cpu",
+              template_hash: str = "0123456789abcdef", **changes) -> Entry:
+    """An entry as `fatune search` stores one for `shape` (stale: its kernel hash is no kernel's)."""
+    entry = Entry(**{**key_columns(gpu, capability, shape_key(shape)), "template_hash": template_hash},
+                  fwd_config=config.fwd.to_dict(),
+                  bwd_config={"dkdv": config.dkdv.to_dict(), "dq": config.dq.to_dict()},
+                  fwd_ms=1.0, bwd_ms=2.0, fwd_bwd_ms=3.0, tflops=1.0, sdpa_backend="cudnn", sdpa_ms=6.0, speedup=2.0,
+                  batch=shape.batch, heads=shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, trials=30,
+                  interpreted=gpu == "triton-interpreter", created_at="2026-11-30T00:00:00+00:00")
+    return dataclasses.replace(entry, **changes)
+
+
+SHAPES = [  # what `fatune search` searches: each mask variant, GQA, L_q != L_k, decode
+    Shape(4, 16, 4096, 4096, 128, "bfloat16"),
+    Shape(2, 32, 8192, 8192, 64, "bfloat16", causal=True, kv_heads=4),
+    Shape(8, 16, 2048, 2048, 128, "float16", causal=True, window=256),
+    Shape(1, 16, 32768, 32768, 128, "bfloat16", causal=True, window=1024),
+    Shape(32, 16, 512, 512, 128, "bfloat16", causal=True, window=1024),  # wider than the keys: alignment only
+    Shape(8, 16, 2048, 2048, 128, "bfloat16", valid_keys=0.25),
+    Shape(8, 16, 2048, 2048, 64, "bfloat16", causal=True, valid_keys=0.25),
+    Shape(2, 16, 8192, 8192, 128, "bfloat16", causal=True, documents=5),
+    Shape(2, 16, 8192, 8192, 128, "bfloat16", documents=64),
+    Shape(4, 16, 1024, 4096, 128, "bfloat16", causal=True),
+    Shape(8, 32, 1, 8192, 128, "bfloat16", kv_heads=8),
+    Shape(4, 12, 1000, 1000, 80, "float16", head_dim_v=96),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=Shape.label)
+def test_an_entrys_problem_is_rebuilt_with_its_key_and_sizes(shape):
+    entry = entry_for(shape)
+    rebuilt = entry_shape(entry)
+    assert rebuilt is not None and shape_key(rebuilt) == entry_key(entry)
+    assert rebuilt == shape  # searched at the search's default sizes: the very problem, window and documents too
+
+
+def test_a_window_is_rebuilt_narrower_than_its_keys():
+    """A user's window of 80 keys at L = 100 (width bucket 128) is timed as a window, not as plain causal."""
+    rebuilt = entry_shape(entry_for(Shape(4, 8, 100, 100, 64, "float16", causal=True, window=80)))
+    assert rebuilt is not None and 0 <= rebuilt.window < 100
+
+
+@pytest.mark.parametrize("changes", [
+    {"mask_variant": "causal+alibi"}, {"mask_variant": "mask-bool"}, {"mask_variant": "dropout"},
+    {"mask_variant": "causal+nonsense"}, {"group_size": 3}, {"heads": 0}, {"seqlen_q_bucket": 64},
+    {"batch": 10**12, "seqlen_q_bucket": 4096},  # a key it fits, but inputs too large to time
+])
+def test_an_entry_no_search_could_have_made_has_no_problem_to_time(changes):
+    assert entry_shape(entry_for(SHAPES[0], **changes)) is None
+
+
+def test_every_shipped_entry_can_be_refreshed():
+    """A GPU refresh of the shipped DB times every entry (none skipped for a problem it cannot rebuild)."""
+    with TunedDB(SHIPPED, readonly=True) as db:
+        entries = list(db.entries())
+    assert entries and all(entry_shape(entry) is not None for entry in entries)
+
+
+TINY = Shape(batch=2, heads=2, seqlen_q=40, seqlen_k=40, head_dim=16, dtype="float16", causal=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_refresh_re_times_stale_entries_and_leaves_others_alone(tmp_path):
+    path = tmp_path / "tuned.sqlite"
+    gqa = Shape(batch=1, heads=4, seqlen_q=24, seqlen_k=56, head_dim=16, dtype="float16", kv_heads=2)
+    stale, stale_gqa = entry_for(TINY), entry_for(gqa, torch_version="2.0.0")  # a torch version of its own key
+    other_gpu = entry_for(TINY.with_(head_dim=32), gpu="NVIDIA H200", capability="9.0")
+    current = entry_for(TINY.with_(causal=False))
+    current = dataclasses.replace(current, template_hash=current.kernel_hash())
+    with TunedDB(path) as db:
+        for entry in (stale, stale_gqa, other_gpu, current):
+            db.upsert(entry)
+        results = {r.old.describe(): r for r in refresh_db(db, INTERPRETER, rounds=2)}
+        after = list(db.entries())
+    assert results[other_gpu.describe()].outcome.startswith("skipped: tuned on NVIDIA H200")
+    assert results[current.describe()].outcome == "current" and results[current.describe()].new is None
+    for old in (stale, stale_gqa):
+        result = results[old.describe()]
+        assert result.outcome in ("tuned", "heuristic") and result.shape == entry_shape(old)
+        assert result.tuned_ms > 0 and result.heuristic_ms > 0
+        new = result.new
+        assert not is_stale(new) and new.template_hash == new.kernel_hash() and new.interpreted
+        assert new.attention_config() == (TUNED if result.outcome == "tuned" else
+                                          heuristic_config(result.shape, INTERPRETER))
+        assert new.fwd_bwd_ms > 0 and new.trials == 30 and new.key()[5:] == old.key()[5:]
+    # SDPA's stored time is kept only while torch is the same
+    assert results[stale.describe()].new.sdpa_ms == 6.0
+    assert math.isnan(results[stale_gqa.describe()].new.sdpa_ms)
+    # one entry per key: the stale rows were replaced, the others are as they were
+    assert len(after) == 4 and not any(is_stale(e) for e in after if e.gpu == "triton-interpreter")
+    assert other_gpu in after and current in after
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_a_decode_entry_is_refreshed_forward_only(tmp_path):
+    decode = Shape(batch=2, heads=4, seqlen_q=1, seqlen_k=72, head_dim=16, dtype="float16", kv_heads=2)
+    heuristic = heuristic_config(decode, INTERPRETER)
+    tuned = heuristic.replace(fwd=LaunchConfig(16, 32, num_warps=4, num_stages=1, num_splits=2, pack_gqa=1))
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        db.upsert(entry_for(decode, tuned, bwd_ms=math.nan, fwd_bwd_ms=math.nan))
+        (result,) = refresh_db(db, INTERPRETER, rounds=1)
+        (entry,) = db.entries()
+    assert result.outcome in ("tuned", "heuristic") and not is_stale(entry)
+    assert entry.forward_only and entry.fwd_ms > 0 and math.isnan(entry.bwd_ms)
+    assert entry.attention_config().fwd == (tuned if result.outcome == "tuned" else heuristic).fwd
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_stored_configs_that_fail_the_check_give_way_to_the_heuristic(tmp_path, monkeypatch):
+    checked = []
+
+    def failing_tuned(shape, config, inputs, checker, backward):
+        checked.append(config)
+        return "fwd relative error 1 > 0.01" if config == TUNED else ""
+
+    monkeypatch.setattr(refresh, "_check", failing_tuned)
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        db.upsert(entry_for(TINY))
+        (result,) = refresh_db(db, INTERPRETER, rounds=1)
+        (entry,) = db.entries()
+    assert TUNED in checked and result.outcome == "heuristic" and "stored configs failed" in result.note
+    assert math.isnan(result.tuned_ms) and entry.attention_config() == heuristic_config(TINY, INTERPRETER)
+
+
+def test_the_stored_configs_are_really_checked():
+    """The check runs the kernels against torch's result: against another input's reference it fails."""
+    from fatune.measure import make_inputs
+    from fatune.search import Checker
+
+    inputs = make_inputs(TINY, "cpu")
+    assert refresh._check(TINY, TUNED, inputs, Checker(TINY, inputs), backward=True) == ""
+    other = Checker(TINY, make_inputs(TINY, "cpu", seed=1))
+    assert "fwd relative error" in refresh._check(TINY, TUNED, inputs, other, backward=True)
+    assert "fwd relative error" in refresh._check(TINY, TUNED, inputs, other, backward=False)
+
+
+def test_cli_dry_run_lists_and_writes_nothing(tmp_path):
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(entry_for(TINY))
+    before = path.read_bytes()
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--dry-run", "--interpret"])
+    assert result.exit_code == 0, result.output
+    assert f"would refresh on {TINY.label()}" in result.output and "1 would refresh" in result.output
+    assert path.read_bytes() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_cli_refresh_writes_and_counts(tmp_path):
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(entry_for(TINY))
+        db.upsert(entry_for(TINY.with_(head_dim=32), gpu="NVIDIA H200", capability="9.0"))
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--rounds", "1"])
+    assert result.exit_code == 0, result.output
+    assert "1 skipped" in result.output and ("1 tuned" in result.output or "1 heuristic" in result.output)
+    with TunedDB(path, readonly=True) as db:
+        assert sum(not is_stale(e) for e in db.entries()) == 1
+
+
+def test_cli_refresh_names_a_missing_db(tmp_path):
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(tmp_path / "none.sqlite"), "--interpret"])
+    assert result.exit_code != 0 and "no such file" in result.output
+
+
+def fixed_times(times: dict[str, float], calls: list | None = None):
+    """A stand-in for refresh._time: `times` by config ('tuned' is TUNED, anything else the heuristic)."""
+    def timed(shape, config, inputs, target, backward):
+        if calls is not None:
+            calls.append(config)
+        ms = times["tuned" if config == TUNED else "heuristic"]
+        return ms, {"fwd_ms": ms / 3, "bwd_ms": 2 * ms / 3, "fwd_bwd_ms": ms}
+    return timed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+@pytest.mark.parametrize("tuned_ms, heuristic_ms, winner", [(1.0, 2.0, "tuned"), (2.0, 1.0, "heuristic"),
+                                                            (1.5, 1.5, "tuned")])
+def test_the_faster_config_is_stored_and_a_tie_keeps_the_stored_one(tmp_path, monkeypatch, tuned_ms, heuristic_ms,
+                                                                    winner):
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": tuned_ms, "heuristic": heuristic_ms}))
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        db.upsert(entry_for(TINY))
+        (result,) = refresh_db(db, INTERPRETER, rounds=3)
+        (entry,) = db.entries()
+    assert result.outcome == winner and (result.tuned_ms, result.heuristic_ms) == (tuned_ms, heuristic_ms)
+    assert entry.attention_config() == (TUNED if winner == "tuned" else heuristic_config(TINY, INTERPRETER))
+    assert entry.fwd_bwd_ms == min(tuned_ms, heuristic_ms) and not is_stale(entry)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_a_current_entry_of_the_key_stays_whatever_its_time(tmp_path, monkeypatch):
+    """A search since the stale entry (here under another torch, so another key) wrote a current entry: refresh
+    neither times the stale one nor replaces the current one (even a slow one: it timed another problem)."""
+    calls = []
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": 0.1, "heuristic": 0.1}, calls))
+    window = TINY.with_(window=16)
+    stale = entry_for(window, torch_version="2.0.0")
+    searched = entry_for(window, fwd_bwd_ms=10.0, created_at="2026-12-01T00:00:00+00:00")
+    searched = dataclasses.replace(searched, template_hash=searched.kernel_hash())
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        db.upsert(stale)
+        db.upsert(searched)
+        (result,) = [r for r in refresh_db(db, INTERPRETER) if r.old == stale]
+        after = list(db.entries())
+    assert result.outcome == "superseded" and result.new is None and not calls
+    assert after == [searched]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_an_entry_that_cannot_be_timed_is_skipped_and_the_run_goes_on(tmp_path, monkeypatch):
+    huge = entry_for(SHAPES[0], batch=10**12)
+    broken = entry_for(TINY.with_(head_dim=8))
+    fine = entry_for(TINY)
+    original = refresh.refresh_entry
+
+    def failing(entry, *args, **kwargs):
+        if entry.head_dim == 8:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return original(entry, *args, **kwargs)
+
+    monkeypatch.setattr(refresh, "refresh_entry", failing)
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        for entry in (huge, broken, fine):
+            db.upsert(entry)
+        results = {r.old.describe(): r for r in refresh_db(db, INTERPRETER, rounds=1)}
+        after = {e.describe(): e for e in db.entries()}
+    assert results[huge.describe()].outcome == refresh.UNBUILT
+    assert results[broken.describe()].outcome == "skipped: RuntimeError: CUDA error: an illegal memory access " \
+                                                 "was encountered"
+    assert results[fine.describe()].outcome in ("tuned", "heuristic")
+    assert after[huge.describe()] == huge and after[broken.describe()] == broken  # left as they were
+    assert not is_stale(after[fine.describe()])
+
+
+def test_cli_refresh_warns_about_invalid_rows(tmp_path):
+    from tests.test_db import raw_insert
+
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(entry_for(TINY))
+    raw_insert(path, fwd_ms=-1.0, head_dim=32)
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--dry-run",
+                                     "--interpret"])
+    assert result.exit_code == 0 and "invalid entry" in result.stderr and "fwd_ms" in result.stderr
+    assert "1 would refresh" in result.stdout
