@@ -671,8 +671,8 @@ class TunedDB:
             if stale:  # one message per file and kind (a log line each), not per entry
                 kinds = ["another Triton version" if reason.startswith("Triton") else "kernels that have changed since"
                          for reason in stale]
-                report(f"{self.label}: entries tuned with {' and '.join(kinds)} are not used; "
-                       f"run `fatune search` again (`fatune db list` shows them)")
+                report(f"{self.label}: entries tuned with {' and '.join(kinds)} are not used; `fatune db refresh` "
+                       f"re-times them on this GPU, `fatune search` searches again (`fatune db list` shows them)")
                 continue
             usable.append(entry)
         return nearest(usable, key)
