@@ -5,7 +5,7 @@ freely. Each run draws fresh cases that mix them: dtype, batch, heads and GQA gr
 head dims 1..256 with a different value head dim, memory layouts, packed varlen inputs, causal bands of
 either alignment, sliding windows, bool and additive masks of every broadcast shape, ALiBi, seqlens_k,
 dropout, the softmax scale, dO's layout, and forced launch configs with every code-structure switch
-(split-KV, GQA packing, TMA, atomic dQ, head-dim split) or the dispatcher's own pick.
+(split-KV, GQA packing, TMA, atomic dQ, head-dim split, dQ beside dK/dV) or the dispatcher's own pick.
 
     FATUNE_RANDOM_CALLS=200 pytest tests/test_random_calls.py   # more cases (default 6)
     FATUNE_RANDOM_SEED=1234 pytest tests/test_random_calls.py   # repeat a run (the seed is in each failure)
@@ -89,7 +89,8 @@ def _config(rng: random.Random, group: int, spec):
                        pack_gqa=int(group > 1 and rng.random() < 0.5), tma=rng.choice([0, 1]))
     dkdv = LaunchConfig(**tiles(), atomic_dq=rng.choice([0, 0, 1, 2]), tma=rng.choice([0, 1]),
                         split_d=rng.choice([1, 1, 2]))
-    config = INTERPRETER_CONFIG.replace(fwd=fwd, dkdv=dkdv, dq=LaunchConfig(**tiles()))
+    dq = LaunchConfig(**tiles(), concurrent=rng.choice([0, 0, 1, 2]))
+    config = INTERPRETER_CONFIG.replace(fwd=fwd, dkdv=dkdv, dq=dq)
     if HAS_GPU:
         limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
         if any(infeasible(kernel, spec, getattr(config, kernel), limit) for kernel in KERNELS):
@@ -214,6 +215,8 @@ def test_draws_cover_the_space():
         "dropout": any(c.dropout_keep is not None for c in calls),
         "gqa": any(c.kwargs.get("enable_gqa") for c in calls),
         "forced config": any("config" in c.kwargs for c in calls),
+        "dQ beside dK/dV": any(c.kwargs.get("config") is not None and c.kwargs["config"].dq.concurrent
+                               and not c.kwargs["config"].dkdv.atomic_dq for c in calls),
         "empty keys": any(c.k.shape[-2 if c.k.dim() == 4 else 0] == 0 for c in calls),
         "d > 128": any(c.q.shape[-1] > 128 for c in calls),
     }
