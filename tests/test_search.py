@@ -37,6 +37,16 @@ def interpreter_target(shared_limit=None) -> Target:
     return Target(torch.device("cpu"), True, "triton-interpreter", "cpu", shared_limit)
 
 
+def test_cli_search_creates_the_default_dbs_folder(tmp_path, monkeypatch):
+    """On a new machine ~/.cache/fatune does not exist yet: the DB and its Optuna storage beside it go there."""
+    monkeypatch.setenv("FATUNE_DB", str(tmp_path / "new" / "folders" / "tuned.sqlite"))
+    result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths",
+                                      "24", "--mask", "none", "--trials", "1"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "new" / "folders" / "tuned.sqlite").is_file()
+    assert (tmp_path / "new" / "folders" / "tuned.optuna.sqlite").is_file()
+
+
 def test_cli_search_writes_db_rows_with_the_right_keys(tmp_path):
     db_path = tmp_path / "tuned.sqlite"
     result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths",

@@ -130,6 +130,12 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         tuned_db.check_writable(db_path)
     except tuned_db.DBError as error:
         raise click.ClickException(str(error)) from None
+    if storage is None:  # beside the DB, whose folder (the default ~/.cache/fatune on a new machine) may be new
+        try:
+            db_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise click.ClickException(f"{db_path}: folder {db_path.parent} cannot be created "
+                                       f"({error.strerror or error})") from None
     try:
         storage = studies.normalise_url(storage or studies.default_storage_url(db_path))
         studies.check_storage(storage)
