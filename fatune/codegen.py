@@ -87,7 +87,7 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
     if kind == "fwd":
         constants.update(BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n)
         structure.update({"PACK_GQA": bool(config.fwd.pack_gqa), "SPLIT_KV": config.fwd.num_splits != 1,
-                          "TMA": bool(config.fwd.tma)})
+                          "TMA": bool(config.fwd.tma) and not spec.paged})  # no descriptor spans pages
         if structure["SPLIT_KV"]:
             constants["MERGE_SPLITS"] = MERGE_SPLITS
         used = {"fwd": config.fwd.to_dict()}

@@ -40,10 +40,10 @@ def config_from_list(values: list[int]) -> AttentionConfig | None:
 
 
 def _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, enable_gqa,
-          window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k) -> Call:
+          window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table) -> Call:
     return Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, (window_left, window_right),
                 causal_alignment or None, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k)
+                max_seqlen_k, block_table)
 
 
 def _lse_rows(q: Tensor, packed: bool) -> tuple:
@@ -55,10 +55,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
                       seqlens_k: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                       seed: Optional[Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
                       enable_gqa: bool, window_left: int, window_right: int, causal_alignment: str,
-                      max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                      max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], block_table: Optional[Tensor],
                       config: list[int]) -> tuple[Tensor, Tensor]:
     call = _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
-                 enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k)
+                 enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table)
     prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
     if prepared.plan is None:
         out = plans.run_without_kernels(prepared, q, k, v, call)
@@ -68,7 +68,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 
 @attention_forward.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, seed, dropout_p, is_causal, scale,
-      enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, config):
+      enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table, config):
     out = torch.empty_strided(*layout_like(q.shape, q.stride(), v.shape[-1]), dtype=q.dtype, device=q.device)
     return out, q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
 
@@ -79,9 +79,14 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seed: Optional[Tensor],
                        dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, window_left: int,
                        window_right: int, causal_alignment: str, max_seqlen_q: Optional[int],
-                       max_seqlen_k: Optional[int], config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+                       max_seqlen_k: Optional[int], block_table: Optional[Tensor],
+                       config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    if block_table is not None:
+        from fatune.flash_attention import PAGED_GRADIENTS
+
+        raise ValueError(PAGED_GRADIENTS)
     call = _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
-                 enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k)
+                 enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table)
     prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
     if prepared.plan is None:  # recompute the dense result with autograd
         with torch.enable_grad():
@@ -100,13 +105,17 @@ def _(grad_out, q, k, v, *rest):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
+    if rest[_INPUTS.index("block_table") - 3] is not None and any(t.requires_grad for t in (q, k, v)):
+        from fatune.flash_attention import PAGED_GRADIENTS
+
+        raise ValueError(PAGED_GRADIENTS)
     ctx.save_for_backward(q, k, v, *output)
     ctx.rest = rest
 
 
 _INPUTS = ("q", "k", "v", "attn_mask", "alibi_slopes", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "seed",
            "dropout_p", "is_causal", "scale", "enable_gqa", "window_left", "window_right", "causal_alignment",
-           "max_seqlen_q", "max_seqlen_k", "config")
+           "max_seqlen_q", "max_seqlen_k", "block_table", "config")
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -127,5 +136,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConf
                                call.cu_seqlens_k, seed, float(call.dropout_p), bool(call.is_causal),
                                None if call.scale is None else float(call.scale), bool(call.enable_gqa),
                                window_left, window_right, call.causal_alignment or "", call.max_seqlen_q,
-                               call.max_seqlen_k, config_to_list(config))
+                               call.max_seqlen_k, call.block_table, config_to_list(config))
     return out

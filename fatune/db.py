@@ -114,7 +114,11 @@ def key_reach(spec: KernelSpec, seqlen_k: int, window_left: int, window_right: i
 
 def call_key(spec: KernelSpec, group_size: int, seqlen_q: int, seqlen_k: int,
              window_left: int = 0, window_right: int = 0) -> CallKey:
-    """The one place a key is built: dispatcher (`problem_key`) and search (`shape_key`) both come here."""
+    """The one place a key is built: dispatcher (`problem_key`) and search (`shape_key`) both come here. A paged
+    cache's call takes the contiguous call's key: it runs the same kernels but for where a key row is read (no
+    search produces paged entries)."""
+    if spec.paged:
+        spec = dataclasses.replace(spec, paged=False)
     return CallKey(spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask_variant, group_size,
                    seqlen_bucket(seqlen_q), seqlen_bucket(key_reach(spec, seqlen_k, window_left, window_right)))
 
@@ -197,7 +201,7 @@ def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
 def variant_fields() -> dict[str, dict[str, Any]]:
     """Every name KernelSpec.mask_variant can give (the only ones an entry may carry), with the KernelSpec
     fields that give it."""
-    flags = ("causal", "window_left", "window_right", "bottom_right", "alibi", "dropout")
+    flags = ("causal", "window_left", "window_right", "bottom_right", "alibi", "dropout")  # paged: call_key
     variants = {}
     for values in itertools.product((False, True), repeat=len(flags)):
         for mask in MASK_KINDS:

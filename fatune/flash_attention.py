@@ -20,6 +20,10 @@ from fatune.plans import Call, prepare, prepare_plain, run_without_kernels
 from fatune.spec import AttentionConfig, KernelSpec
 
 
+PAGED_GRADIENTS = ("block_table: a paged K/V cache is read for inference only (no gradients); call under "
+                   "torch.no_grad() or pass detached tensors")
+
+
 class _FlashAttention(torch.autograd.Function):
     """Forward saves Q, K, V, O and the per-row LSE; backward recomputes P tile by tile."""
 
@@ -70,6 +74,7 @@ def attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    block_table: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
     strict: bool | None = None,
 ) -> torch.Tensor:
@@ -94,6 +99,9 @@ def attention(
 
     - alibi_slopes: float32 (H,) or (B, H); adds -slope * |i + offset - j| to the scores.
     - seqlens_k: int32 (B,) keys per batch element; later keys are skipped, not computed.
+    - block_table: int32 (B, pages per sequence) for a paged K/V cache (inference, no gradients):
+      key and value are (pages, H_kv, page size, D) and sequence b's keys are the pages
+      block_table[b] names, in order (with seqlens_k: its first seqlens_k[b] keys).
     - dropout_p: dropout on the attention probabilities (seeded from torch's generator on
       the tensors' device).
     - Rows that see no key return 0 (torch SDPA returns NaN there) and get zero gradients.
@@ -102,24 +110,27 @@ def attention(
     On CPU tensors the kernels run in Triton's interpreter when TRITON_INTERPRET=1;
     otherwise the call falls back to a dense torch implementation and logs why, once.
     """
+    if block_table is not None and torch.is_grad_enabled() and \
+            (query.requires_grad or key.requires_grad or value.requires_grad):
+        raise ValueError(PAGED_GRADIENTS)
     if torch.compiler.is_compiling():
         call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
-                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
         return custom_op.attention(query, key, value, call, config)
     if attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
-            cu_seqlens_k is None:  # the common call: no Call object, a shorter key
+            cu_seqlens_k is None and block_table is None:  # the common call: no Call object, a shorter key
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                  causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         extras = NO_EXTRAS
     else:
         call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
-                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
         prepared = prepare(query, key, value, call, config, strict)
         extras = call.extras
     plan = prepared.plan
     if plan is None:
         call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
-                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
         return run_without_kernels(prepared, query, key, value, call)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         if _functorch_active():

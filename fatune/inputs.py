@@ -39,6 +39,7 @@ class AttentionProblem:
     seqlens_k: torch.Tensor | None = field(default=None, repr=False)
     cu_seqlens_q: torch.Tensor | None = field(default=None, repr=False)
     cu_seqlens_k: torch.Tensor | None = field(default=None, repr=False)
+    block_table: torch.Tensor | None = field(default=None, repr=False)  # (B, pages per sequence) int32
 
     @property
     def group_size(self) -> int:
@@ -72,6 +73,28 @@ def _check_index_tensor(name: str, tensor: object, length: int | None, device: t
     if tensor.shape[0] > 1 and tensor.stride(0) != 1:
         raise ValueError(f"{name}: expected a contiguous tensor (stride 1), got stride {tensor.stride(0)}")
     return tensor
+
+
+def _check_block_table(table: object, batch: int, key: torch.Tensor, value: torch.Tensor,
+                       device: torch.device) -> int:
+    """A paged cache's block table against its key/value pages; the keys' logical length per sequence."""
+    if not isinstance(table, torch.Tensor) or table.dim() != 2:
+        raise TypeError(f"block_table: expected a 2-d torch.int32 tensor (B, pages per sequence), got {table!r:.80}")
+    if table.dtype != torch.int32:
+        raise TypeError(f"block_table: expected dtype torch.int32, got {table.dtype}")
+    if table.device != device:
+        raise ValueError(f"block_table: expected a tensor on {device} like query, got {table.device}")
+    if table.shape[0] != batch:
+        raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"value: expected {key.shape[0]} pages like key (a paged cache: (pages, H_kv, page size, "
+                         f"D)), got {value.shape[0]}")
+    if table.shape[1] and key.shape[0] == 0:
+        raise ValueError("key: a paged cache with no pages cannot serve a block table with pages")
+    pages = table.shape[1] * key.shape[2]
+    if pages >= 2**31:
+        raise ValueError(f"block_table: {table.shape[1]} pages of {key.shape[2]} keys exceed int32 key positions")
+    return pages
 
 
 def contents_readable() -> bool:
@@ -149,12 +172,17 @@ def check_inputs(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    block_table: torch.Tensor | None = None,
     check_index_values: bool = True,
 ) -> AttentionProblem:
     """Validate an SDPA-shaped (or packed varlen) call and describe it as an AttentionProblem.
 
-    check_index_values=False skips reading seqlens_k / cu_seqlens values (for callers that
-    check them per call with `check_contents`, or tensors without data).
+    With `block_table` (int32 (B, pages per sequence)), key and value are a paged cache of shape
+    (pages, H_kv, page size, D): sequence b's logical page j is cache page block_table[b, j], so its
+    keys run to pages per sequence x page size (fewer with seqlens_k). check_index_values=False skips
+    reading seqlens_k / cu_seqlens values (for callers that check them per call with
+    `check_contents`, or tensors without data); block_table values are never read on the host (the
+    kernels clamp them to the cache's pages).
     """
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     dims = 3 if packed else 4
@@ -191,15 +219,19 @@ def check_inputs(
             raise ValueError("attn_mask: not supported with packed (cu_seqlens) inputs; use window_size or seqlens")
         if seqlens_k is not None:
             raise ValueError("seqlens_k: not used with packed inputs (cu_seqlens_k already gives key lengths)")
+        if block_table is not None:
+            raise ValueError("block_table: not used with packed inputs (a paged cache takes (B, H, L_q, D) queries)")
     else:
         batch, heads, seqlen_q, head_dim = query.shape
         _, kv_heads, seqlen_k, _ = key.shape
-        if key.shape[0] != batch or value.shape[0] != batch:
+        if block_table is not None:
+            seqlen_k = _check_block_table(block_table, batch, key, value, device)
+        elif key.shape[0] != batch or value.shape[0] != batch:
             raise ValueError(f"key/value: expected batch size {batch} like query, "
                              f"got key {key.shape[0]} and value {value.shape[0]}")
-        if value.shape[1] != kv_heads or value.shape[2] != seqlen_k:
-            raise ValueError(f"value: expected (B, {kv_heads}, {seqlen_k}, Dv) to match key's heads and length, "
-                             f"got {tuple(value.shape)}")
+        if value.shape[1] != kv_heads or value.shape[2] != key.shape[2]:
+            raise ValueError(f"value: expected ({value.shape[0]}, {kv_heads}, {key.shape[2]}, Dv) to match key's "
+                             f"heads and length, got {tuple(value.shape)}")
         max_q, max_k = seqlen_q, seqlen_k
         if max_seqlen_q is not None or max_seqlen_k is not None:
             raise ValueError("max_seqlen_q: only used with packed inputs (cu_seqlens_q / cu_seqlens_k)")
@@ -297,11 +329,12 @@ def check_inputs(
         seqlens="varlen" if packed else ("seqlens_k" if seqlens_k is not None else "fixed"),
         alibi=alibi_slopes is not None,
         dropout=dropout_p > 0.0,
+        paged=block_table is not None,
     )
     return AttentionProblem(
         spec=spec, batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         max_seqlen_q=max_q, max_seqlen_k=max_k, scale=float(scale),
         window_left=max(left, 0), window_right=max(right, 0), dropout_p=float(dropout_p),
         attn_mask=mask_view, alibi_slopes=alibi_view, seqlens_k=seqlens_k,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
     )

@@ -41,9 +41,10 @@ from fatune.spec import (
 )
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
-SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED", "O_PART", "LSE_PART",
-         "SPLIT_COUNT", "DO", "DELTA", "DQ", "DK", "DV", "DQ_ACC")
-EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")  # order of a call's extras
+SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "BLOCK_TABLE", "SEED", "O_PART",
+         "LSE_PART", "SPLIT_COUNT", "DO", "DELTA", "DQ", "DK", "DV", "DQ_ACC")
+# order of a call's extras (the slots from MASK to BLOCK_TABLE)
+EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table")
 NO_EXTRAS = (None,) * len(EXTRAS)
 
 
@@ -234,7 +235,9 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
         programs = triton.cdiv(rows, fwd.block_m) * (problem.kv_heads if pack else problem.heads) * problem.batch
         splits = choose_splits(programs, triton.cdiv(problem.max_seqlen_k, fwd.block_n), sm_count(device))
     seq_dim = 0 if problem.packed else 2
-    tma = bool(fwd.tma) and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors)
+    # a paged cache's tiles gather rows from several pages: no descriptor spans them
+    tma = bool(fwd.tma) and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors) and \
+        not problem.spec.paged
     resolved = dataclasses.replace(fwd, pack_gqa=pack, num_splits=splits, tma=int(tma))
     # dK/dV reads the query rows (and dO's, checked per backward) of every head through one descriptor
     dkdv_tma = bool(config.dkdv.tma) and tma_available(device) and tma_readable(tensors[0], seq_dim, every_head=True)
@@ -378,6 +381,11 @@ class Plan:
         alibi_strides = tuple(alibi.stride()) if alibi is not None else (0, 0)
         self.values.update(zip(("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah"),
                                mask_strides + alibi_strides))
+        table = problem.block_table  # a paged cache: K and V hold (pages, H_kv, page size, D)
+        self.values.update({"PAGE_SIZE": k.shape[2] if table is not None else 1,
+                            "NUM_PAGES": k.shape[0] if table is not None else 0,
+                            "stride_btb": table.stride(0) if table is not None else 0,
+                            "stride_btp": table.stride(1) if table is not None else 0})
         self.uses_seed = spec.dropout
         self.splits = config.fwd.num_splits
         fwd_rows = problem.max_seqlen_q * (problem.group_size if config.fwd.pack_gqa else 1)
@@ -569,5 +577,5 @@ class Plan:
         """The forward slots (SLOTS up to SPLIT_COUNT; run_forward fills split-KV's); tensors the kernels
         do not read are None."""
         if extras is NO_EXTRAS:
-            return (q, k, v, out, lse, None, None, None, None, None, seed, None, None, None)
+            return (q, k, v, out, lse, None, None, None, None, None, None, seed, None, None, None)
         return (q, k, v, out, lse, *extras, seed, None, None, None)

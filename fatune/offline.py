@@ -56,14 +56,17 @@ class CompiledKernel:
 
 def _signature(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset()) -> tuple[dict, dict, dict]:
     """Argument types as a launch on contiguous, 16-aligned tensors specialises them: pointers and
-    strides divisible by 16, unit head-dim strides and unused (None) pointers constant."""
+    strides divisible by 16 (a block table's rows: any length), unit head-dim strides (and block-table page
+    strides) and unused (None) pointers constant."""
     types = signature.triton_types(kernel, spec, absent)
     attrs: dict[tuple[int], list] = {}
     constexprs: dict[str, int | None] = {name: None for name, kind in types.items() if kind == "constexpr"}
     for index, (name, kind) in enumerate(types.items()):
-        if name.startswith("stride") and name.endswith("d"):
-            types[name] = "constexpr"
+        if (name.startswith("stride") and name.endswith("d")) or name == "stride_btp":  # a contiguous block table's
+            types[name] = "constexpr"                                                   # pages too
             constexprs[name] = 1
+        elif name == "stride_btb":  # pages per sequence: any count
+            continue
         elif kind.startswith("*") or name.startswith("stride") or name in ("L_Q", "L_K"):
             attrs[(index,)] = [["tt.divisibility", 16]]
     return types, attrs, constexprs

@@ -69,6 +69,7 @@ class Call(NamedTuple):
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    block_table: torch.Tensor | None = None
 
     def check(self, query, key, value, check_index_values: bool = True) -> AttentionProblem:
         return check_inputs(query, key, value, self.attn_mask, self.dropout_p, self.is_causal, self.scale,
@@ -76,12 +77,13 @@ class Call(NamedTuple):
                             alibi_slopes=self.alibi_slopes, seqlens_k=self.seqlens_k,
                             cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
                             max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
-                            check_index_values=check_index_values)
+                            block_table=self.block_table, check_index_values=check_index_values)
 
     @property
     def extras(self) -> tuple:
         """The optional tensors in launch.EXTRAS order."""
-        extras = (self.attn_mask, self.alibi_slopes, self.cu_seqlens_q, self.cu_seqlens_k, self.seqlens_k)
+        extras = (self.attn_mask, self.alibi_slopes, self.cu_seqlens_q, self.cu_seqlens_k, self.seqlens_k,
+                  self.block_table)
         return NO_EXTRAS if all(t is None for t in extras) else extras
 
 
@@ -101,7 +103,7 @@ def call_key(query, key, value, call: Call, config: AttentionConfig | None, stri
         type(call.enable_gqa), call.enable_gqa, tuple(call.window_size), call.causal_alignment,
         call.max_seqlen_q, call.max_seqlen_k, config, strict,
         _tensor_key(call.attn_mask), _tensor_key(call.alibi_slopes), _tensor_key(call.seqlens_k),
-        _tensor_key(call.cu_seqlens_q), _tensor_key(call.cu_seqlens_k),
+        _tensor_key(call.cu_seqlens_q), _tensor_key(call.cu_seqlens_k), _tensor_key(call.block_table),
     )
 
 
@@ -201,17 +203,19 @@ def _index_values(query, key, call: Call) -> tuple[int, int]:
     not written since); the longest packed sequences, for the key."""
     packed = call.cu_seqlens_q is not None
     tensors = [t for t in (call.seqlens_k, call.cu_seqlens_q, call.cu_seqlens_k) if t is not None]
+    # a paged cache's keys: pages per sequence x page size (check_inputs has checked the table's shape)
+    seqlen_k = key.shape[-2] * (call.block_table.shape[-1] if call.block_table is not None else 1)
     memo = None
     if contents_readable() and (not packed or (call.max_seqlen_q is not None and call.max_seqlen_k is not None)):
         try:
-            memo = (*((id(t), t._version) for t in tensors), key.shape[-2], query.shape[0], key.shape[0],
+            memo = (*((id(t), t._version) for t in tensors), seqlen_k, query.shape[0], key.shape[0],
                     call.max_seqlen_q, call.max_seqlen_k)
         except RuntimeError:  # inference tensors have no version counter: read every time
             memo = None
     seen = _checked.get(memo) if memo is not None else None
     if seen is not None and all(ref() is t for ref, t in zip(seen[0], tensors)):
         return seen[1]
-    lengths = check_contents(call.seqlens_k, key.shape[-2], call.cu_seqlens_q, call.cu_seqlens_k,
+    lengths = check_contents(call.seqlens_k, seqlen_k, call.cu_seqlens_q, call.cu_seqlens_k,
                              query.shape[0] if packed else 0, key.shape[0] if packed else 0,
                              call.max_seqlen_q, call.max_seqlen_k)
     if memo is not None and all(t.device.type != "meta" for t in tensors):
@@ -254,5 +258,7 @@ def run_without_kernels(prepared: Prepared, query, key, value, call: Call) -> to
     out = new_buffer(*layout_like(query.shape, query.stride(), value.shape[-1]), query.dtype, query.device)
     if prepared.mode == "meta":
         return out
+    if call.block_table is not None:  # a paged cache's pool is not this call's keys (nor differentiable)
+        return out.zero_()
     # no keys anywhere: every row is a row that sees no key (0), still connected to the inputs
     return out.zero_() + (query.sum() + key.sum() + value.sum()) * 0

@@ -81,13 +81,25 @@ def _attend_fixed(q, k, v, problem: AttentionProblem, dropout_keep, precision: s
     return _attend(q, k, v, problem, keep, bias, dropout_keep, precision)
 
 
+def unpage(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A paged cache (pages, H_kv, page size, D) as the (B, H_kv, pages per sequence x page size, D) keys or
+    values its block table describes (a copy; table entries clamped to the cache's pages, as the kernels do)."""
+    pages = block_table.long().clamp(0, max(cache.shape[0] - 1, 0))
+    gathered = cache[pages]  # (B, pages per sequence, H_kv, page size, D)
+    batch, per_sequence, heads, size, dim = gathered.shape
+    return gathered.permute(0, 2, 1, 3, 4).reshape(batch, heads, per_sequence * size, dim)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,
               precision: str = "float64", dropout_keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of `problem` on q, k, v ((B, H, L, D), or packed (total, H, D)), differentiable.
+    """Attention of `problem` on q, k, v ((B, H, L, D), packed (total, H, D), or a paged cache's
+    pages with the problem's block table), differentiable.
 
     dropout_keep: bool (B, H, max L_q, max L_k) mask of kept probabilities (from
     fatune.dropout.keep_mask), or None for no dropout.
     """
+    if problem.block_table is not None:
+        k, v = unpage(k, problem.block_table), unpage(v, problem.block_table)
     if not problem.packed:
         return _attend_fixed(q, k, v, problem, dropout_keep, precision)
     outs = []

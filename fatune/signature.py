@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # float32 inputs (fatune.spec.lse_dtype_name))
 POINTERS: dict[str, str] = {
     "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "lse",
-    "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64",
+    "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64", "BLOCK_TABLE": "i32",
     "DO": "io", "DELTA": "fp32", "DQ": "io", "DK": "io", "DV": "io",
     "O_PART": "fp32", "LSE_PART": "lse", "SPLIT_COUNT": "i32", "OUT": "i8", "DQ_ACC": "fp32",
 }
@@ -34,6 +34,10 @@ def strides(*tensors: str, dims: str = "bhld") -> tuple[str, ...]:
 
 
 OPTIONAL_INPUTS = ("MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "SEED")
+# a paged K/V cache (forward only): the block table (B, pages per sequence) maps a sequence's logical pages to
+# the cache's pages (K, V: (NUM_PAGES, H_kv, PAGE_SIZE, D)); passed as None without one
+PAGED_INPUTS = ("BLOCK_TABLE",)
+PAGED_VALUES = ("PAGE_SIZE", "NUM_PAGES")
 RUN_TIME = ("sm_scale", "window_left", "window_right", "dropout_p", "H", "GROUP", "L_Q", "L_K")
 STAT_STRIDES = ("stride_lb", "stride_lh")  # LSE and Delta: (B, H, L) with contiguous rows
 MASK_AND_ALIBI_STRIDES = ("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah")
@@ -41,9 +45,10 @@ MASK_AND_ALIBI_STRIDES = ("stride_mb", "stride_mh", "stride_mq", "stride_mk", "s
 PARAMS: dict[str, tuple[str, ...]] = {
     # split-KV: the partial results (float32, one more dim (s) per split) and the per-tile arrival counts
     # (zeros; the last split of a tile merges and resets its count); None without it
-    "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, "O_PART", "LSE_PART", "SPLIT_COUNT", *RUN_TIME,
-                 "num_splits", *strides("q", "k", "v", "o"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES,
-                 *strides("op", dims="sbhld"), *strides("lp", dims="sbh")),
+    "attn_fwd": ("Q", "K", "V", "O", "LSE", *OPTIONAL_INPUTS, *PAGED_INPUTS, "O_PART", "LSE_PART", "SPLIT_COUNT",
+                 *RUN_TIME, "num_splits", *PAGED_VALUES, *strides("q", "k", "v", "o"), *STAT_STRIDES,
+                 *MASK_AND_ALIBI_STRIDES, *strides("op", dims="sbhld"), *strides("lp", dims="sbh"),
+                 *strides("bt", dims="bp")),
     # atomic dQ: DQ_ACC is dQ's float32 accumulator (B, H, L_Q, HEAD_DIM); the plain kernel gets None
     "attn_bwd_dkdv": ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ_ACC", *OPTIONAL_INPUTS, *RUN_TIME,
                       *strides("q", "k", "v", "do", "dk", "dv", "dqa"), *STAT_STRIDES, *MASK_AND_ALIBI_STRIDES),
@@ -83,7 +88,8 @@ def render(kernel: str, indent: int = 8) -> str:
 def optional_inputs_used(spec: KernelSpec) -> set[str]:
     """The optional pointers that kernels of `spec` read; the others are passed as None."""
     used = {"MASK": spec.attn_mask != "none", "ALIBI": spec.alibi, "CU_Q": spec.seqlens == "varlen",
-            "CU_K": spec.seqlens == "varlen", "SEQLENS_K": spec.seqlens == "seqlens_k", "SEED": spec.dropout}
+            "CU_K": spec.seqlens == "varlen", "SEQLENS_K": spec.seqlens == "seqlens_k", "SEED": spec.dropout,
+            "BLOCK_TABLE": spec.paged}
     return {name for name, on in used.items() if on}
 
 
@@ -98,7 +104,7 @@ def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozens
         kind = POINTERS.get(name)
         if kind is None:
             types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
-        elif (name in OPTIONAL_INPUTS and name not in used) or name in absent:
+        elif (name in OPTIONAL_INPUTS + PAGED_INPUTS and name not in used) or name in absent:
             types[name] = "constexpr"
         elif kind == "io":
             types[name] = "*" + dtype

@@ -86,6 +86,7 @@ class KernelSpec:
     seqlens       "fixed", "seqlens_k" (per-batch key lengths) or "varlen" (packed)
     alibi         per-head linear bias -slope * |i + offset - j| computed in-kernel
     dropout       dropout on the probabilities, regenerated in backward from a seed
+    paged         keys and values read from a paged cache through a block table (forward only)
     """
 
     dtype: str
@@ -99,6 +100,7 @@ class KernelSpec:
     seqlens: str = "fixed"
     alibi: bool = False
     dropout: bool = False
+    paged: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -137,6 +139,8 @@ class KernelSpec:
             parts.append("alibi")
         if self.dropout:
             parts.append("dropout")
+        if self.paged:
+            parts.append("paged")
         return "+".join(parts) or "none"
 
     def options(self) -> dict[str, Any]:
@@ -176,6 +180,7 @@ class KernelSpec:
             "SEQLENS": self.seqlens,
             "ALIBI": self.alibi,
             "DROPOUT": self.dropout,
+            "PAGED": self.paged,
             # Rows can end with every key masked (and -inf scores) in any tile, not just band tiles.
             "ANY_TILE_MASKS": self.attn_mask != "none",
             "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,

@@ -91,6 +91,8 @@ COMPILE_CASES = [
     ("dq", VARIANT_SPECS[-1]),
     ("dkdv", VARIANT_SPECS[6]),
     ("dq", VARIANT_SPECS[4]),
+    # a paged cache's decode forward (key rows gathered from the block table's pages, no TMA)
+    ("fwd", KernelSpec("bfloat16", 128, seqlens="seqlens_k", paged=True)),
 ]
 
 

@@ -91,9 +91,17 @@ def test_custom_op_passes_torch_library_checks():
     q = torch.randn(1, 2, 24, 16, dtype=torch.float16, device=DEVICE)
     k, v = torch.randn_like(q), torch.randn_like(q)
     for config in ([], config_to_list(INTERPRETER_CONFIG)):
-        args = (q, k, v, None, None, None, None, None, None, 0.0, True, 0.25, False, -1, -1, "", None, None, config)
+        args = (q, k, v, None, None, None, None, None, None, 0.0, True, 0.25, False, -1, -1, "", None, None, None,
+                config)
         torch.library.opcheck(torch.ops.fatune.attention_forward.default, args,
                               test_utils=("test_schema", "test_faketensor"))
+    # a paged cache: k and v as 3 pages of 16 keys, the block table naming two of them per sequence
+    pages, table = torch.randn(3, 2, 16, 16, dtype=torch.float16, device=DEVICE), torch.tensor(
+        [[2, 0]], dtype=torch.int32, device=DEVICE)
+    args = (q, pages, pages, None, None, None, None, None, None, 0.0, False, 0.25, False, -1, -1, "", None, None,
+            table, [])
+    torch.library.opcheck(torch.ops.fatune.attention_forward.default, args, test_utils=("test_schema",
+                                                                                         "test_faketensor"))
 
 
 def test_module_and_function_agree():
