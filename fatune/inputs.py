@@ -61,13 +61,19 @@ def _check_tensor(name: str, tensor: object, dims: int) -> torch.Tensor:
     return tensor
 
 
-def _check_index_tensor(name: str, tensor: object, length: int | None, device: torch.device) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
-        raise TypeError(f"{name}: expected a 1-d torch.int32 tensor, got {tensor!r:.80}")
+def _check_int32(name: str, tensor: object, dims: int, layout: str, device: torch.device) -> torch.Tensor:
+    """An int32 index tensor of `dims` dims (`layout` names them) on the query's device."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims:
+        raise TypeError(f"{name}: expected a {dims}-d torch.int32 tensor{layout}, got {tensor!r:.80}")
     if tensor.dtype != torch.int32:
         raise TypeError(f"{name}: expected dtype torch.int32, got {tensor.dtype}")
     if tensor.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} like query, got {tensor.device}")
+    return tensor
+
+
+def _check_index_tensor(name: str, tensor: object, length: int | None, device: torch.device) -> torch.Tensor:
+    _check_int32(name, tensor, 1, "", device)
     if length is not None and tensor.shape[0] != length:
         raise ValueError(f"{name}: expected {length} entries, got {tensor.shape[0]}")
     if tensor.shape[0] > 1 and tensor.stride(0) != 1:
@@ -78,12 +84,7 @@ def _check_index_tensor(name: str, tensor: object, length: int | None, device: t
 def _check_block_table(table: object, batch: int, key: torch.Tensor, value: torch.Tensor,
                        device: torch.device) -> int:
     """A paged cache's block table against its key/value pages; the keys' logical length per sequence."""
-    if not isinstance(table, torch.Tensor) or table.dim() != 2:
-        raise TypeError(f"block_table: expected a 2-d torch.int32 tensor (B, pages per sequence), got {table!r:.80}")
-    if table.dtype != torch.int32:
-        raise TypeError(f"block_table: expected dtype torch.int32, got {table.dtype}")
-    if table.device != device:
-        raise ValueError(f"block_table: expected a tensor on {device} like query, got {table.device}")
+    _check_int32("block_table", table, 2, " (B, pages per sequence)", device)
     if table.shape[0] != batch:
         raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {table.shape[0]}")
     if value.shape[0] != key.shape[0]:
