@@ -34,34 +34,42 @@ class Paged:
     kwargs: dict = field(default_factory=dict)
 
 
+def scatter_pages(k: torch.Tensor, v: torch.Tensor, page_size: int, rng: random.Random,
+                  layout: str = "bhld") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, H_kv, L_k, D) keys and values (L_k a multiple of `page_size`) scattered over the pages of a cache in
+    random order, with SPARE_PAGES NaN pages no sequence names: (k pages, v pages, block table). layout 'bshd':
+    the pages as flash-attn/vLLM store them, (pages, page size, H_kv, D), viewed as (pages, H_kv, page size, D)."""
+    batch, kv_heads, length, _ = k.shape
+    per_sequence = length // page_size
+    pages = batch * per_sequence + SPARE_PAGES
+    order = list(range(pages))
+    rng.shuffle(order)
+    table = torch.tensor(order[:batch * per_sequence], dtype=torch.int32).view(batch, per_sequence)
+
+    def cache(t: torch.Tensor) -> torch.Tensor:
+        size = (pages, page_size, kv_heads, t.shape[-1]) if layout == "bshd" else (pages, kv_heads, page_size, t.shape[-1])
+        out = torch.full(size, float("nan"), dtype=t.dtype)
+        out = out.transpose(1, 2) if layout == "bshd" else out
+        for b in range(batch):
+            for j in range(per_sequence):
+                out[table[b, j]] = t[b, :, j * page_size:(j + 1) * page_size].detach().cpu()
+        return out.to(t.device)
+
+    return cache(k), cache(v), table.to(k.device)
+
+
 def make_paged(batch, heads, kv_heads, seqlen_q, pages_per_sequence, page_size, head_dim, *, dtype=torch.float16,
                seed=0, layout="bhld") -> Paged:
-    """Random q and a contiguous cache, and the same cache scattered over pages in random order (spare pages NaN).
-    layout 'bshd': the cache as flash-attn/vLLM store it, (pages, page size, H_kv, D), viewed as (pages, H_kv, ...)."""
-    rng = random.Random(seed)
+    """Random q and a contiguous cache, and the same cache scattered over pages (scatter_pages)."""
     generator = torch.Generator().manual_seed(seed)
-    length = pages_per_sequence * page_size
 
     def randn(*size):
         return torch.randn(*size, generator=generator, dtype=torch.float32).to(dtype).to(DEVICE)
 
+    length = pages_per_sequence * page_size
     q = randn(batch, heads, seqlen_q, head_dim)
     k, v = randn(batch, kv_heads, length, head_dim), randn(batch, kv_heads, length, head_dim)
-    pages = batch * pages_per_sequence + SPARE_PAGES
-    order = list(range(pages))
-    rng.shuffle(order)
-    table = torch.tensor(order[:batch * pages_per_sequence], dtype=torch.int32).view(batch, pages_per_sequence)
-    if layout == "bshd":
-        k_cache = torch.full((pages, page_size, kv_heads, head_dim), float("nan"), dtype=dtype).transpose(1, 2)
-    else:
-        k_cache = torch.full((pages, kv_heads, page_size, head_dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
-    for b in range(batch):
-        for j in range(pages_per_sequence):
-            rows = slice(j * page_size, (j + 1) * page_size)
-            k_cache[table[b, j]] = k[b, :, rows].cpu()
-            v_cache[table[b, j]] = v[b, :, rows].cpu()
-    return Paged(q, k, v, k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE))
+    return Paged(q, k, v, *scatter_pages(k, v, page_size, random.Random(seed), layout))
 
 
 def compare_paged(case: Paged, **kwargs) -> None:

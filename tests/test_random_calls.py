@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+import fatune
 from fatune import LaunchConfig, dropout
 from fatune.heuristics import INTERPRETER_CONFIG
 from fatune.inputs import check_inputs
@@ -201,6 +202,59 @@ def test_random_call_matches_reference(index, monkeypatch, poison_outputs):
 def test_gpu_random_call_matches_reference(index, monkeypatch, poison_outputs):
     """48 more drawn calls in float16 and bfloat16, compiled (each compiles kernels of its own)."""
     check_random_call(SEED + CASES + index, monkeypatch)
+
+
+def paged_draw(seed: int) -> tuple[RandomCall, dict]:
+    """The first drawn call from `seed` on that a paged cache can serve (not packed, no dropout: inference), and
+    its paging: a random page size dividing L_k, pages in random order among NaN spare pages, either layout."""
+    from tests.test_paged import scatter_pages
+
+    while True:
+        call = draw(seed)
+        if "cu_seqlens_q" not in call.kwargs and "dropout_p" not in call.kwargs:
+            break
+        seed += 1_000_003
+    rng = random.Random(seed)
+    length = call.k.shape[2]
+    page_size = rng.choice([size for size in range(1, max(length, 1) + 1) if length % size == 0] or [1])
+    if length == 0:  # no keys: a cache of one spare page, no page per sequence
+        page_size = rng.randint(1, 16)
+    layout = rng.choice(["bhld", "bshd"])
+    k_pages, v_pages, table = scatter_pages(call.k, call.v, page_size, rng, layout)
+    call.about.append(f"paged: {table.shape[1]} pages of {page_size} ({layout})")
+    return call, {"k_pages": k_pages, "v_pages": v_pages, "block_table": table}
+
+
+def check_paged_call(seed: int) -> None:
+    from fatune import reference
+    from tests.reference import check_close, same_dtype_baselines
+
+    call, paged = paged_draw(seed)
+    q, k, v = (t.detach() for t in (call.q, call.k, call.v))
+    try:
+        with torch.no_grad():
+            out = fatune.attention(q, paged["k_pages"], paged["v_pages"], block_table=paged["block_table"],
+                                   **call.kwargs)
+        problem = check_inputs(q, k, v, **{key: value for key, value in call.kwargs.items() if key != "config"})
+        golden = reference.attention(q.double(), k.double(), v.double(), problem, "float64")
+        for baseline, implementation in same_dtype_baselines(problem, q).items():
+            check_close("out", out, golden, implementation(q, k, v), baseline)
+    except Exception as error:
+        raise AssertionError(f"{call}\n{type(error).__name__}: {error}") from error
+
+
+@pytest.mark.parametrize("index", range(max(1, CASES // 2)))
+def test_random_paged_call_matches_reference(index, poison_outputs):
+    """Drawn calls read through a paged cache: the forward (inference: no gradients) under the accuracy rule
+    against the golden of the contiguous call."""
+    check_paged_call(SEED + 7919 * (index + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(24))
+def test_gpu_random_paged_call_matches_reference(index, poison_outputs):
+    """24 more, compiled, in float16 and bfloat16."""
+    check_paged_call(SEED + 7919 * (CASES + index + 1))
 
 
 def test_draws_cover_the_space():
