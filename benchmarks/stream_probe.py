@@ -1,6 +1,7 @@
 """Probe (issues 11, 12): does the backward gain from running its dQ kernel beside the dK/dV kernel?
 
     python benchmarks/stream_probe.py OUT.json [--lengths 1024,4096,16384] [--head-dims 64,128,256] [--masked]
+        [--groups 2,4,8]
     TRITON_INTERPRET=1 python benchmarks/stream_probe.py OUT.json --interpret     # CPU smoke run
 
 fatune's backward launches the dQ kernel (which also writes Delta = rowsum(dO * O)) and then the dK/dV
@@ -17,6 +18,8 @@ heuristic's own backward where it differs (atomic dQ at d64 causal). gain = sequ
 concurrent order: above 1, `concurrent` earns its place in the search space and the heuristics.
 --masked adds issue 12's cases (d128, L = 8192, H = 16, B = 2: causal window of 1024 keys, GQA 8:1 causal,
 key padding to half the keys, two packed causal documents), where the two kernels also trail Flex's one.
+--groups G,...: only GQA shapes, the grid's shapes with heads / G K/V heads each (dK/dV sums a group of query
+heads per program: G times fewer, longer programs). Each row gives the dK/dV kernel's program count.
 In the interpreter every schedule runs in order (no streams) and each one's gradients are checked against
 the sequential ones.
 """
@@ -57,10 +60,12 @@ def timed(fn, interpret: bool) -> float:
 
 def probe(shape: Shape, device: str, interpret: bool) -> dict:
     """The backward of `shape` under each schedule (and the heuristic's, where it differs)."""
-    heuristic = default_config(shape.spec, None if device == "cpu" else torch.cuda.get_device_capability())
+    heuristic = default_config(shape.spec, None if device == "cpu" else torch.cuda.get_device_capability(),
+                               group=shape.heads // shape.kv_heads)
     base = heuristic.replace(dkdv=dataclasses.replace(heuristic.dkdv, atomic_dq=0))
     inputs = make_inputs(shape, device)
-    row: dict = {"config": str(base)}
+    row: dict = {"config": str(base), "dkdv_programs": -(-shape.seqlen_k // base.dkdv.block_n) * base.dkdv.split_d
+                 * shape.kv_heads * shape.batch}
     grads = {}
     for name, concurrent in SCHEDULES.items():
         runner = KernelRunner(shape, base.replace(dq=dataclasses.replace(base.dq, concurrent=concurrent)), inputs)
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--masked", action="store_true", help="also issue 12's masked, GQA and packed cases")
+    parser.add_argument("--groups", default="", help="GQA shapes only: query heads per K/V head, e.g. 2,4,8")
     parser.add_argument("--interpret", action="store_true", help="tiny float16 shapes in Triton's interpreter")
     args = parser.parse_args()
     interpret = args.interpret or os.environ.get("TRITON_INTERPRET") == "1"
@@ -92,6 +98,9 @@ def main() -> None:
     cases = ([Shape(1, 2, 48, 48, 16, "float16", causal=causal) for causal in (False, True)] if interpret else
              shapes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.head_dims.split(",")], args.dtype)
              + (masked_shapes(args.dtype) if args.masked else []))
+    if args.groups:
+        cases = [dataclasses.replace(shape, kv_heads=shape.heads // int(g)) for shape in cases
+                 for g in args.groups.split(",") if shape.window < 0 and not shape.documents and shape.valid_keys == 1]
     if interpret and args.masked:
         cases += [Shape(1, 4, 48, 48, 16, "float16", causal=True, kv_heads=2, window=20),
                   Shape(2, 2, 40, 40, 16, "float16", valid_keys=0.5), Shape(2, 2, 40, 40, 16, "float16", documents=2)]
@@ -103,11 +112,12 @@ def main() -> None:
                                               for k, v in row.items()), flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print("| shape | dQ config | sequential ms | concurrent (dQ first / dK/dV first) | gain | heuristic's backward |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | dQ config | dK/dV programs | sequential ms | concurrent (dQ first / dK/dV first) | gain | "
+          "heuristic's backward |")
+    print("|---|---|---|---|---|---|---|")
     for label, row in results.items():
         heuristic = f"{row['heuristic']:.3f}" if "heuristic" in row else "the same"
-        print(f"| {label} | {row['config'].split('| dq ')[1]} | {row['sequential']:.3f} | {row['concurrent']:.3f} / "
+        print(f"| {label} | {row['config'].split('| dq ')[1]} | {row['dkdv_programs']} | {row['sequential']:.3f} | {row['concurrent']:.3f} / "
               f"{row['concurrent-dkdv-first']:.3f} | {row['gain']:.3f} | {heuristic} |")
 
 

@@ -69,7 +69,7 @@ def _fatune_config(name: str, shape: Shape, device: torch.device):
         return None
     decode = is_decode(seqlen_bucket(shape.seqlen_q))
     shares = decode and shape.decode_shares_sms(sm_count(device), packed=name != "fatune-plain")
-    config = default_config(shape.spec, device_arch(device), decode, shares)
+    config = default_config(shape.spec, device_arch(device), decode, shares, shape.heads // shape.kv_heads)
     if name == "fatune-plain":
         config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
     return config

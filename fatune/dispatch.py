@@ -166,7 +166,7 @@ class Dispatcher:
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
                                      tuple(skipped)), skipped[0] if skipped else None)
         decode = is_decode(key.seqlen_q_bucket)
-        return (Decision(default_config(problem.spec, arch, decode, shares_sms), "heuristic",
+        return (Decision(default_config(problem.spec, arch, decode, shares_sms, problem.group_size), "heuristic",
                          f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped)),
                 skipped[0] if skipped else None)
 

@@ -136,9 +136,11 @@ class SearchSpace:
     atomic_dq: tuple[int, ...] = (0, 1, 2)  # dK/dV only, where fatune.spec.atomic_dq_kinds allows; 2 = TMA reductions
     split_d: tuple[int, ...] = (1, 2)  # dK/dV only, where fatune.spec.split_d_searched
     maxnreg: tuple[int, ...] = (0, 128)  # dQ only, 16-bit head dims up to 64 (MAXNREG_LANES): a register cap
-    # dQ only: the dQ kernel on a second stream beside dK/dV (1: dQ launched first, 2: dK/dV first); not searched
-    # until benchmarks/stream_probe.py shows a gain on the H200 (a new axis would also reset issue 14's grids)
-    concurrent: tuple[int, ...] = (0,)
+    # dQ only, GQA shapes only: the dQ kernel on a second stream beside dK/dV (1: dQ launched first, 2: dK/dV
+    # first), which only gained there on an H200 (benchmarks/stream_probe.py, session 13: up to 1.19x less
+    # backward time with GQA causal, within +-3% without GQA); where a config also adds dQ atomically the
+    # kernel never runs and the switch is dropped (fatune.spec.runnable_backward)
+    concurrent: tuple[int, ...] = (0, 1, 2)
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the structure fields it owns.
@@ -163,7 +165,7 @@ class SearchSpace:
         if kernel == "dq" and shape.spec.dtype != "float32" and \
                 max(lanes(shape.spec.head_dim), lanes(shape.spec.head_dim_v)) <= MAXNREG_LANES:
             axes["maxnreg"] = self.maxnreg
-        if kernel == "dq" and len(self.concurrent) > 1:
+        if kernel == "dq" and len(self.concurrent) > 1 and shape.kv_heads != shape.heads:
             axes["concurrent"] = self.concurrent
         return axes
 
@@ -884,7 +886,8 @@ def heuristic_config(shape: Shape, target: Target) -> AttentionConfig:
     tests made as it makes them)."""
     decode = forward_only(shape)
     shares = decode and target.sms is not None and shape.decode_shares_sms(target.sms)
-    return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode, shares)
+    return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(), decode, shares,
+                          shape.heads // shape.kv_heads)
 
 
 def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float,

@@ -117,6 +117,16 @@ def test_decode_and_prefill_entries_serve_only_their_own_calls(tmp_path, seqlen_
         (("user-db", expected) if expected else ("heuristic", None))
 
 
+@pytest.mark.parametrize("kv_heads, causal, concurrent", [(2, True, 1), (16, True, 0), (2, False, 0)])
+def test_the_heuristic_knows_the_calls_gqa_group(tmp_path, kv_heads, causal, concurrent):
+    """The heuristic answers with the call's GQA group: causal GQA at d128 runs its dQ kernel beside dK/dV."""
+    q = torch.empty(2, 16, 1024, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, kv_heads, 1024, 128, dtype=torch.bfloat16, device="meta")
+    call = check_inputs(q, k, k, is_causal=causal, enable_gqa=True)
+    decision = Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[]).lookup(call, GPU, CAPABILITY, (9, 0))
+    assert decision.layer == "heuristic" and decision.config.dq.concurrent == concurrent
+
+
 @pytest.mark.parametrize("batch, stages", [(1, 4), (4, 4), (7, 4), (8, 2), (16, 2)])
 def test_the_decode_heuristic_streams_deeper_with_one_program_per_multiprocessor(tmp_path, monkeypatch, batch,
                                                                                    stages):

@@ -365,18 +365,16 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     ("float16", 2, "dkdv", ["atomic_dq", "tma", "split_d"], 160),  # 256 lanes: the head-dim split is searched
     ("float32", 2, "dkdv", ["tma", "split_d"], 256),  # float32 dK/dV keeps its Kahan-summed dQ kernel
     ("float16", 2, "dq", [], 256),
+    ("float16", 2, "dq", [], 128),  # no GQA: the dQ kernel runs after dK/dV
+    ("bfloat16", 1, "dq", ["concurrent"], 128),  # GQA: the dQ kernel beside dK/dV is searched
     ("bfloat16", 2, "dq", ["maxnreg"], 64),  # registers limit the d64 dQ kernel to one program per SM
     ("float32", 2, "dq", [], 64),
-    ("float16", 2, "dq+concurrent", ["concurrent"], 128),  # offered once the stream probe shows a gain
 ])
 def test_forward_structure_axes(dtype, kv_heads, kernel, structure, head_dim):
     from fatune.search import GPU_SPACE
 
     shape = Shape(1, 2, 64, 64, head_dim, dtype, kv_heads=kv_heads)
-    space = GPU_SPACE
-    if kernel == "dq+concurrent":
-        kernel, space = "dq", dataclasses.replace(GPU_SPACE, concurrent=(0, 1, 2))
-    axes = space.axes(kernel, shape)
+    axes = GPU_SPACE.axes(kernel, shape)
     assert list(axes)[4:] == structure
     assert axes.get("tma", (0, 1)) == (0, 1)
     assert all(config.tma in (0, 1) for config in GPU_SPACE.grid(kernel, shape)[:50])
@@ -574,9 +572,9 @@ def test_the_heuristic_is_a_point_of_every_hopper_search_space(dtype):
     from fatune.search import GPU_SPACE, heuristic_params
 
     for head_dim in range(1, 257):
-        for causal in (False, True):
-            shape = Shape(2, 4, 1024, 1024, head_dim, dtype, causal=causal)
-            heuristic = default_config(shape.spec, (9, 0))
+        for causal, kv_heads in ((False, 4), (True, 4), (True, 1)):  # GQA causal: the concurrent dQ kernel
+            shape = Shape(2, 4, 1024, 1024, head_dim, dtype, causal=causal, kv_heads=kv_heads)
+            heuristic = default_config(shape.spec, (9, 0), group=4 // kv_heads)
             for kernel in ("fwd", "dkdv", "dq"):
                 axes = GPU_SPACE.axes(kernel, shape, sms=132)
                 start = heuristic_params(heuristic, kernel, shape.spec, axes)
