@@ -194,20 +194,22 @@ def _measured(value: float) -> float:
     return value if math.isfinite(value) and value > 0 else math.nan
 
 
-def refreshable(entry: Entry, target) -> str:
-    """Why `entry` is not refreshed on `target`, or '' (a stale entry tuned on this GPU; any GPU's with no
-    target, as a dry run on a machine without one says)."""
+def refreshable(entry: Entry, target, current_too: bool = False) -> str:
+    """Why `entry` is not refreshed on `target`, or '' (a stale entry tuned on this GPU, or with `current_too`
+    any of its entries; any GPU's with no target, as a dry run on a machine without one says)."""
     if target is not None and (entry.gpu, entry.capability) != (target.gpu, target.capability):
         return f"skipped: tuned on {entry.gpu} (sm {entry.capability}); refresh it there"
-    if not is_stale(entry):
+    if not current_too and not is_stale(entry):
         return "current"
     return ""
 
 
 def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, compile_workers: int = 0,
-               on_invalid: Callable[[str], None] | None = None, **filters) -> Iterator[Refreshed]:
-    """Refresh every stale entry of `db` (matching `filters`: gpu, dtype, head_dim, mask_variant) tuned on
-    `target`'s GPU, one at a time, yielding what each came to; written as each finishes (an interrupted run
+               current_too: bool = False, on_invalid: Callable[[str], None] | None = None,
+               **filters) -> Iterator[Refreshed]:
+    """Refresh every stale entry of `db` (matching `filters`: gpu, dtype, head_dim, mask_variant, group_size)
+    tuned on `target`'s GPU, and with `current_too` its current ones too (re-timed beside today's heuristic,
+    e.g. after the heuristic changed), one at a time, yielding what each came to; written as each finishes (an interrupted run
     keeps what it refreshed). The entry a refresh writes replaces the stale one, unless a current entry of its
     key is already there (a search since): that one stays and the stale row goes. An entry that cannot be
     timed (its problem too large, a failure) is skipped with the reason; invalid rows go to `on_invalid`.
@@ -216,7 +218,7 @@ def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, c
     if target is None and not dry_run:
         raise ValueError("target: expected the GPU (or interpreter) to time on; only a dry run takes None")
     entries = list(db.entries(on_invalid=on_invalid or (lambda message: None), **filters))
-    plans: list[tuple[Entry, str]] = [(entry, refreshable(entry, target)) for entry in entries]
+    plans: list[tuple[Entry, str]] = [(entry, refreshable(entry, target, current_too)) for entry in entries]
     work = [entry for entry, reason in plans if not reason]
     timed_on_gpu = not dry_run and not target.interpret
     futures: dict[int, list] = {}
@@ -243,7 +245,7 @@ def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, c
 
 def _refresh_and_write(db: TunedDB, entry: Entry, target, rounds: int, pending: list) -> Refreshed:
     new_key = tuple(key_columns(target.gpu, target.capability, entry_key(entry)).values())  # KEY_COLUMNS order
-    if db.current(new_key):
+    if _others_current(db, new_key, entry):
         db.delete([entry])
         return Refreshed(entry, "superseded", note="a current entry of its key stays; the stale row was dropped")
     try:
@@ -256,7 +258,7 @@ def _refresh_and_write(db: TunedDB, entry: Entry, target, rounds: int, pending: 
     if result.new is None:
         return result
     with db.transaction():
-        if db.current(result.new.key()):  # written by a search while this entry was timed
+        if _others_current(db, result.new.key(), entry):  # written by a search while this entry was timed
             db.delete_in_transaction([entry])
             return dataclasses.replace(result, outcome="superseded", new=None,
                                        note="a current entry of its key was written meanwhile; it stays")
@@ -264,3 +266,8 @@ def _refresh_and_write(db: TunedDB, entry: Entry, target, rounds: int, pending: 
         if result.new.key() != entry.key():  # timed under another torch version: a key of its own
             db.delete_in_transaction([entry])
     return result
+
+
+def _others_current(db: TunedDB, key: tuple, entry: Entry) -> bool:
+    """Whether a current entry other than `entry` (a current entry refreshed with `current_too`) holds `key`."""
+    return any((other.key(), other.created_at) != (entry.key(), entry.created_at) for other in db.current(key))

@@ -271,3 +271,41 @@ def test_cli_refresh_warns_about_invalid_rows(tmp_path):
                                      "--interpret"])
     assert result.exit_code == 0 and "invalid entry" in result.stderr and "fwd_ms" in result.stderr
     assert "1 would refresh" in result.stdout
+
+
+def current_entry(shape: Shape, **changes) -> Entry:
+    entry = entry_for(shape, **changes)
+    return dataclasses.replace(entry, template_hash=entry.kernel_hash())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+@pytest.mark.parametrize("tuned_ms, heuristic_ms, winner", [(1.0, 2.0, "tuned"), (2.0, 1.0, "heuristic")])
+def test_all_re_times_current_entries_beside_todays_heuristic(tmp_path, monkeypatch, tuned_ms, heuristic_ms, winner):
+    """After a heuristic change (`--all`): a current entry is timed again and the faster written in its place,
+    its own row not taken for a newer entry of its key; without `--all` it stays untouched."""
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": tuned_ms, "heuristic": heuristic_ms}))
+    entry = current_entry(TINY)
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        db.upsert(entry)
+        assert [r.outcome for r in refresh_db(db, INTERPRETER)] == ["current"]
+        (result,) = refresh_db(db, INTERPRETER, current_too=True)
+        (after,) = db.entries()
+    assert result.outcome == winner and after.fwd_bwd_ms == min(tuned_ms, heuristic_ms) and not is_stale(after)
+    assert after.attention_config() == (TUNED if winner == "tuned" else heuristic_config(TINY, INTERPRETER))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_cli_refresh_all_of_one_gqa_group(tmp_path, monkeypatch):
+    """`--all --group 2`: the current entries of GQA group 2 only; the others are neither timed nor listed."""
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": 2.0, "heuristic": 1.0}))
+    path = tmp_path / "tuned.sqlite"
+    gqa = current_entry(TINY.with_(heads=4, kv_heads=2))
+    with TunedDB(path) as db:
+        for entry in (gqa, current_entry(TINY), entry_for(TINY.with_(heads=8, kv_heads=2))):
+            db.upsert(entry)
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--all", "--group", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1] == "1 heuristic", result.output
+    with TunedDB(path, readonly=True) as db:
+        rows = {e.group_size: e for e in db.entries()}
+    assert rows[2].fwd_bwd_ms == 1.0 and rows[1] == current_entry(TINY) and is_stale(rows[4])

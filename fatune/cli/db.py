@@ -171,8 +171,13 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
               help="Processes compiling the next entries' kernels while one is timed (default: CPU cores - 1, "
                    "at most 16).")
 @click.option("--interpret", is_flag=True, help="Run in Triton's interpreter on the CPU (timings not meaningful).")
+@click.option("--group", "group_size", type=click.IntRange(1, 65536), default=None,
+              help="Only entries of this GQA group (query heads per K/V head; 1: no GQA).")
+@click.option("--all", "current_too", is_flag=True,
+              help="Current entries too: re-time them beside today's heuristic (after a heuristic change).")
 @click.option("--dry-run", is_flag=True, help="Only say which entries would be timed, on which problem.")
-def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers, interpret, dry_run) -> None:
+def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers, interpret, group_size, current_too,
+            dry_run) -> None:
     """Re-time stale entries with today's kernels instead of searching again.
 
     An entry tuned on this GPU whose kernels have changed since (or whose Triton version differs)
@@ -180,10 +185,13 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     (key padding and packed documents at `fatune search`'s defaults), both checked against torch;
     the faster takes its place under today's versions, unless a current entry of that key is
     already there. Entries of other GPUs are left alone. To find new configs, run `fatune search`.
+    With --all, current entries are re-timed too, beside today's heuristic (after it changed).
 
     Example:
 
         fatune db refresh --db tuned_db/nvidia-h200.sqlite
+
+        fatune db refresh --all --group 8 --mask causal
     """
     import os
 
@@ -202,7 +210,8 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     with _open(db_path, readonly=dry_run, create=False) as database:
         for result in refresh_db(database, target, rounds=rounds, dry_run=dry_run, compile_workers=compile_workers,
                                  on_invalid=lambda message: click.echo(f"warning: {message}", err=True),
-                                 gpu=gpu, dtype=dtype, head_dim=head_dim, mask_variant=mask_variant):
+                                 current_too=current_too, gpu=gpu, dtype=dtype, head_dim=head_dim,
+                                 mask_variant=mask_variant, group_size=group_size):
             outcome = result.outcome.split(":")[0]
             counts[outcome] = counts.get(outcome, 0) + 1
             click.echo(result.describe())
