@@ -177,6 +177,23 @@ GRID
       python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"
       cp "$db" "$OUT/"
       tail -n 3 "$OUT/db-refresh.log" ;;
+    gqa-concurrent)  # session 13's heuristic change (causal GQA d65..128: the dQ kernel beside dK/dV): the shipped DB's
+      # current entries of those keys re-timed beside the new heuristic (fatune db refresh --all), then GQA 4:1/8:1
+      # causal d128 training steps against cuDNN and Flex, then the gpu tests of concurrent dQ and GQA
+      db=tuned_db/nvidia-h200.sqlite
+      for g in 4 8; do
+        timeout 240 python3 -m fatune.cli db refresh --db "$db" --all --head-dim 128 --mask causal --group $g \
+          >> "$OUT/gqa-refresh.log" 2>&1; echo "group $g: rc $?" >> "$OUT/gqa-refresh.log"
+      done
+      python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"
+      cp "$db" "$OUT/"; tail -n 12 "$OUT/gqa-refresh.log"
+      for g in 4 8; do
+        python3 -m fatune.cli bench --head-dims 128 --lengths 2048,8192 --causal yes --gqa $g --dtypes bf16,fp16 \
+          --impls fatune,fatune-heuristic,sdpa-cudnn,flex -o "$OUT/gqa$g" > "$OUT/gqa$g.log" 2>&1
+        grep -E "^\| (bfloat16|float16) \||geometric" "$OUT/gqa$g/bench.md"
+      done
+      FATUNE_GPU_REPORT="$OUT/gpu_report-gqa.json" python3 -m pytest -m gpu -k "concurrent or gqa" -n 16 -q \
+        -p no:cacheprovider > "$OUT/gqa-accuracy.log" 2>&1; tail -n 3 "$OUT/gqa-accuracy.log" ;;
     sweep2)  # the default sweep (L = 512..16384, causal and not: 12 shapes) with --workers 1, then --workers 2
       # (run on the 2-GPU machine). Each run gets a fresh DB, Optuna storage and Triton cache (the second is not a
       # cache hit of the first; its two workers share one cache, as on any host). SWEEP_TRIALS per kernel per

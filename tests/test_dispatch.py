@@ -253,13 +253,6 @@ SHIPPED_H200_CALLS = [  # (seqlen, kwargs of check_inputs): what tuned_db/nvidia
 ]
 
 
-# Session 11's accuracy fixes (the LSE in log2 units, Delta = sum P dP / sum P) changed every kernel the shipped
-# entries were measured with, so they are stale until `gpu_run.sh db-refresh` re-times them on an H200 (no device
-# time was left in sessions 11-12). Strict: once refreshed, this marker must go.
-SHIPPED_DB_STALE = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                     reason="shipped H200 DB stale since a94d189: gpu_run.sh db-refresh")
-
-
 def test_the_shipped_h200_db_is_in_the_package_and_valid():
     shipped = dispatch.shipped_dbs()
     assert [path.name for path in shipped] == ["nvidia-h200.sqlite"]
@@ -269,7 +262,6 @@ def test_the_shipped_h200_db_is_in_the_package_and_valid():
     assert len(entries) >= 90 and all((e.gpu, e.capability) == ("NVIDIA H200", "9.0") for e in entries)
 
 
-@SHIPPED_DB_STALE
 @pytest.mark.parametrize("seqlen, kwargs", SHIPPED_H200_CALLS)
 def test_the_shipped_h200_db_answers_h200_calls(tmp_path, seqlen, kwargs):
     """The DB in the package is current for these templates and Triton (a template edit that changes its
