@@ -72,7 +72,7 @@ class Bench:
         self.inputs = make_inputs(shape, target.device)
         self.checker = search.Checker(shape, self.inputs)
         arch = None if target.interpret else torch.cuda.get_device_capability()
-        self.heuristic = default_config(shape.spec, arch)
+        self.heuristic = default_config(shape.spec, arch, group=shape.heads // shape.kv_heads)
 
     def config(self, kernel: str, launch: LaunchConfig) -> AttentionConfig:
         return self.heuristic.replace(**{kernel: launch})

@@ -100,7 +100,8 @@ def main() -> None:
              + (masked_shapes(args.dtype) if args.masked else []))
     if args.groups:
         cases = [dataclasses.replace(shape, kv_heads=shape.heads // int(g)) for shape in cases
-                 for g in args.groups.split(",") if shape.window < 0 and not shape.documents and shape.valid_keys == 1]
+                 for g in args.groups.split(",") if shape.window < 0 and not shape.documents and shape.valid_keys == 1
+                 and shape.heads % int(g) == 0]
     if interpret and args.masked:
         cases += [Shape(1, 4, 48, 48, 16, "float16", causal=True, kv_heads=2, window=20),
                   Shape(2, 2, 40, 40, 16, "float16", valid_keys=0.5), Shape(2, 2, 40, 40, 16, "float16", documents=2)]

@@ -111,7 +111,8 @@ def short(config: AttentionConfig) -> str:
 
 
 def heuristic_of(shape: Shape, target: search.Target) -> AttentionConfig:
-    return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability())
+    return default_config(shape.spec, None if target.interpret else torch.cuda.get_device_capability(),
+                          group=shape.heads // shape.kv_heads)
 
 
 def tie_entries(shape: Shape, db_path: str, target: search.Target) -> tuple[dict[str, AttentionConfig], str | None]:

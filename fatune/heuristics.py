@@ -110,14 +110,17 @@ def _decode_forward(block_d: int, shares_sms: bool) -> LaunchConfig:
     return LaunchConfig(DECODE_BLOCK_M, 64, num_warps=4, num_stages=4 if block_d <= 128 and not shares_sms else 2)
 
 
-def concurrent_dq(block_d: int, dtype: str, causal: bool, group: int) -> bool:
+def concurrent_dq(spec: KernelSpec, arch: Arch, block_d: int, group: int) -> bool:
     """Whether the backward runs its dQ kernel on a second stream beside the dK/dV kernel (after a Delta pass):
-    causal GQA at head dims 65..128 in 16-bit types, where each dK/dV program sums a group of query heads and
-    the grid's long causal programs leave multiprocessors idle that the dQ kernel fills. On an H200 (bf16,
-    benchmarks/stream_probe.py --groups, session 13) the backward took 1.00-1.19x less time there over groups
-    2/4/8 and L = 1024..16384, and 0.97-1.03x without a causal mask or without GQA; at d64 causal atomic dQ
-    stays faster."""
-    return causal and group > 1 and 64 < block_d <= 128 and dtype != "float32"
+    on Hopper, for causal GQA at head dims 65..128 in 16-bit types, where each dK/dV program sums a group of
+    query heads and the grid's long causal programs leave multiprocessors idle that the dQ kernel fills. On an
+    H200 (bf16, benchmarks/stream_probe.py --groups, session 13) the backward took 1.00-1.19x less time there
+    over groups 2/4/8 and L = 1024..16384, and 0.97-1.03x without a causal mask or without GQA; at d64 causal
+    atomic dQ stays faster. Only the measured kind of call: a plain causal mask on fixed-length sequences (no
+    window, mask tensor, ALiBi, dropout or packing)."""
+    plain_causal = spec.causal and not (spec.window_left or spec.window_right or spec.alibi or spec.dropout) and \
+        spec.attn_mask == "none" and spec.seqlens == "fixed"
+    return arch[0] == 9 and plain_causal and group > 1 and 64 < block_d <= 128 and spec.dtype != "float32"
 
 
 def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
@@ -129,9 +132,8 @@ def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
         return with_forward_structure(INTERPRETER_CONFIG)
     block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
     if arch[0] >= 9:
-        causal = spec.causal or spec.window_right
-        config = _hopper(block_d, spec.dtype, causal)
-        if concurrent_dq(block_d, spec.dtype, causal, group):
+        config = _hopper(block_d, spec.dtype, spec.causal or spec.window_right)
+        if concurrent_dq(spec, arch, block_d, group):
             config = config.replace(dq=dataclasses.replace(config.dq, concurrent=1))
     else:
         config = _generic(block_d if spec.dtype != "float32" else 2 * block_d)

@@ -283,17 +283,19 @@ SEARCH_HASH_TILE = LaunchConfig(64, 64, num_warps=4, num_stages=2)  # tiles ente
 @functools.lru_cache(maxsize=1024)
 def search_hash(spec: KernelSpec, grouped: bool) -> str:
     """Hash of every kernel source a search of `spec` can render, at one fixed tile with each structure value
-    (forward TMA, key splits, GQA packing; dK/dV TMA, each atomic-dQ kind, the head-dim split where searched):
+    (forward TMA, key splits, GQA packing; dK/dV TMA, each atomic-dQ kind, the head-dim split where searched;
+    with GQA the dQ kernel beside dK/dV):
     the templates' part of a study's
     name (fatune.search.study_name). A template edit in code none of them contains (another mask variant's,
     say) leaves it unchanged, so an interrupted search's studies still resume after it."""
     tile = SEARCH_HASH_TILE
     hashes = [kernel_hash(spec, AttentionConfig(fwd=dataclasses.replace(tile, num_splits=0, pack_gqa=pack, tma=1),
                                                 dkdv=dataclasses.replace(tile, tma=1, atomic_dq=atomic, split_d=split),
-                                                dq=tile),
+                                                dq=dataclasses.replace(tile, concurrent=concurrent)),
                           grouped)
               for pack in ((0, 1) if grouped else (0,)) for atomic in (0, 2)
-              for split in ((1, 2) if split_d_searched(spec) else (1,))]
+              for split in ((1, 2) if split_d_searched(spec) else (1,))
+              for concurrent in ((0, 1) if grouped and not atomic else (0,))]
     return hashlib.sha256("".join(hashes).encode()).hexdigest()[:16]
 
 

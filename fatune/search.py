@@ -496,6 +496,8 @@ def heuristic_params(heuristic: AttentionConfig, kernel: str, spec: KernelSpec, 
     """The heuristic's trial of `kernel` (its values on `axes`), as it runs for `spec`: an atomic-dQ kind the
     head dim cannot take runs as the next one down, which is what the space offers (TMA reductions exist
     wherever a heuristic asks for them: Hopper)."""
+    if kernel == "dq":  # dQ trials run beside a dK/dV without atomic dQ (base_config): its structure as it is
+        heuristic = heuristic.replace(dkdv=dataclasses.replace(heuristic.dkdv, atomic_dq=0))
     runs_as = runnable_backward(heuristic, spec, tma=True)
     return {axis: value for axis, value in dataclasses.asdict(getattr(runs_as, kernel)).items() if axis in axes}
 

@@ -40,6 +40,16 @@ def test_codegen_config_override_and_output_dir(tmp_path):
     assert not (tmp_path / "attn_bwd.py").exists()
 
 
+@pytest.mark.parametrize("group, beside", [(1, False), (8, True)])
+def test_codegen_shows_the_backward_the_calls_gqa_group_runs(group, beside):
+    """Causal GQA at d128 on Hopper runs its dQ kernel beside dK/dV (Delta from a pass before both)."""
+    result = CliRunner().invoke(cli, ["codegen", "--head-dim", "128", "--dtype", "bf16", "--causal", "--kernel", "bwd",
+                                      "--group", str(group)])
+    assert result.exit_code == 0, result.output
+    assert ("Runs beside the dK/dV kernel" in result.output) is beside
+    assert ("def attn_bwd_prep(" in result.output) is beside
+
+
 def test_codegen_rejects_bad_config():
     result = CliRunner().invoke(cli, ["codegen", "--head-dim", "64", "--fwd", "100x64"])
     assert result.exit_code == 2

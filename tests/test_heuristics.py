@@ -54,17 +54,22 @@ def test_a_shape_counts_its_decode_programs_as_a_call_does(shape, packed, sms, s
     assert shape.decode_shares_sms(sms, packed) is shares
 
 
-@pytest.mark.parametrize("arch, dtype, head_dim, causal, group, concurrent", [
-    ((9, 0), "bfloat16", 128, True, 8, 1),  # GQA causal d128: 1.19x less backward time (H200)
-    ((9, 0), "float16", 96, True, 2, 1),
-    ((9, 0), "bfloat16", 128, True, 1, 0),  # no GQA: within +-3%
-    ((9, 0), "bfloat16", 128, False, 8, 0),  # not causal: within +-3%
-    ((9, 0), "bfloat16", 64, True, 8, 0),  # d64 causal adds dQ atomically: no dQ kernel to run beside
-    ((9, 0), "bfloat16", 256, True, 8, 0),  # unmeasured
-    ((9, 0), "float32", 128, True, 8, 0),  # unmeasured
-    ((8, 0), "bfloat16", 128, True, 8, 0),  # Hopper's measurement only
-    (None, "float16", 128, True, 8, 0),  # the interpreter runs kernels in order
+@pytest.mark.parametrize("arch, dtype, head_dim, spec, group, concurrent", [
+    ((9, 0), "bfloat16", 128, {"causal": True}, 8, 1),  # GQA causal d128: 1.19x less backward time (H200)
+    ((9, 0), "float16", 96, {"causal": True, "bottom_right": True}, 2, 1),
+    ((9, 0), "bfloat16", 128, {"causal": True}, 1, 0),  # no GQA: within +-3%
+    ((9, 0), "bfloat16", 128, {}, 8, 0),  # not causal: within +-3%
+    ((9, 0), "bfloat16", 64, {"causal": True}, 8, 0),  # d64 causal adds dQ atomically: no dQ kernel to run beside
+    ((9, 0), "bfloat16", 256, {"causal": True}, 8, 0),  # unmeasured
+    ((9, 0), "float32", 128, {"causal": True}, 8, 0),  # unmeasured
+    ((9, 0), "bfloat16", 128, {"window_left": True, "window_right": True}, 4, 0),  # a local window: unmeasured
+    ((9, 0), "bfloat16", 128, {"causal": True, "window_left": True}, 4, 0),  # a causal sliding window: unmeasured
+    ((9, 0), "bfloat16", 128, {"causal": True, "seqlens": "varlen"}, 4, 0),  # packed sequences: unmeasured
+    ((9, 0), "bfloat16", 128, {"causal": True, "dropout": True}, 4, 0),  # unmeasured
+    ((10, 0), "bfloat16", 128, {"causal": True}, 8, 0),  # Hopper's measurement only
+    ((8, 0), "bfloat16", 128, {"causal": True}, 8, 0),
+    (None, "float16", 128, {"causal": True}, 8, 0),  # the interpreter runs kernels in order
 ])
-def test_the_dq_kernel_runs_beside_dkdv_for_causal_gqa(arch, dtype, head_dim, causal, group, concurrent):
-    config = default_config(KernelSpec(dtype, head_dim, causal=causal), arch, group=group)
+def test_the_dq_kernel_runs_beside_dkdv_for_causal_gqa(arch, dtype, head_dim, spec, group, concurrent):
+    config = default_config(KernelSpec(dtype, head_dim, **spec), arch, group=group)
     assert config.dq.concurrent == concurrent and not (concurrent and config.dkdv.atomic_dq)

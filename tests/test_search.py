@@ -581,6 +581,20 @@ def test_the_heuristic_is_a_point_of_every_hopper_search_space(dtype):
                 assert all(start[axis] in values for axis, values in axes.items()), (head_dim, causal, kernel, start)
 
 
+def test_a_warm_start_keeps_the_dq_kernels_place_beside_an_atomic_dkdv():
+    """A stored config with atomic dK/dV and its dQ kernel beside dK/dV (`/c`): the dQ study's trial keeps
+    `concurrent`, since dQ trials run beside a dK/dV without atomic dQ (base_config)."""
+    from fatune.search import GPU_SPACE, heuristic_params
+    from fatune.spec import AttentionConfig
+
+    shape = Shape(2, 8, 1024, 1024, 128, "bfloat16", causal=True, kv_heads=2)
+    stored = AttentionConfig(fwd=LaunchConfig(64, 64), dkdv=LaunchConfig(64, 64, tma=1, atomic_dq=2),
+                             dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, concurrent=1))
+    params = heuristic_params(stored, "dq", shape.spec, GPU_SPACE.axes("dq", shape, sms=132))
+    assert params["concurrent"] == 1
+    assert heuristic_params(stored, "dkdv", shape.spec, GPU_SPACE.axes("dkdv", shape, sms=132))["atomic_dq"] == 2
+
+
 def test_a_dq_trial_goes_with_the_best_dkdv_config_without_atomic_dq():
     """An atomic dK/dV adds dQ itself (the dQ kernel's tile would only size Delta's rows), so dQ candidates
     are timed beside the best dK/dV without it, or the heuristic's tile without it when none finished yet."""

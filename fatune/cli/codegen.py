@@ -19,11 +19,13 @@ from fatune.spec import KernelSpec, LaunchConfig, with_runnable_split_d
               help="Which generated module to show.")
 @click.option("--arch", default="9.0", show_default=True, callback=parse_capability,
               help="Compute capability whose heuristic config fills unset --fwd/--dkdv/--dq.")
+@click.option("--group", type=click.IntRange(1, 65536), default=1, show_default=True,
+              help="GQA group the call has (query heads per key/value head): the heuristic's choice can depend on it.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
               help="Write attn_fwd.py / attn_bwd.py into this folder instead of printing.")
 def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
             fwd_config: LaunchConfig | None, dkdv_config: LaunchConfig | None, dq_config: LaunchConfig | None,
-            kernel: str, arch: tuple[int, int], output: Path | None) -> None:
+            kernel: str, arch: tuple[int, int], group: int, output: Path | None) -> None:
     """Print (or write) the generated Triton source for one kernel spec and launch config.
 
     Example:
@@ -31,7 +33,7 @@ def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
         fatune codegen --head-dim 64 --dtype bf16 --causal --fwd 128x64/w4/s3
     """
     spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
-    config = default_config(spec, arch)
+    config = default_config(spec, arch, group=group)
     overrides = {"fwd": fwd_config, "dkdv": dkdv_config, "dq": dq_config}
     config = config.replace(**{name: value for name, value in overrides.items() if value is not None})
     config = with_runnable_split_d(config, spec)  # as a launch runs it
