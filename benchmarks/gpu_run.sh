@@ -178,11 +178,11 @@ GRID
       cp "$db" "$OUT/"
       tail -n 3 "$OUT/db-refresh.log" ;;
     gqa-concurrent)  # session 13's heuristic change (causal GQA d65..128: the dQ kernel beside dK/dV): the shipped DB's
-      # current entries of those keys re-timed beside the new heuristic (fatune db refresh --all), then GQA 4:1/8:1
+      # current entries of those keys re-timed beside the new heuristic (fatune db refresh --include-current), then GQA 4:1/8:1
       # causal d128 training steps against cuDNN and Flex, then the gpu tests of concurrent dQ and GQA
       db=tuned_db/nvidia-h200.sqlite
       for g in 4 8; do
-        timeout 240 python3 -m fatune.cli db refresh --db "$db" --all --head-dim 128 --mask causal --group $g \
+        timeout 240 python3 -m fatune.cli db refresh --db "$db" --include-current --head-dim 128 --mask causal --group $g \
           >> "$OUT/gqa-refresh.log" 2>&1; echo "group $g: rc $?" >> "$OUT/gqa-refresh.log"
       done
       python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"

@@ -685,11 +685,13 @@ class TunedDB:
         with self.transaction():
             return self.delete_in_transaction(entries)
 
-    def delete_in_transaction(self, entries: Iterable[Entry]) -> int:
-        """delete() for a caller that holds the write transaction: the rows of these entries' keys."""
+    def delete_in_transaction(self, entries: Iterable[Entry], exact: bool = False) -> int:
+        """delete() for a caller that holds the write transaction: the rows of these entries' keys (`exact`: only
+        the rows written when these entries were, not a newer row of the same key and kernels)."""
         count = 0
         for entry in entries:
-            where, args = self._where(dict(zip(KEY_COLUMNS, entry.key())))
+            where, args = self._where({**dict(zip(KEY_COLUMNS, entry.key())),
+                                       **({"created_at": entry.created_at} if exact else {})})
             count += self.db.execute(f"delete from {TABLE} where {where}", args).rowcount
         return count
 

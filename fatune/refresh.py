@@ -246,8 +246,9 @@ def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, c
 def _refresh_and_write(db: TunedDB, entry: Entry, target, rounds: int, pending: list) -> Refreshed:
     new_key = tuple(key_columns(target.gpu, target.capability, entry_key(entry)).values())  # KEY_COLUMNS order
     if _others_current(db, new_key, entry):
-        db.delete([entry])
-        return Refreshed(entry, "superseded", note="a current entry of its key stays; the stale row was dropped")
+        with db.transaction():
+            db.delete_in_transaction([entry], exact=True)
+        return Refreshed(entry, "superseded", note="a current entry of its key stays; this entry's row was dropped")
     try:
         result = refresh_entry(entry, target, rounds=rounds,
                                compiled=lambda: [compile_error(future) for future in pending])
@@ -259,12 +260,12 @@ def _refresh_and_write(db: TunedDB, entry: Entry, target, rounds: int, pending: 
         return result
     with db.transaction():
         if _others_current(db, result.new.key(), entry):  # written by a search while this entry was timed
-            db.delete_in_transaction([entry])
+            db.delete_in_transaction([entry], exact=True)
             return dataclasses.replace(result, outcome="superseded", new=None,
                                        note="a current entry of its key was written meanwhile; it stays")
         db.upsert_in_transaction(result.new, keep_faster=False)
         if result.new.key() != entry.key():  # timed under another torch version: a key of its own
-            db.delete_in_transaction([entry])
+            db.delete_in_transaction([entry], exact=True)
     return result
 
 

@@ -173,7 +173,7 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
 @click.option("--interpret", is_flag=True, help="Run in Triton's interpreter on the CPU (timings not meaningful).")
 @click.option("--group", "group_size", type=click.IntRange(1, 65536), default=None,
               help="Only entries of this GQA group (query heads per K/V head; 1: no GQA).")
-@click.option("--all", "current_too", is_flag=True,
+@click.option("--include-current", "current_too", is_flag=True,
               help="Current entries too: re-time them beside today's heuristic (after a heuristic change).")
 @click.option("--dry-run", is_flag=True, help="Only say which entries would be timed, on which problem.")
 def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers, interpret, group_size, current_too,
@@ -185,13 +185,13 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     (key padding and packed documents at `fatune search`'s defaults), both checked against torch;
     the faster takes its place under today's versions, unless a current entry of that key is
     already there. Entries of other GPUs are left alone. To find new configs, run `fatune search`.
-    With --all, current entries are re-timed too, beside today's heuristic (after it changed).
+    With --include-current, current entries are re-timed too, beside today's heuristic (after it changed).
 
     Example:
 
         fatune db refresh --db tuned_db/nvidia-h200.sqlite
 
-        fatune db refresh --all --group 8 --mask causal
+        fatune db refresh --include-current --group 8 --mask causal
     """
     import os
 
