@@ -690,8 +690,10 @@ class TunedDB:
         the rows written when these entries were, not a newer row of the same key and kernels)."""
         count = 0
         for entry in entries:
-            where, args = self._where({**dict(zip(KEY_COLUMNS, entry.key())),
-                                       **({"created_at": entry.created_at} if exact else {})})
+            where, args = self._where(dict(zip(KEY_COLUMNS, entry.key())))
+            if exact:  # a row read with no creation time (NULL) reads back as ""
+                where += " and ([created_at] = ? or ([created_at] is null and ? = ''))"
+                args += [entry.created_at, entry.created_at]
             count += self.db.execute(f"delete from {TABLE} where {where}", args).rowcount
         return count
 

@@ -61,6 +61,11 @@ def _check_tensor(name: str, tensor: object, dims: int) -> torch.Tensor:
     return tensor
 
 
+# Key positions are int32 in the kernels, whose tiles reach up to two key tiles past a cache's end (the page
+# lookup runs one tile ahead): a margin of 1024 keys below 2**31 covers any tile the search space has.
+MAX_PAGED_KEYS = 2**31 - 1024
+
+
 def _check_int32(name: str, tensor: object, dims: int, layout: str, device: torch.device) -> torch.Tensor:
     """An int32 index tensor of `dims` dims (`layout` names them) on the query's device."""
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims:
@@ -93,8 +98,9 @@ def _check_block_table(table: object, batch: int, key: torch.Tensor, value: torc
     if table.shape[1] and key.shape[0] == 0:
         raise ValueError("key: a paged cache with no pages cannot serve a block table with pages")
     pages = table.shape[1] * key.shape[2]
-    if pages >= 2**31:
-        raise ValueError(f"block_table: {table.shape[1]} pages of {key.shape[2]} keys exceed int32 key positions")
+    if pages > MAX_PAGED_KEYS:
+        raise ValueError(f"block_table: {table.shape[1]} pages of {key.shape[2]} keys exceed the {MAX_PAGED_KEYS} key "
+                         "positions a paged cache can hold")
     return pages
 
 

@@ -188,6 +188,8 @@ def test_the_paged_spec_is_its_own_kernel_under_the_contiguous_calls_db_key():
     (lambda c: {"block_table": c.block_table[:1]}, ValueError, "block_table: expected 2 rows"),
     (lambda c: {"v_cache": c.v_cache[:-1]}, ValueError, "value: expected 11 pages like key"),
     (lambda c: {"k_cache": c.k_cache[:0], "v_cache": c.v_cache[:0]}, ValueError, "key: a paged cache with no pages"),
+    (lambda c: {"block_table": c.block_table[:, :1].expand(2, (2**31 - 1024) // c.k_cache.shape[2] + 1)}, ValueError,
+     "block_table: .* exceed the 2147482624 key positions"),
     (lambda c: {"q": c.q.requires_grad_()}, ValueError, "block_table: a paged K/V cache is read for inference"),
 ])
 def test_paged_calls_that_cannot_run_name_the_argument(change, error, match):

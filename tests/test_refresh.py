@@ -329,3 +329,24 @@ def test_a_search_writing_the_same_kernels_meanwhile_keeps_its_entry(tmp_path, m
         (result,) = refresh_db(db, INTERPRETER, current_too=True)
         after = list(db.entries())
     assert result.outcome == "superseded" and after == [searched]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_a_superseded_row_with_no_creation_time_is_dropped_too(tmp_path, monkeypatch):
+    """A row written by another tool with a NULL created_at (read back as "") still goes when superseded."""
+    import sqlite3
+
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": 0.1, "heuristic": 0.1}))
+    path = tmp_path / "tuned.sqlite"
+    window = TINY.with_(window=16)
+    stale = entry_for(window, torch_version="2.0.0")
+    searched = current_entry(window, created_at="2026-12-01T00:00:00+00:00")
+    with TunedDB(path) as db:
+        db.upsert(stale)
+        db.upsert(searched)
+    with sqlite3.connect(path) as connection:
+        connection.execute("update entries set created_at = null where torch_version = '2.0.0'")
+    with TunedDB(path) as db:
+        (result,) = [r for r in refresh_db(db, INTERPRETER) if r.outcome != "current"]
+        after = list(db.entries())
+    assert result.outcome == "superseded" and after == [searched]
