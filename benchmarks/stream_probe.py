@@ -118,7 +118,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for label, row in results.items():
         heuristic = f"{row['heuristic']:.3f}" if "heuristic" in row else "the same"
-        print(f"| {label} | {row['config'].split('| dq ')[1]} | {row['dkdv_programs']} | {row['sequential']:.3f} | {row['concurrent']:.3f} / "
+        print(f"| {label} | {row['config'].split('| dq ')[1]} | {row['dkdv_programs']} | {row['sequential']:.3f} | "
+              f"{row['concurrent']:.3f} / "
               f"{row['concurrent-dkdv-first']:.3f} | {row['gain']:.3f} | {heuristic} |")
 
 

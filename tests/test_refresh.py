@@ -281,8 +281,8 @@ def current_entry(shape: Shape, **changes) -> Entry:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
 @pytest.mark.parametrize("tuned_ms, heuristic_ms, winner", [(1.0, 2.0, "tuned"), (2.0, 1.0, "heuristic")])
 def test_all_re_times_current_entries_beside_todays_heuristic(tmp_path, monkeypatch, tuned_ms, heuristic_ms, winner):
-    """After a heuristic change (`--include-current`): a current entry is timed again and the faster written in its place,
-    its own row not taken for a newer entry of its key; without it the entry stays untouched."""
+    """After a heuristic change (`--include-current`): a current entry is timed again and the faster written in
+    its place, its own row not taken for a newer entry of its key; without it the entry stays untouched."""
     monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": tuned_ms, "heuristic": heuristic_ms}))
     entry = current_entry(TINY)
     with TunedDB(tmp_path / "tuned.sqlite") as db:
@@ -296,14 +296,16 @@ def test_all_re_times_current_entries_beside_todays_heuristic(tmp_path, monkeypa
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
 def test_cli_refresh_all_of_one_gqa_group(tmp_path, monkeypatch):
-    """`--include-current --group 2`: the current entries of GQA group 2 only; the others are neither timed nor listed."""
+    """`--include-current --group 2`: the current entries of GQA group 2 only; the others are neither timed nor
+    listed."""
     monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": 2.0, "heuristic": 1.0}))
     path = tmp_path / "tuned.sqlite"
     gqa = current_entry(TINY.with_(heads=4, kv_heads=2))
     with TunedDB(path) as db:
         for entry in (gqa, current_entry(TINY), entry_for(TINY.with_(heads=8, kv_heads=2))):
             db.upsert(entry)
-    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--include-current", "--group", "2"])
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--include-current",
+                                      "--group", "2"])
     assert result.exit_code == 0, result.output
     assert result.output.strip().splitlines()[-1] == "1 heuristic", result.output
     with TunedDB(path, readonly=True) as db:
