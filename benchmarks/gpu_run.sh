@@ -46,6 +46,9 @@ for stage in "$@"; do
     inference-accuracy)  # split-KV, GQA packing and the dispatched decode config against the accuracy rule
       python3 -m pytest tests/test_variants.py -k gpu_split_kv -m gpu -n 8 -q -p no:cacheprovider \
         > "$OUT/inference-accuracy.log" 2>&1; tail -n 5 "$OUT/inference-accuracy.log" ;;
+    paged-accuracy)  # the paged KV cache and the random calls (plain and paged) against the accuracy rule
+      FATUNE_GPU_REPORT="$OUT/gpu_report-paged.json" python3 -m pytest tests/test_paged.py tests/test_random_calls.py \
+        -m gpu -n 16 -q -p no:cacheprovider > "$OUT/paged-accuracy.log" 2>&1; tail -n 5 "$OUT/paged-accuracy.log" ;;
     serial)  # timing and memory measurements, alone on the GPU
       python3 -m pytest -m "gpu and serial" -q -s -p no:cacheprovider > "$OUT/serial.log" 2>&1; tail -n 30 "$OUT/serial.log" ;;
     inference)  # decode and chunked prefill against a KV cache, forward only (issue 15's shapes)
