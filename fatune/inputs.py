@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,30 @@ def _check_tensor(name: str, tensor: object, dims: int) -> torch.Tensor:
 # Key positions are int32 in the kernels, whose tiles reach up to two key tiles past a cache's end (the page
 # lookup runs one tile ahead): a margin of 1024 keys below 2**31 covers any tile the search space has.
 MAX_PAGED_KEYS = 2**31 - 1024
+
+
+# Element offsets inside one (batch, head) slice of a tensor (row x row stride + column x column stride, a packed
+# sequence's first row included) are int32 in the kernels; batch, head and page offsets are int64.
+MAX_SLICE_OFFSET = 2**31 - 1
+
+
+def slice_offset(shape: Sequence[int], strides: Sequence[int], row_dim: int) -> int:
+    """The largest element offset the kernels compute inside one (batch, head) slice of a tensor of this shape
+    and strides: its last row's last column (0 for an empty tensor)."""
+    if 0 in shape:
+        return 0
+    return (shape[row_dim] - 1) * strides[row_dim] + (shape[-1] - 1) * strides[-1]
+
+
+def _check_slice_offsets(problem_tensors: Sequence[tuple[str, Sequence[int], Sequence[int], int]]) -> None:
+    """ValueError naming the first (name, shape, strides, row dim) whose slice offsets do not fit int32."""
+    for name, shape, strides, row_dim in problem_tensors:
+        reach = slice_offset(shape, strides, row_dim)
+        if reach > MAX_SLICE_OFFSET:
+            raise ValueError(
+                f"{name}: {shape[row_dim]} rows at row stride {strides[row_dim]} reach element {reach} of one "
+                f"(batch, head) slice; the kernels' offsets inside a slice are int32 (at most {MAX_SLICE_OFFSET}): "
+                f"pass rows that lie closer (e.g. a contiguous (B, H, L, D) tensor) or fewer of them")
 
 
 def _check_int32(name: str, tensor: object, dims: int, layout: str, device: torch.device) -> torch.Tensor:
@@ -323,6 +348,21 @@ def check_inputs(
             max_q, max_k = longest_q, longest_k
     elif packed and (max_q is None or max_k is None):
         raise ValueError("max_seqlen_q: pass max_seqlen_q and max_seqlen_k when the cu_seqlens values are not read")
+
+    # the layouts of the outputs and gradients the kernels write
+    from fatune.launch import layout_like
+
+    row_dim = 0 if packed else 2
+    laid_out = [(name, tuple(t.shape), t.stride(), row_dim) for name, t in (("query", query), ("key", key),
+                                                                             ("value", value))]
+    laid_out += [(f"{name} (its {what})", *layout, row_dim) for name, what, layout in (
+        ("query", "output", layout_like(query.shape, query.stride(), head_dim_v)),
+        ("query", "gradient", layout_like(query.shape, query.stride())),
+        ("key", "gradient", layout_like(key.shape, key.stride())),
+        ("value", "gradient", layout_like(value.shape, value.stride())))]
+    if mask_view is not None:
+        laid_out.append(("attn_mask", tuple(mask_view.shape), mask_view.stride(), 2))
+    _check_slice_offsets(laid_out)
 
     spec = KernelSpec(
         dtype=query.dtype,

@@ -29,7 +29,7 @@ from triton.compiler import CompiledKernel
 from fatune import codegen, signature
 from fatune.dispatch import device_arch, sm_count
 from fatune.heuristics import default_config
-from fatune.inputs import AttentionProblem
+from fatune.inputs import MAX_SLICE_OFFSET, AttentionProblem, slice_offset
 from fatune.spec import (
     MAX_SPLITS,
     AttentionConfig,
@@ -566,6 +566,9 @@ class Plan:
         if not self.on_device():
             with torch.cuda.device(self.device):
                 return self.backward(grad_out, q, k, v, out, lse, extras, seed)
+        if slice_offset(grad_out.shape, grad_out.stride(), 0 if self.packed else 2) > MAX_SLICE_OFFSET:
+            # its rows lie too far apart for the kernels' int32 offsets: a copy in the output's layout, which fits
+            grad_out = new_buffer(*self.out_layout, self.dtype, self.device).copy_(grad_out)
         atomic = self.adds_dq_atomically()
         launches = self.bwd_launches(grad_out, atomic)
         buffers = self.allocate_backward(atomic)

@@ -240,3 +240,22 @@ def test_gpu_memory_is_linear_in_length(head_dim, causal):
     for n, peak, io in zip(sizes, peaks, io_bytes):
         assert peak <= io, f"L={n}: peak extra memory {peak} B exceeds linear budget {io} B (an L x L buffer?)"
     assert peaks[2] <= 2.2 * peaks[1] and peaks[1] <= 2.2 * peaks[0], f"peaks {peaks} grow faster than L"
+
+
+
+def test_a_grad_output_past_int32_offsets_is_copied_into_the_outputs_layout(monkeypatch, poison_outputs):
+    """dO arrives with the backward, past the input checks: one whose rows lie too far apart for the kernels'
+    int32 slice offsets is copied into the output's layout (which fits: the forward checked it), and the
+    gradients keep the accuracy rule. The limit is lowered so that a small call crosses it."""
+    from fatune import inputs, launch
+
+    torch.manual_seed(5)
+    q, k, v = random_qkv(1, 2, 2, 40, 33, 16, 16, dtype=torch.float16, device=DEVICE)
+    limit = 40 * 16  # the inputs' and the output's slices reach 39 x 16 + 15; an every-other-lane dO 39 x 32 + 30
+    monkeypatch.setattr(inputs, "MAX_SLICE_OFFSET", limit)
+    monkeypatch.setattr(launch, "MAX_SLICE_OFFSET", limit)
+    copies = []
+    new_buffer = launch.new_buffer
+    monkeypatch.setattr(launch, "new_buffer", lambda *args: copies.append(tuple(args[0])) or new_buffer(*args))
+    run_and_compare(q, k, v, is_causal=True, grad_layout="every-other-lane")
+    assert copies.count((1, 2, 40, 16)) == 3  # the output, dQ and the copy of dO

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import numpy as np
@@ -341,3 +342,54 @@ def test_functorch_transforms_take_torchs_apply():
     q, k, v = qkv(b=1, h=1, hkv=1, lq=16, lk=16, d=16, dv=16, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda x: fatune.attention(x, k, v).sum())(q)
+
+
+def _meta(*shape, dtype=torch.float16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _bshd(length, heads=32, dim=128):
+    """A (B, H, L, D) view of (B, L, H, D) memory: rows heads x dim elements apart."""
+    return _meta(1, length, heads, dim).transpose(1, 2)
+
+
+# (case id, call arguments, the name the error gives, or None: the call fits the kernels' int32 slice offsets).
+# Meta tensors: sizes past 2^31 elements without the memory.
+SLICE_OFFSETS = [
+    ("bshd-at-the-limit", lambda: ((_bshd(2**19),) * 3, {}), None),
+    ("bshd-one-row-past", lambda: ((_bshd(2**19 + 1),) * 3, {}), "query"),
+    ("bhld-long", lambda: ((_meta(1, 32, 2**24, 128),) * 3, {}), None),
+    ("bhld-past", lambda: ((_meta(1, 1, 2**24 + 1, 128),) * 3, {}), "query"),
+    ("long-cache", lambda: ((_meta(1, 32, 1, 128), _bshd(2**21 + 1, 8), _bshd(2**21 + 1, 8)), {"enable_gqa": True}),
+     "key"),
+    ("value-past-query-fits", lambda: ((_meta(1, 4, 16, 128), _meta(1, 4, 2**24, 128), _meta(1, 4, 2**24, 256)), {}),
+     "value"),
+    ("output-wider-than-query", lambda: ((_bshd(2**18 + 1, 32, 64), _bshd(2**18 + 1, 1, 64),
+                                          _bshd(2**18 + 1, 1, 256)), {"enable_gqa": True}), "query (its output)"),
+    ("packed-tokens", lambda: ((_meta(2**19 + 1, 32, 128),) * 3,
+                               {"cu_seqlens_q": i32([0, 2**19 + 1]).to("meta"),
+                                "cu_seqlens_k": i32([0, 2**19 + 1]).to("meta"),
+                                "max_seqlen_q": 2**19 + 1, "max_seqlen_k": 2**19 + 1}), "query"),
+    ("mask-at-the-limit", lambda: (qkv(1, 1, 1, 46340, 46340, device="meta"),
+                                   {"attn_mask": _meta(46340, 46340, dtype=torch.bool)}), None),
+    ("mask-past", lambda: (qkv(1, 1, 1, 46341, 46341, device="meta"),
+                           {"attn_mask": _meta(46341, 46341, dtype=torch.bool)}), "attn_mask"),
+    ("broadcast-mask-rows", lambda: (qkv(1, 1, 1, 2**16, 2**16, device="meta"),
+                                     {"attn_mask": _meta(1, 2**16, dtype=torch.bool)}), None),
+    ("paged-pages-are-int64", lambda: ((_meta(1, 8, 1, 128), _meta(2**20, 8, 16, 128), _meta(2**20, 8, 16, 128)),
+                                       {"block_table": i32([[0]]).to("meta")}), None),
+]
+
+
+@pytest.mark.parametrize("make, name", [case[1:] for case in SLICE_OFFSETS], ids=[case[0] for case in SLICE_OFFSETS])
+def test_offsets_past_int32_inside_a_slice_name_the_argument(make, name):
+    """Offsets inside one (batch, head) slice are int32 in the kernels: a call that would overflow them (and read
+    the wrong rows, or crash) is refused by name, and one at the limit runs."""
+    from fatune.inputs import check_inputs
+
+    (q, k, v), kwargs = make()
+    if name is None:
+        check_inputs(q, k, v, check_index_values=False, **kwargs)
+        return
+    with pytest.raises(ValueError, match=r"^" + re.escape(name) + r": .* int32"):
+        check_inputs(q, k, v, check_index_values=False, **kwargs)
