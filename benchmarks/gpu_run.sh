@@ -137,6 +137,7 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             case "$mask" in
               gqa4|gqa8) extra="--mask both --heads 32 --kv-heads $(( 32 / ${mask#gqa} ))" ;;
               window?*) extra="--mask window --window ${mask#window}" ;;  # "window" alone: search's default, 256
+              packed) extra="--mask packed --documents 5" ;;  # cu_seqlens: 5 documents of unequal lengths per shape
               *) extra="--mask $mask" ;;
             esac
             lengths=512,2048,8192,32768
@@ -161,8 +162,8 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
           done
         done
       done <<'GRID'
-bf16 128,64 both,window,window1024,window4096,padding,gqa4,gqa8
-fp16 128,64 both,window,window1024,window4096,padding,gqa4,gqa8
+bf16 128,64 both,window,window1024,window4096,padding,gqa4,gqa8,packed
+fp16 128,64 both,window,window1024,window4096,padding,gqa4,gqa8,packed
 bf16 80,96,192,256 both,window,window1024,window4096,padding,gqa4,gqa8
 fp16 80,96,192,256 both,window,window1024,window4096,padding,gqa4,gqa8
 GRID
