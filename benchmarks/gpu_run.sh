@@ -137,7 +137,9 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             case "$mask" in
               gqa4|gqa8) extra="--mask both --heads 32 --kv-heads $(( 32 / ${mask#gqa} ))" ;;
               window?*) extra="--mask window --window ${mask#window}" ;;  # "window" alone: search's default, 256
-              packed) extra="--mask packed --documents 5" ;;  # cu_seqlens: 5 documents of unequal lengths per shape
+              # cu_seqlens: 5 documents of unequal lengths cut from 5 x L tokens (mean length L; the DB key is the
+              # longest): the default batch (16384 tokens) would pack the same documents at every L <= 8192
+              packed) extra="--mask packed --documents 5 --batch 5" ;;
               *) extra="--mask $mask" ;;
             esac
             lengths=512,2048,8192,32768
@@ -249,11 +251,18 @@ GRID
       for args in "--mask window --window 256" "--mask window --window 1024" "--mask window --window 4096" \
                   "--mask padding --valid-keys 0.5" "--mask packed --documents 2" "--mask packed --documents 5" \
                   "--mask packed --documents 64" "--mask none --gqa 8"; do
+        case "$args" in *"${BM_ONLY:-}"*) ;; *) continue ;; esac  # BM_ONLY: e.g. "packed", the cases to run
         name=$(echo "$args" | tr -c 'a-z0-9\n' '-' | tr -s '-')
-        python3 -m fatune.cli bench --head-dims 128 --lengths "${BM_LENGTHS:-2048,8192,32768}" --tokens 32768 \
-          --causal yes $args --impls fatune,flex,sdpa-cudnn,sdpa-flash,sdpa-efficient -o "$OUT/bench$name" \
-          > "$OUT/bench$name.log" 2>&1
-        grep -E "^\| |geometric" "$OUT/bench$name/bench.md" | head -12
+        # packed documents: one pack of L tokens per length (issue 12: 5 documents in 8192 tokens); a fixed
+        # token count would pack the same documents at every length
+        case "$args" in *packed*) runs=$(echo "${BM_LENGTHS:-2048,8192,32768}" | tr ',' ' ') ;; *) runs=all ;; esac
+        for run in $runs; do
+          if [ "$run" = all ]; then sizes=(--lengths "${BM_LENGTHS:-2048,8192,32768}" --tokens 32768); dir=bench$name
+          else sizes=(--lengths "$run" --tokens "$run"); dir=bench$name-l$run; fi
+          python3 -m fatune.cli bench --head-dims 128 "${sizes[@]}" --causal yes $args \
+            --impls fatune,flex,sdpa-cudnn,sdpa-flash,sdpa-efficient -o "$OUT/$dir" > "$OUT/$dir.log" 2>&1
+          grep -E "^\| |geometric" "$OUT/$dir/bench.md" | head -12
+        done
       done ;;
     search-quality)  # issue 14's search-quality figure, resumable across runs (SQ_ARGS: --part grid|search|retime
       # [--shapes 0,1] [--seeds 0,1,2]; SQ_FROM: an earlier run's JSON to extend)

@@ -59,19 +59,30 @@ def layout_like(shape: Sequence[int], strides: Sequence[int], last_dim: int | No
     whose dims lie in memory in the tensor's order, the last dim innermost.
 
     Outputs and gradients take their input's layout, so a (B, L, H, D) tensor viewed as
-    (B, H, L, D) gets a gradient that is a free view of (B, L, H, D) memory too.
+    (B, H, L, D) gets a gradient that is a free view of (B, L, H, D) memory too. Where that
+    layout would put rows too far apart for the kernels' int32 slice offsets (a stride-0 or
+    (B, L, H, D) input of very many rows), the rows go next to each other instead.
     """
     shape = list(shape)
     if last_dim is not None:
         shape[-1] = last_dim
+    row_dim = 0 if len(shape) == 3 else len(shape) - 2  # packed (total, H, D) or (..., L, D)
     outer = sorted(range(len(shape) - 1), key=lambda i: -strides[i])
-    order = outer + [len(shape) - 1]
+    out_strides = _dense_strides(shape, outer + [len(shape) - 1])
+    if slice_offset(shape, out_strides, row_dim) > MAX_SLICE_OFFSET:
+        rows_inner = [i for i in outer if i != row_dim] + [row_dim, len(shape) - 1]
+        out_strides = _dense_strides(shape, rows_inner)
+    return tuple(shape), out_strides
+
+
+def _dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a dense buffer whose dims lie in memory in `order`, outermost first."""
     out_strides = [0] * len(shape)
     step = 1
     for dim in reversed(order):
         out_strides[dim] = step
         step *= max(shape[dim], 1)
-    return tuple(shape), tuple(out_strides)
+    return tuple(out_strides)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -222,7 +233,8 @@ def tma_available(device: torch.device) -> bool:
 def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.device,
             tensors: Sequence[torch.Tensor]) -> AttentionConfig:
     """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
-    only where groups exist, the number of key splits when it is 0 (auto), TMA only on GPUs that
+    only where groups exist, the number of key splits when it is 0 (auto; any number lowered to what the
+    partial results' int32 offsets can address: 1 for problems of 2^30 output elements), TMA only on GPUs that
     have it and for tensors it can read (dK/dV's: the query's, and with the head-dim split K's and V's), and
     the backward's structure as it runs (fatune.spec.runnable_backward: atomic dQ of a kind that runs, TMA
     reductions only on GPUs with TMA; the head-dim split only where its halves fill a tensor-core operand)."""
@@ -234,6 +246,9 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
         rows = problem.max_seqlen_q * (problem.group_size if pack else 1)
         programs = triton.cdiv(rows, fwd.block_m) * (problem.kv_heads if pack else problem.heads) * problem.batch
         splits = choose_splits(programs, triton.cdiv(problem.max_seqlen_k, fwd.block_n), sm_count(device))
+    # the partial results (split, batch, head, row, D_v) are offset by split x split stride in int32
+    part_rows = (1 if problem.packed else problem.batch) * problem.heads * problem.seqlen_q
+    splits = max(1, min(splits, (MAX_SLICE_OFFSET + 1) // max(1, part_rows * problem.spec.head_dim_v)))
     seq_dim = 0 if problem.packed else 2
     # a paged cache's tiles gather rows from several pages: no descriptor spans them
     tma = bool(fwd.tma) and tma_available(device) and all(tma_readable(t, seq_dim) for t in tensors) and \

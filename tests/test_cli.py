@@ -130,13 +130,16 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
      ["bfloat16 b4 h16 lq4096 lk4096 d128 causal window1024", "bfloat16 b2 h16 lq8192 lk8192 d128 causal window1024"]),
     (["--mask", "padding", "--valid-keys", "0.5", "--causal", "no", "--gqa", "8"],
      ["bfloat16 b4 h16 hkv2 lq4096 lk4096 d128 keys50%", "bfloat16 b2 h16 hkv2 lq8192 lk8192 d128 keys50%"]),
-    (["--mask", "packed", "--documents", "64", "--causal", "yes"],
-     ["bfloat16 b4 h16 lq4096 lk4096 d128 causal docs64", "bfloat16 b2 h16 lq8192 lk8192 d128 causal docs64"]),
-], ids=["window", "padding-gqa", "packed"])
+    (["--mask", "packed", "--documents", "64", "--causal", "yes", "--tokens", "4096"],  # one pack of L tokens each
+     ["bfloat16 b1 h16 lq4096 lk4096 d128 causal docs64", "bfloat16 b1 h16 lq8192 lk8192 d128 causal docs64"]),
+    # 16384 tokens at both lengths: the same pack of documents, timed once (and the user told)
+    (["--mask", "packed", "--documents", "64", "--causal", "yes"], ["bfloat16 b4 h16 lq4096 lk4096 d128 causal docs64"]),
+], ids=["window", "padding-gqa", "packed", "packed-same-tokens"])
 def test_bench_dry_run_lists_the_masked_shapes(args, labels):
     result = CliRunner().invoke(cli, ["bench", "--head-dims", "128", "--lengths", "4096,8192", *args, "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert result.output.splitlines() == labels
+    assert result.stdout.splitlines() == labels
+    assert ("same 16384 tokens" in result.stderr) == (len(labels) == 1)
 
 
 def _fixtures(tmp_path: Path) -> None:

@@ -364,8 +364,15 @@ SLICE_OFFSETS = [
      "key"),
     ("value-past-query-fits", lambda: ((_meta(1, 4, 16, 128), _meta(1, 4, 2**24, 128), _meta(1, 4, 2**24, 256)), {}),
      "value"),
+    # outputs and gradients whose input-like layout would overflow put their rows next to each other instead
     ("output-wider-than-query", lambda: ((_bshd(2**18 + 1, 32, 64), _bshd(2**18 + 1, 1, 64),
-                                          _bshd(2**18 + 1, 1, 256)), {"enable_gqa": True}), "query (its output)"),
+                                          _bshd(2**18 + 1, 1, 256)), {"enable_gqa": True}), None),
+    ("expanded-key-gets-a-row-major-gradient", lambda: ((_meta(1, 32, 2**19 + 1, 128),
+                                                         *(_meta(1, 1, 2**19 + 1, 128).expand(1, 32, -1, -1),) * 2),
+                                                        {}), None),
+    ("output-past-even-row-major", lambda: ((_meta(1, 1, 2**23 + 1, 64),) * 2
+                                            + (_meta(1, 1, 1, 256).expand(1, 1, 2**23 + 1, 256),), {}),
+     "query (its output)"),
     ("packed-tokens", lambda: ((_meta(2**19 + 1, 32, 128),) * 3,
                                {"cu_seqlens_q": i32([0, 2**19 + 1]).to("meta"),
                                 "cu_seqlens_k": i32([0, 2**19 + 1]).to("meta"),
@@ -393,3 +400,18 @@ def test_offsets_past_int32_inside_a_slice_name_the_argument(make, name):
         return
     with pytest.raises(ValueError, match=r"^" + re.escape(name) + r": .* int32"):
         check_inputs(q, k, v, check_index_values=False, **kwargs)
+
+
+@pytest.mark.parametrize("shape, strides, expected", [
+    ((2, 8, 16, 64), (8 * 16 * 64, 16 * 64, 64, 1), (8 * 16 * 64, 16 * 64, 64, 1)),
+    ((2, 8, 16, 64), (16 * 8 * 64, 64, 8 * 64, 1), (16 * 8 * 64, 64, 8 * 64, 1)),  # (B, L, H, D) memory kept
+    ((1, 32, 2**19 + 1, 128), (2**19 * 128, 0, 128, 1), ((2**19 + 1) * 32 * 128, (2**19 + 1) * 128, 128, 1)),
+    ((2**19 + 1, 32, 128), (32 * 128, 128, 1), (128, (2**19 + 1) * 128, 1)),  # packed rows past int32: (H, total, D)
+])
+def test_outputs_and_gradients_take_the_inputs_layout_unless_its_rows_overflow_int32(shape, strides, expected):
+    from fatune.inputs import MAX_SLICE_OFFSET, slice_offset
+    from fatune.launch import layout_like
+
+    out_shape, out_strides = layout_like(shape, strides)
+    assert out_shape == shape and out_strides == expected
+    assert slice_offset(out_shape, out_strides, 0 if len(shape) == 3 else 2) <= MAX_SLICE_OFFSET

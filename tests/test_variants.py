@@ -1097,3 +1097,25 @@ def test_gpu_split_kv(case, dtype, poison_outputs, record_gpu_errors):
         config = base.replace(fwd=fatune.LaunchConfig(base.fwd.block_m, base.fwd.block_n, base.fwd.num_warps,
                                                       base.fwd.num_stages, num_splits=splits, pack_gqa=pack))
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+@pytest.mark.parametrize("batch, seqlen_q, forced, launched", [
+    (8, 16, 8, 8),  # small: as asked
+    (2**14, 16, 8, 8),  # 2^14 x 16 x 16 x 64 = 2^28 output elements: 8 splits' offsets fit int32
+    (2**15, 16, 8, 4),  # 2^29: four fit, the last ending at element 2^31 - 1
+    (2**16, 16, 8, 2),
+    (2**17, 16, 8, 1),  # 2^31: none can: no split at all
+])
+def test_key_splits_are_lowered_to_what_the_partials_int32_offsets_address(batch, seqlen_q, forced, launched):
+    """A tuned or forced num_splits whose partial results (split, B, H, L_q, D_v) would reach past int32
+    offsets costs speed (fewer splits), never a wrong result."""
+    from fatune import launch
+    from fatune.heuristics import INTERPRETER_CONFIG
+
+    q = torch.empty(batch, 16, seqlen_q, 64, dtype=F16, device="meta")
+    k = v = torch.empty(batch, 16, 4096, 64, dtype=F16, device="meta")
+    problem = _problem(q, k, v, check_index_values=False)
+    config = INTERPRETER_CONFIG.replace(fwd=dataclasses.replace(INTERPRETER_CONFIG.fwd, num_splits=forced))
+    resolved = launch.resolve(config, problem, torch.device("cpu"), (q, k, v))
+    assert resolved.fwd.num_splits == launched
+    assert (launched - 1) * batch * 16 * seqlen_q * 64 + batch * 16 * seqlen_q * 64 - 1 <= launch.MAX_SLICE_OFFSET

@@ -111,4 +111,20 @@ def apply_mask(shapes: list, mask: str, window: int, valid_keys: float, document
             shapes = [s.with_(documents=documents) for s in shapes]
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="--documents") from None
+        shapes = _distinct_packs(shapes)
     return list(dict.fromkeys(shapes))
+
+
+def _distinct_packs(shapes: list) -> list:
+    """Packed shapes whose batch x length gives the same tokens pack the same documents (and get the same
+    DB key, the longest document): the first of each is kept, and the user is told."""
+    kept: dict = {}
+    for shape in shapes:
+        key = (shape.tokens, *(getattr(shape, field) for field in ("heads", "kv_heads", "head_dim", "head_dim_v",
+                                                                   "dtype", "causal", "documents")))
+        if key in kept and kept[key] != shape:
+            click.echo(f"--mask packed: L={shape.seqlen_q} packs the same {shape.tokens} tokens into the same "
+                       f"documents as L={kept[key].seqlen_q}: run once (search's --batch, bench's --tokens set the "
+                       "tokens)", err=True)
+        kept.setdefault(key, shape)
+    return list(kept.values())
