@@ -128,6 +128,8 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
       # least 512 programs (~4 waves or more); the DB key has no head count. GQA shapes keep their heads (few K/V
       # heads), and so does key padding (a quarter of the keys: most dK/dV programs have no work).
       db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
+      # a killed earlier run's WAL files do not belong to the DBs the device tool copied in again
+      rm -f "$db"-wal "$db"-shm benchmarks/results/ship-db-h200-optuna.sqlite-wal benchmarks/results/ship-db-h200-optuna.sqlite-shm
       stored=benchmarks/results/ship-db-h200-done.txt  # the searches whose winners are stored (commit it with the DB)
       deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
       while read -r dtype dims masks; do
@@ -161,6 +163,11 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             fi
             echo "rc $rc" >> "$OUT/ship-db.txt"
             [ $rc = 0 ] && echo "$dtype d$d $mask" >> "$stored"
+            # each finished search's DB (a consistent copy, WAL included) and logs reach $FINAL at once: a run cut
+            # by the device's time limit keeps them
+            python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); sqlite3.connect(sys.argv[1]).backup(d)
+d.execute('pragma journal_mode=delete')" \
+              "$db" "$FINAL/nvidia-h200.sqlite" && cp "$stored" "$OUT/ship-db.txt" "$OUT/ship-db.log" "$FINAL/"
           done
         done
       done <<'GRID'

@@ -47,6 +47,9 @@ class Decision:
     db_path: str | None = None
     entry: dict | None = field(default=None, hash=False, compare=False)
     skipped: tuple[str, ...] = ()  # entries passed over, and why
+    # a tuned entry's decision: the heuristic's config, which runs instead if the entry's kernels cannot be built
+    # on this GPU (fatune.launch.KernelBuildError: an untrusted DB costs speed, never the call)
+    heuristic: AttentionConfig | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         lines = [f"layer: {self.layer}", f"reason: {self.reason}"]
@@ -153,6 +156,7 @@ class Dispatcher:
             skipped.append(message)
 
         key = problem_key(problem)
+        heuristic = default_config(problem.spec, arch, is_decode(key.seqlen_q_bucket), shares_sms, problem.group_size)
         for layer, paths in self._layers(report):
             for path in paths:
                 try:
@@ -164,11 +168,9 @@ class Dispatcher:
                 if found is not None:
                     entry, reason = found
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
-                                     tuple(skipped)), skipped[0] if skipped else None)
-        decode = is_decode(key.seqlen_q_bucket)
-        return (Decision(default_config(problem.spec, arch, decode, shares_sms, problem.group_size), "heuristic",
-                         f"no tuned entry matched; built-in heuristic for sm {arch}", None, None, tuple(skipped)),
-                skipped[0] if skipped else None)
+                                     tuple(skipped), heuristic), skipped[0] if skipped else None)
+        return (Decision(heuristic, "heuristic", f"no tuned entry matched; built-in heuristic for sm {arch}", None,
+                         None, tuple(skipped)), skipped[0] if skipped else None)
 
     def _layers(self, report) -> list[tuple[str, list[Path]]]:
         user = self.user_db

@@ -187,4 +187,5 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     launched = plan.config if plan.adds_dq_atomically() else plan.deterministic_config()  # torch's mode now
     sources = {kind: str(codegen.source_path(kind, plan.spec, launched)) for kind in ("fwd", "bwd")}
     backend = "triton" if query.device.type == "cuda" else "triton-interpreter"
-    return Explanation(backend, spec, prepared.decision, sources, prepared.reason, launched)
+    reason = prepared.reason + (f"; {plan.build_failure}" if plan.build_failure else "")
+    return Explanation(backend, spec, prepared.decision, sources, reason, launched)

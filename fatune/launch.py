@@ -27,7 +27,7 @@ from triton import knobs
 from triton.compiler import CompiledKernel
 
 from fatune import codegen, signature
-from fatune.dispatch import device_arch, sm_count
+from fatune.dispatch import _warn, device_arch, sm_count
 from fatune.heuristics import default_config
 from fatune.inputs import MAX_SLICE_OFFSET, AttentionProblem, slice_offset
 from fatune.spec import (
@@ -148,6 +148,11 @@ def ensure_triton_allocator() -> None:
         triton.set_allocator(scratch_buffer)
 
 
+class KernelBuildError(RuntimeError):
+    """A kernel's first launch failed before it ran: Triton could not compile or load it for this GPU
+    (a compiler error, more shared memory than the GPU has, ...)."""
+
+
 class KernelLaunch:
     """One kernel of a plan: its function, grid, launch options and non-pointer arguments."""
 
@@ -188,7 +193,14 @@ class KernelLaunch:
         if binary is not None and not _launch_hooks_active():
             binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
             return
-        kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
+        try:
+            kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
+        except Exception as error:
+            if binary is not None or codegen.interpreting():  # it was built (or is run line by line): not a build
+                raise
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise KernelBuildError(f"{getattr(self.fn, '__name__', 'kernel')} with {self.options}: "
+                                   f"{type(error).__name__}: {first}") from error
         if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
             self.binary = kernel
             direct = _direct_launcher(kernel)
@@ -371,7 +383,11 @@ class Plan:
     """
 
     def __init__(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device,
-                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None = None):
+        """`fallback`: the config to switch to if `config`'s kernels cannot be built on this GPU (a tuned
+        entry's: the heuristic's), or None to raise KernelBuildError."""
+        self.problem, self.fallback = problem, fallback
+        self.build_failure: str | None = None  # why this plan runs its fallback, once it does
         spec, packed = problem.spec, problem.packed
         config = resolve(config, problem, device, (q, k, v))
         self.spec, self.config, self.device, self.packed = spec, config, device, packed
@@ -458,8 +474,8 @@ class Plan:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         launches = self._fwd
-        if launches is None or self.splits > 1 or not self.on_device():  # the general path
-            return self._forward(q, k, v, extras, seed)
+        if launches is None or launches[0].binary is None or self.splits > 1 or not self.on_device():
+            return self._forward(q, k, v, extras, seed)  # the general path (and the first launch)
         # no split-KV, kernels loaded, on the current device: allocate, launch (every call after the first)
         out = new_buffer(*self.out_layout, self.dtype, self.device)
         lse = new_buffer(*self.lse_layout, self.lse_dtype, self.device)
@@ -475,8 +491,24 @@ class Plan:
             with torch.cuda.device(self.device):
                 return self._forward(q, k, v, extras, seed)
         out, lse = self.allocate_forward()
-        self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
+        try:
+            self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
+        except KernelBuildError as error:
+            self.fall_back(error, q, k, v)
+            return self._forward(q, k, v, extras, seed)
         return out, lse
+
+    def fall_back(self, error: KernelBuildError, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rebuild this plan on its fallback config after `error` (this config's kernels cannot be built here),
+        said once per process; raise `error` if there is none."""
+        fallback = self.fallback
+        if fallback is None or fallback == self.config:
+            raise error
+        _warn(f"fatune: the tuned config {self.config} cannot be built on this GPU ({error}); running the "
+              f"heuristic's {fallback} for {self.spec.mask_variant} {self.spec.dtype} d{self.spec.head_dim} instead")
+        failed = self.config
+        self.__init__(self.problem, fallback, self.device, q, k, v)
+        self.build_failure = f"the tuned config {failed} cannot be built on this GPU ({error}): the heuristic's runs"
 
     def run_forward(self, slots: tuple) -> None:
         stream = current_stream(self.device)
@@ -588,7 +620,11 @@ class Plan:
         launches = self.bwd_launches(grad_out, atomic)
         buffers = self.allocate_backward(atomic)
         slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, *buffers)
-        self.run_backward(slots, launches, self.beside())
+        try:
+            self.run_backward(slots, launches, self.beside())
+        except KernelBuildError as error:  # O and LSE stand: any backward config takes them
+            self.fall_back(error, q, k, v)
+            return self.backward(grad_out, q, k, v, out, lse, extras, seed)
         return buffers[1:4]
 
     # -- arguments ---------------------------------------------------------------------------

@@ -244,6 +244,98 @@ def test_a_corrupt_user_db_still_gives_the_right_result(tmp_path, monkeypatch):
     assert decision.layer == "heuristic" and "bwd_config" in decision.skipped[0]
 
 
+@pytest.mark.parametrize("failing", ["attn_fwd", "attn_bwd"])
+def test_a_tuned_config_whose_kernels_cannot_be_built_here_runs_the_heuristic(tmp_path, monkeypatch, caplog, failing):
+    """A valid entry whose kernels Triton cannot build on this GPU (a compiler error, more shared memory than
+    it has: KernelBuildError at their first launch) costs speed: the heuristic's kernels run, said once."""
+    from fatune import launch
+
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))  # every kernel at 3 stages
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    original = launch.KernelLaunch.__call__
+    built = []
+
+    def build(self, slots, stream):
+        name = self.fn.fn.__name__
+        if name.startswith(failing) and self.options["num_stages"] == 3:
+            raise launch.KernelBuildError(f"{name}: RuntimeError: PassManager::run failed")
+        built.append((name, self.options["num_stages"]))
+        return original(self, slots, stream)
+
+    monkeypatch.setattr(launch.KernelLaunch, "__call__", build)
+    q, k, v = (torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        for _ in range(2):
+            out = fatune.attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    golden = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*golden, is_causal=True)
+    expected_grads = torch.autograd.grad(expected, golden, torch.ones_like(expected))
+    assert torch.allclose(out.double(), expected, atol=2e-3)
+    assert all(torch.allclose(g.double(), e, atol=2e-2) for g, e in zip(grads, expected_grads))
+    assert not any(name.startswith(failing) and stages == 3 for name, stages in built)
+    assert any(name.startswith("attn_fwd") and stages == (1 if failing == "attn_fwd" else 3) for name, stages in built)
+    logged = [r.getMessage() for r in caplog.records if "cannot be built" in r.getMessage()]
+    assert len(logged) == 1 and "PassManager" in logged[0], logged
+    explanation = fatune.explain(q, k, v, is_causal=True)
+    assert explanation.decision.layer == "user-db" and "cannot be built" in explanation.reason
+    assert explanation.launched.fwd.num_stages == 1
+
+
+@pytest.mark.gpu
+def test_gpu_a_tuned_config_that_does_not_compile_runs_the_heuristic(tmp_path, monkeypatch, caplog):
+    """Triton 3.6 cannot compile the dQ kernel at 128x16/w4/s2 for d128 on sm_90 (TritonGPURemoveLayoutConversions:
+    'operand #0 does not dominate this use', met by a ship-db search): an entry holding it runs the heuristic's
+    backward, within the accuracy rule."""
+    from tests.reference import random_qkv, run_and_compare
+
+    bad = entry(dtype="bfloat16", head_dim=128, head_dim_v=128, mask_variant="none", seqlen_q_bucket=1024,
+                seqlen_k_bucket=1024, bwd_config={"dkdv": {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
+                                                  "dq": {"block_m": 128, "block_n": 16, "num_warps": 4, "num_stages": 2}})
+    use_dispatcher(monkeypatch, Dispatcher(user_db=write(tmp_path / "u.sqlite", bad), shipped=[]))
+    q, k, v = random_qkv(2, 4, 4, 1000, 1000, 128, 128, torch.bfloat16, DEVICE)
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        run_and_compare(q, k, v)
+    assert any("cannot be built" in r.getMessage() for r in caplog.records)
+    explanation = fatune.explain(q, k, v)
+    assert explanation.decision.layer == "user-db" and "cannot be built" in explanation.reason
+
+
+def test_a_forced_config_whose_kernels_cannot_be_built_raises(monkeypatch):
+    """A config passed by hand has no fallback: its build error reaches the caller."""
+    from fatune import launch
+
+    def build(self, slots, stream):
+        raise launch.KernelBuildError("attn_fwd: OutOfResources: shared memory")
+
+    monkeypatch.setattr(launch.KernelLaunch, "__call__", build)
+    q = torch.randn(1, 2, 20, 16, dtype=torch.float16, device=DEVICE)
+    forced = AttentionConfig(LaunchConfig(16, 16), LaunchConfig(16, 16), LaunchConfig(16, 16))
+    with pytest.raises(launch.KernelBuildError, match="OutOfResources"):
+        fatune.attention(q, q, q, config=forced)
+
+
+def test_a_first_launch_that_fails_before_running_is_a_build_error(monkeypatch):
+    """Compiled kernels (not the interpreter): what the first launch raises is wrapped as KernelBuildError,
+    naming the kernel and its options."""
+    from fatune import codegen, launch
+
+    class Kernel:
+        __name__ = "attn_bwd_dq"
+
+        def run(self, *args, **kwargs):
+            raise RuntimeError("PassManager::run failed\nreproducer ...")
+
+    monkeypatch.setattr(codegen, "interpreting", lambda: False)
+    kernel = launch.KernelLaunch.__new__(launch.KernelLaunch)
+    for name, value in {"fn": Kernel(), "grid": (1, 1, 1), "options": {"num_warps": 4, "num_stages": 2},
+                        "pick": lambda slots: (), "tail": (), "binary": None, "direct": None, "middle": (),
+                        "scratch": 0, "tma": False}.items():
+        setattr(kernel, name, value)
+    with pytest.raises(launch.KernelBuildError, match=r"^attn_bwd_dq with .*'num_stages': 2.*PassManager::run failed$"):
+        kernel((), None)
+
+
 SHIPPED_H200_CALLS = [  # (seqlen, kwargs of check_inputs): what tuned_db/nvidia-h200.sqlite covers, lengths between buckets
     (4096, {"is_causal": True}),
     (3000, {}),
