@@ -88,13 +88,14 @@ def _check_slice_offsets(problem_tensors: Sequence[tuple[str, Sequence[int], Seq
             raise ValueError(
                 f"{name}: {shape[row_dim]} rows at row stride {strides[row_dim]} reach element {reach} of one "
                 f"(batch, head) slice; the kernels' offsets inside a slice are int32 (at most {MAX_SLICE_OFFSET}): "
-                + _SLICE_HINTS["attn_mask" if name == "attn_mask" else row_dim])
+                + _SLICE_HINTS["attn_mask" if name == "attn_mask" else "output" if "(its " in name else row_dim])
 
 
 _SLICE_HINTS = {
     2: "pass rows that lie closer (a contiguous (B, H, L, D) tensor) or fewer of them",
     0: "pack fewer tokens per call, or lay the packed tensor out as (H, total, D) memory viewed as (total, H, D)",
     "attn_mask": "pass a mask that broadcasts (stride 0) over its query rows, or split the queries into chunks",
+    "output": "its rows already lie together: pass fewer rows (split the call) or a smaller head dim",
 }
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import operator
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -193,20 +194,28 @@ class KernelLaunch:
         if binary is not None and not _launch_hooks_active():
             binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
             return
-        try:
-            kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
-        except Exception as error:
-            if binary is not None or codegen.interpreting():  # it was built (or is run line by line): not a build
-                raise
-            first = (str(error).strip().splitlines() or [""])[0]
-            raise KernelBuildError(f"{getattr(self.fn, '__name__', 'kernel')} with {self.options}: "
-                                   f"{type(error).__name__}: {first}") from error
+        if binary is None and not codegen.interpreting():
+            self.build(args)
+        kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
         if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
             self.binary = kernel
             direct = _direct_launcher(kernel)
             if direct is not None:
                 self.direct, self.middle, per_program = direct
                 self.scratch = per_program * self.grid[0] * self.grid[1] * self.grid[2]
+
+    def build(self, args: tuple) -> None:
+        """Compile and load this launch's kernel for the current GPU (a Triton cache hit once built), launching
+        nothing: KernelBuildError if it cannot (a compiler error; more shared memory or threads than the GPU has)."""
+        try:
+            kernel = self.fn.run(*args, grid=self.grid, warmup=True, **self.options)
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            kernel.run  # noqa: B018 - loads the binary, checking the GPU's limits
+        except Exception as error:
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise KernelBuildError(f"{getattr(self.fn, '__name__', 'kernel')} with {self.options}: "
+                                   f"{type(error).__name__}: {first}") from error
 
     def warmup(self, args: tuple) -> None:
         """Compile what this launch runs (into Triton's cache), launching nothing."""
@@ -246,7 +255,7 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
             tensors: Sequence[torch.Tensor]) -> AttentionConfig:
     """`config` with its launch-time choices made for the call's `tensors` (q, k, v): GQA packing
     only where groups exist, the number of key splits when it is 0 (auto; any number lowered to what the
-    partial results' int32 offsets can address: 1 for problems of 2^30 output elements), TMA only on GPUs that
+    partial results' int32 offsets can address: 1 past 2^30 output elements), TMA only on GPUs that
     have it and for tensors it can read (dK/dV's: the query's, and with the head-dim split K's and V's), and
     the backward's structure as it runs (fatune.spec.runnable_backward: atomic dQ of a kind that runs, TMA
     reductions only on GPUs with TMA; the head-dim split only where its halves fill a tensor-core operand)."""
@@ -374,6 +383,20 @@ def split_counts(device: torch.device, stream: int | None, tiles: int) -> torch.
     return counts
 
 
+PROBLEM_TENSORS = ("attn_mask", "alibi_slopes", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_table")
+_FALL_BACK_LOCK = threading.Lock()
+
+
+def metadata_only(problem: AttentionProblem) -> AttentionProblem:
+    """`problem` with its optional tensors replaced by meta tensors of their shapes, strides and dtypes: what a
+    cached plan keeps to rebuild itself, never holding a call's data alive."""
+    def meta(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                                               device="meta")
+
+    return dataclasses.replace(problem, **{name: meta(getattr(problem, name)) for name in PROBLEM_TENSORS})
+
+
 class Plan:
     """Everything constant across calls of one problem shape: layouts, grids, kernel launches.
 
@@ -386,8 +409,11 @@ class Plan:
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None = None):
         """`fallback`: the config to switch to if `config`'s kernels cannot be built on this GPU (a tuned
         entry's: the heuristic's), or None to raise KernelBuildError."""
-        self.problem, self.fallback = problem, fallback
+        self.problem, self.asked, self.fallback = metadata_only(problem), config, fallback
         self.build_failure: str | None = None  # why this plan runs its fallback, once it does
+        # set below where split-KV or atomic dQ runs (every attribute set on every path: fall_back copies them)
+        self.lse_part_layout = self.o_part_layout = self.dq_acc_layout = self.rows_grid = None
+        self.split_tiles = 0
         spec, packed = problem.spec, problem.packed
         config = resolve(config, problem, device, (q, k, v))
         self.spec, self.config, self.device, self.packed = spec, config, device, packed
@@ -490,25 +516,32 @@ class Plan:
         if not self.on_device():
             with torch.cuda.device(self.device):
                 return self._forward(q, k, v, extras, seed)
+        config = self.config
         out, lse = self.allocate_forward()
         try:
             self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
         except KernelBuildError as error:
-            self.fall_back(error, q, k, v)
+            self.fall_back(error, config, q, k, v)
             return self._forward(q, k, v, extras, seed)
         return out, lse
 
-    def fall_back(self, error: KernelBuildError, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rebuild this plan on its fallback config after `error` (this config's kernels cannot be built here),
-        said once per process; raise `error` if there is none."""
-        fallback = self.fallback
-        if fallback is None or fallback == self.config:
-            raise error
-        _warn(f"fatune: the tuned config {self.config} cannot be built on this GPU ({error}); running the "
-              f"heuristic's {fallback} for {self.spec.mask_variant} {self.spec.dtype} d{self.spec.head_dim} instead")
-        failed = self.config
-        self.__init__(self.problem, fallback, self.device, q, k, v)
-        self.build_failure = f"the tuned config {failed} cannot be built on this GPU ({error}): the heuristic's runs"
+    def fall_back(self, error: KernelBuildError, failed: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+        """After `error` (the kernels of `failed`, this plan's config when they were launched, cannot be built
+        here): switch this plan to its fallback config, said once per process, unless another thread has
+        already; raise `error` if there is none (a config passed by hand, strict mode, the fallback itself)."""
+        with _FALL_BACK_LOCK:
+            if self.config is not failed:
+                return  # switched by another thread meanwhile: the caller retries on the new config
+            fallback = self.fallback
+            if fallback is None or fallback == self.asked:
+                raise error
+            rebuilt = Plan(self.problem, fallback, self.device, q, k, v)
+            rebuilt.build_failure = (f"the tuned config {failed} cannot be built on this GPU ({error}): the "
+                                     f"heuristic's runs")
+            _warn(f"fatune: the tuned config {failed} cannot be built on this GPU ({error}); running the "
+                  f"heuristic's {fallback} for {self.spec.mask_variant} {self.spec.dtype} d{self.spec.head_dim}")
+            self.__dict__.update(rebuilt.__dict__)  # one step under the GIL: other threads see one plan or the other
 
     def run_forward(self, slots: tuple) -> None:
         stream = current_stream(self.device)
@@ -593,10 +626,12 @@ class Plan:
         forked, joined = torch.cuda.Event(), torch.cuda.Event()
         forked.record(main)
         side.wait_event(forked)
-        for index in range(1, len(launches)):
-            launches[index](slots, side.cuda_stream if index == beside else stream)
-        joined.record(side)
-        main.wait_event(joined)
+        try:
+            for index in range(1, len(launches)):
+                launches[index](slots, side.cuda_stream if index == beside else stream)
+        finally:  # joined even when a launch fails: no work left unordered on the side stream (or a capture forked)
+            joined.record(side)
+            main.wait_event(joined)
 
     def allocate_backward(self, atomic: bool | None = None) -> tuple[torch.Tensor, ...]:
         """(delta, dq, dk, dv, dq_acc) buffers; dq_acc (atomic dQ's float32 accumulator) is None without it
@@ -620,10 +655,11 @@ class Plan:
         launches = self.bwd_launches(grad_out, atomic)
         buffers = self.allocate_backward(atomic)
         slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, *buffers)
+        config = self.config
         try:
             self.run_backward(slots, launches, self.beside())
         except KernelBuildError as error:  # O and LSE stand: any backward config takes them
-            self.fall_back(error, q, k, v)
+            self.fall_back(error, config, q, k, v)
             return self.backward(grad_out, q, k, v, out, lse, extras, seed)
         return buffers[1:4]
 

@@ -241,7 +241,8 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
         return Prepared("empty", reason="no keys or no queries", lengths=lengths)
     decision = dispatcher().decide(problem, device, config, strict)
-    plan = Plan(problem, decision.config, device, query, key, value, fallback=decision.heuristic)
+    # strict mode promises the tuned entry or an error: no quiet fallback past it
+    plan = Plan(problem, decision.config, device, query, key, value, fallback=None if strict else decision.heuristic)
     return Prepared("kernels", plan, decision, decision.reason, lengths)
 
 

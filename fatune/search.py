@@ -698,8 +698,9 @@ class KernelSearch:
                 run()
                 if self.target.device.type == "cuda":
                     torch.cuda.synchronize()
-        except Exception as error:  # compile errors, OutOfResources, launch failures
-            kind = "out_of_resources" if "OutOfResources" in type(error).__name__ else "compile_error"
+        except Exception as error:  # compile errors, OutOfResources (as a KernelBuildError's cause), launch failures
+            causes = (type(error).__name__, type(error.__cause__).__name__)
+            kind = "out_of_resources" if "OutOfResources" in causes else "compile_error"
             return self._reject(trial, kind, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
         with clock("check"):
             error = checker.error(self.kernel, runner)

@@ -244,37 +244,53 @@ def test_a_corrupt_user_db_still_gives_the_right_result(tmp_path, monkeypatch):
     assert decision.layer == "heuristic" and "bwd_config" in decision.skipped[0]
 
 
-@pytest.mark.parametrize("failing", ["attn_fwd", "attn_bwd"])
-def test_a_tuned_config_whose_kernels_cannot_be_built_here_runs_the_heuristic(tmp_path, monkeypatch, caplog, failing):
-    """A valid entry whose kernels Triton cannot build on this GPU (a compiler error, more shared memory than
-    it has: KernelBuildError at their first launch) costs speed: the heuristic's kernels run, said once."""
+def _failing_builds(monkeypatch, failing: str, before_raising=None) -> list:
+    """Make every kernel whose name starts with `failing` fail to build at 3 stages (a tuned entry's, below;
+    the interpreter's heuristic runs 1): KernelBuildError at its first launch. Returns the launches that ran
+    (one at a time: Triton's interpreter runs one kernel per process at once)."""
     from fatune import launch
 
-    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))  # every kernel at 3 stages
-    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    monkeypatch.setattr(dispatch, "_warned", set())  # said once per process: these tests count the saying
     original = launch.KernelLaunch.__call__
-    built = []
+    ran, one_at_a_time = [], threading.Lock()
 
-    def build(self, slots, stream):
+    def call(self, slots, stream):
         name = self.fn.fn.__name__
         if name.startswith(failing) and self.options["num_stages"] == 3:
+            if before_raising is not None:
+                before_raising()
             raise launch.KernelBuildError(f"{name}: RuntimeError: PassManager::run failed")
-        built.append((name, self.options["num_stages"]))
-        return original(self, slots, stream)
+        with one_at_a_time:
+            ran.append((name, self.options["num_stages"]))
+            return original(self, slots, stream)
 
-    monkeypatch.setattr(launch.KernelLaunch, "__call__", build)
-    q, k, v = (torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
-    with caplog.at_level(logging.WARNING, logger="fatune"):
-        for _ in range(2):
-            out = fatune.attention(q, k, v, is_causal=True)
-            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    monkeypatch.setattr(launch.KernelLaunch, "__call__", call)
+    return ran
+
+
+def _assert_matches_sdpa(q, k, v, out, grads):
     golden = [t.detach().double().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*golden, is_causal=True)
     expected_grads = torch.autograd.grad(expected, golden, torch.ones_like(expected))
     assert torch.allclose(out.double(), expected, atol=2e-3)
     assert all(torch.allclose(g.double(), e, atol=2e-2) for g, e in zip(grads, expected_grads))
-    assert not any(name.startswith(failing) and stages == 3 for name, stages in built)
-    assert any(name.startswith("attn_fwd") and stages == (1 if failing == "attn_fwd" else 3) for name, stages in built)
+
+
+@pytest.mark.parametrize("failing", ["attn_fwd", "attn_bwd"])
+def test_a_tuned_config_whose_kernels_cannot_be_built_here_runs_the_heuristic(tmp_path, monkeypatch, caplog, failing):
+    """A valid entry whose kernels Triton cannot build on this GPU (a compiler error, more shared memory than
+    it has: KernelBuildError at their first launch) costs speed: the heuristic's kernels run, said once."""
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))  # every kernel at 3 stages
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    ran = _failing_builds(monkeypatch, failing)
+    q, k, v = (torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        for _ in range(2):
+            out = fatune.attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    _assert_matches_sdpa(q, k, v, out, grads)
+    assert any(name.startswith(failing) and stages == 1 for name, stages in ran)  # the heuristic's ran instead
+    assert any(name.startswith("attn_fwd") and stages == (1 if failing == "attn_fwd" else 3) for name, stages in ran)
     logged = [r.getMessage() for r in caplog.records if "cannot be built" in r.getMessage()]
     assert len(logged) == 1 and "PassManager" in logged[0], logged
     explanation = fatune.explain(q, k, v, is_causal=True)
@@ -283,22 +299,84 @@ def test_a_tuned_config_whose_kernels_cannot_be_built_here_runs_the_heuristic(tm
 
 
 @pytest.mark.gpu
-def test_gpu_a_tuned_config_that_does_not_compile_runs_the_heuristic(tmp_path, monkeypatch, caplog):
-    """Triton 3.6 cannot compile the dQ kernel at 128x16/w4/s2 for d128 on sm_90 (TritonGPURemoveLayoutConversions:
-    'operand #0 does not dominate this use', met by a ship-db search): an entry holding it runs the heuristic's
-    backward, within the accuracy rule."""
+@pytest.mark.parametrize("fwd, dq, must_fall_back", [
+    # 6 stages of 128x128 K and V tiles: more shared memory than an H200 has (OutOfResources when loaded)
+    ({"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 6}, None, True),
+    # Triton 3.6 cannot compile this dQ tile at d128 for sm_90 (TritonGPURemoveLayoutConversions: "operand #0
+    # does not dominate this use", met by a ship-db search); a later Triton may, and then it simply runs
+    (None, {"block_m": 128, "block_n": 16, "num_warps": 4, "num_stages": 2}, False),
+], ids=["shared-memory", "triton-3.6-dq"])
+def test_gpu_a_tuned_config_that_cannot_be_built_runs_the_heuristic(tmp_path, monkeypatch, caplog, fwd, dq,
+                                                                      must_fall_back):
+    """A user DB entry whose kernels this GPU cannot build: the call runs, within the accuracy rule."""
     from tests.reference import random_qkv, run_and_compare
 
+    base = make_entry()
     bad = entry(dtype="bfloat16", head_dim=128, head_dim_v=128, mask_variant="none", seqlen_q_bucket=1024,
-                seqlen_k_bucket=1024, bwd_config={"dkdv": {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
-                                                  "dq": {"block_m": 128, "block_n": 16, "num_warps": 4, "num_stages": 2}})
+                seqlen_k_bucket=1024, fwd_config=fwd or base.fwd_config,
+                bwd_config={"dkdv": {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
+                            "dq": dq or base.bwd_config["dq"]})
     use_dispatcher(monkeypatch, Dispatcher(user_db=write(tmp_path / "u.sqlite", bad), shipped=[]))
+    monkeypatch.setattr(dispatch, "_warned", set())
     q, k, v = random_qkv(2, 4, 4, 1000, 1000, 128, 128, torch.bfloat16, DEVICE)
     with caplog.at_level(logging.WARNING, logger="fatune"):
         run_and_compare(q, k, v)
-    assert any("cannot be built" in r.getMessage() for r in caplog.records)
     explanation = fatune.explain(q, k, v)
-    assert explanation.decision.layer == "user-db" and "cannot be built" in explanation.reason
+    assert explanation.decision.layer == "user-db"
+    fell_back = any("cannot be built" in r.getMessage() for r in caplog.records)
+    assert fell_back == ("cannot be built" in explanation.reason)
+    assert fell_back or not must_fall_back
+
+
+def test_threads_that_share_a_plan_whose_kernels_cannot_be_built_all_fall_back(tmp_path, monkeypatch):
+    """Two threads whose first calls both meet the build failure (one plan, cached): one switches the plan,
+    the other sees it switched and runs on it; neither call fails."""
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    both_failing = threading.Barrier(2, timeout=30)
+    _failing_builds(monkeypatch, "attn_fwd", before_raising=both_failing.wait)
+    q, k, v = (torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    fatune.explain(q, k, v, is_causal=True)  # the plan, cached before either thread starts
+    results, errors = [None, None], []
+
+    def call(index):
+        try:
+            results[index] = fatune.attention(q, k, v, is_causal=True)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert all(torch.allclose(r, expected, atol=2e-3) for r in results)
+
+
+def test_strict_mode_raises_when_the_tuned_kernels_cannot_be_built(tmp_path, monkeypatch):
+    """strict=True promises the tuned entry or an error: no quiet fallback past it."""
+    from fatune import launch
+
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    _failing_builds(monkeypatch, "attn_fwd")
+    q = torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(launch.KernelBuildError, match="PassManager"):
+        fatune.attention(q, q, q, is_causal=True, strict=True)
+
+
+def test_a_plan_keeps_no_call_data_alive(tmp_path):
+    """A cached plan keeps its problem's optional tensors as meta tensors (shapes and strides), not the
+    call's mask, slopes or index tensors."""
+    q = torch.randn(1, 2, 20, 16, dtype=torch.float16, device=DEVICE)
+    mask = torch.rand(1, 1, 20, 20, device=DEVICE) > 0.3
+    mask[..., 0] = True
+    fatune.attention(q, q, q, attn_mask=mask)
+    plan = fatune.plans.prepare(q, q, q, fatune.plans.Call(attn_mask=mask), None, None).plan
+    kept = plan.problem.attn_mask
+    assert kept.device.type == "meta" and tuple(kept.shape) == (1, 2, 20, 20) and kept.stride() == (400, 0, 20, 1)
 
 
 def test_a_forced_config_whose_kernels_cannot_be_built_raises(monkeypatch):
@@ -315,16 +393,39 @@ def test_a_forced_config_whose_kernels_cannot_be_built_raises(monkeypatch):
         fatune.attention(q, q, q, config=forced)
 
 
-def test_a_first_launch_that_fails_before_running_is_a_build_error(monkeypatch):
-    """Compiled kernels (not the interpreter): what the first launch raises is wrapped as KernelBuildError,
-    naming the kernel and its options."""
+class _Loaded:
+    """What Triton's run(warmup=True) returns: a compiled kernel whose `run` loads it (and may fail)."""
+
+    def __init__(self, load_error):
+        self.load_error = load_error
+
+    @property
+    def run(self):
+        if self.load_error:
+            raise self.load_error
+        return None
+
+
+@pytest.mark.parametrize("compile_error, load_error, launch_error, raised", [
+    (RuntimeError("PassManager::run failed\nreproducer ..."), None, None, r"RuntimeError: PassManager::run failed$"),
+    (None, RuntimeError("out of resources: shared memory, Required: 300000"), None, "out of resources"),
+    (None, None, ValueError("a launch's own error"), None),  # built: what the launch raises passes unchanged
+])
+def test_a_kernel_that_cannot_be_compiled_or_loaded_is_a_build_error(monkeypatch, compile_error, load_error,
+                                                                      launch_error, raised):
+    """Compiled kernels (not the interpreter): the first launch builds the kernel apart (compile, then load
+    against the GPU's limits), and a failure there is a KernelBuildError naming the kernel and its options."""
     from fatune import codegen, launch
 
     class Kernel:
         __name__ = "attn_bwd_dq"
 
-        def run(self, *args, **kwargs):
-            raise RuntimeError("PassManager::run failed\nreproducer ...")
+        def run(self, *args, warmup, **kwargs):
+            if warmup:
+                if compile_error:
+                    raise compile_error
+                return _Loaded(load_error)
+            raise launch_error
 
     monkeypatch.setattr(codegen, "interpreting", lambda: False)
     kernel = launch.KernelLaunch.__new__(launch.KernelLaunch)
@@ -332,7 +433,11 @@ def test_a_first_launch_that_fails_before_running_is_a_build_error(monkeypatch):
                         "pick": lambda slots: (), "tail": (), "binary": None, "direct": None, "middle": (),
                         "scratch": 0, "tma": False}.items():
         setattr(kernel, name, value)
-    with pytest.raises(launch.KernelBuildError, match=r"^attn_bwd_dq with .*'num_stages': 2.*PassManager::run failed$"):
+    if raised is None:
+        with pytest.raises(ValueError, match="a launch's own error"):
+            kernel((), None)
+        return
+    with pytest.raises(launch.KernelBuildError, match=r"^attn_bwd_dq with .*'num_stages': 2.*" + raised):
         kernel((), None)
 
 
