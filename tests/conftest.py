@@ -36,6 +36,21 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def unchecked_integer_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter without its int32-overflow check on every add and multiply (a third of a small
+    kernel's interpreted time), for tests of the search, the CLI and the benchmarks, which run kernels many
+    times but check no kernel; the kernel tests keep the check."""
+    if HAS_GPU:
+        return
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
+
+
+@pytest.fixture
 def deterministic_algorithms():
     """torch.use_deterministic_algorithms(True) for the test; torch's mode as it was afterwards."""
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()

@@ -787,7 +787,7 @@ def test_direct_launches_pass_global_scratch(monkeypatch):
 
     class Jit:
         def run(self, *args, grid, warmup, num_warps, num_stages):
-            calls.append(("triton", grid))
+            calls.append(("triton", grid, warmup))
             return binary
 
     monkeypatch.setattr(codegen, "interpreting", lambda: False)
@@ -802,16 +802,18 @@ def test_direct_launches_pass_global_scratch(monkeypatch):
         kernel(slots, stream=5)
     finally:
         _allocation._allocator.reset(token)
-    assert calls[0] == ("triton", (2, 3, 4))
-    grid, (stream, function, cooperative, pdl, scratch, profile) = calls[1][:3], calls[1][3:9]
+    assert calls[:2] == [("triton", (2, 3, 4), True), ("triton", (2, 3, 4), False)]  # built, then launched
+    grid, (stream, function, cooperative, pdl, scratch, profile) = calls[2][:3], calls[2][3:9]
     assert (grid, stream, function, cooperative, pdl, profile) == ((2, 3, 4), 5, "function", False, False, None)
-    assert scratch.numel() == 384 * 2 * 3 * 4 and calls[1][9] == "metadata"
+    assert scratch.numel() == 384 * 2 * 3 * 4 and calls[2][9] == "metadata"
 
 
 @pytest.mark.parametrize("maxnreg, options", [(0, {}), (128, {"maxnreg": 128})])
 def test_launches_compile_with_the_register_cap(maxnreg, options, monkeypatch):
     """A config's register cap (`/rN`) reaches Triton's compiler with its warps and stages, on the first
-    launch and in a compile-only warm-up."""
+    launch (its build, then its launch) and in a compile-only warm-up."""
+    import types
+
     from fatune import codegen, launch, signature
 
     seen = []
@@ -819,6 +821,7 @@ def test_launches_compile_with_the_register_cap(maxnreg, options, monkeypatch):
     class Jit:
         def run(self, *args, grid, warmup, **kwargs):
             seen.append(kwargs)
+            return types.SimpleNamespace(run=None)  # a compiled kernel, its binary loaded
 
         def warmup(self, *args, grid, **kwargs):
             seen.append(kwargs)
@@ -829,7 +832,7 @@ def test_launches_compile_with_the_register_cap(maxnreg, options, monkeypatch):
     slots = (None,) * len(launch.SLOTS)
     kernel(slots, stream=0)
     kernel.warmup(kernel.pick(slots) + kernel.tail)
-    assert seen == [{"num_warps": 4, "num_stages": 3, **options}] * 2
+    assert seen == [{"num_warps": 4, "num_stages": 3, **options}] * 3
 
 
 # ------------------------------------------------------------------ dropout
