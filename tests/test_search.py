@@ -29,8 +29,7 @@ from fatune.search import INTERPRETER_SPACE, SearchSpace, Target, infeasible, se
 from fatune.spec import KernelSpec, LaunchConfig
 from fatune.storage import default_storage_url
 
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only"),
-              pytest.mark.usefixtures("unchecked_integer_overflow")]
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only")
 TINY = Shape(batch=2, heads=2, seqlen_q=48, seqlen_k=48, head_dim=16, dtype="float16", causal=True)
 
 
