@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fatune.resources import HOPPER_SHARED_MEMORY, fit_shared_memory, shared_memory_limit
 from fatune.spec import (
     AttentionConfig,
     KernelSpec,
@@ -131,7 +132,7 @@ def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
     if arch is None:
         return with_forward_structure(INTERPRETER_CONFIG)
     block_d = max(lanes(spec.head_dim), lanes(spec.head_dim_v))
-    if arch[0] >= 9:
+    if arch[0] >= 9 and shared_memory_limit(arch) >= HOPPER_SHARED_MEMORY:  # not sm_120's 99 KiB
         config = _hopper(block_d, spec.dtype, spec.causal or spec.window_right)
         if concurrent_dq(spec, arch, block_d, group):
             config = config.replace(dq=dataclasses.replace(config.dq, concurrent=1))
@@ -139,4 +140,6 @@ def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
         config = _generic(block_d if spec.dtype != "float32" else 2 * block_d)
     if decode and spec.dtype != "float32":
         config = config.replace(fwd=_decode_forward(block_d, shares_sms))
+    # the tiles above were chosen without a mask: its streamed tiles can take a pipeline stage's room (d > 128)
+    config = fit_shared_memory(config, spec, shared_memory_limit(arch))
     return with_forward_structure(with_runnable_split_d(config, spec))

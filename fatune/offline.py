@@ -54,16 +54,18 @@ class CompiledKernel:
         return self.spill_bytes > 0
 
 
-def _signature(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset()) -> tuple[dict, dict, dict]:
+def _signature(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset(),
+               mask_dtype: str | None = None) -> tuple[dict, dict, dict]:
     """Argument types as a launch on contiguous, 16-aligned tensors specialises them: pointers and
     strides divisible by 16 (a block table's rows: any length), unit head-dim strides (and block-table page
     strides) and unused (None) pointers constant."""
-    types = signature.triton_types(kernel, spec, absent)
+    types = signature.triton_types(kernel, spec, absent, mask_dtype)
     attrs: dict[tuple[int], list] = {}
     constexprs: dict[str, int | None] = {name: None for name, kind in types.items() if kind == "constexpr"}
     for index, (name, kind) in enumerate(types.items()):
-        if (name.startswith("stride") and name.endswith("d")) or name == "stride_btp":  # a contiguous block table's
-            types[name] = "constexpr"                                                   # pages too
+        # a contiguous block table's pages and a contiguous mask's keys too
+        if (name.startswith("stride") and name.endswith("d")) or name in ("stride_btp", "stride_mk"):
+            types[name] = "constexpr"
             constexprs[name] = 1
         elif name == "stride_btb":  # pages per sequence: any count
             continue
@@ -77,9 +79,10 @@ def _cuobjdump() -> str:
 
 
 def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0),
-                   maxnreg: int | None = None) -> CompiledKernel:
+                   maxnreg: int | None = None, mask_dtype: str | None = None) -> CompiledKernel:
     """Compile `kernel` ('fwd', 'dkdv', 'dq', or atomic dQ's 'prep' and 'dq_store') for CUDA compute
-    capability `arch`, its registers capped at `maxnreg` per thread if given; raises on failure."""
+    capability `arch`, its registers capped at `maxnreg` per thread if given, an additive mask of Triton type
+    `mask_dtype` ("fp32"; default: the inputs'); raises on failure."""
     if kernel not in _KERNEL_FUNCTIONS:
         raise ValueError(f"kernel: expected one of {sorted(_KERNEL_FUNCTIONS)}, got {kernel!r}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -92,7 +95,7 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     absent = frozenset() if config.dkdv.atomic_dq else frozenset({"DQ_ACC"})
     if config.fwd.num_splits == 1:  # no split-KV: its buffers are not passed
         absent |= {"O_PART", "LSE_PART", "SPLIT_COUNT"}
-    types, attrs, constexprs = _signature(function_name, spec, absent)
+    types, attrs, constexprs = _signature(function_name, spec, absent, mask_dtype)
     source = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
     options = (launch if maxnreg is None else dataclasses.replace(launch, maxnreg=maxnreg)).compile_options

@@ -73,6 +73,7 @@ from fatune.measure import (
     time_training_step,
 )
 from fatune.precompile import CompilePool, compile_error
+from fatune.resources import shared_memory_bytes
 from fatune.spec import (
     KERNELS,
     AttentionConfig,
@@ -85,7 +86,6 @@ from fatune.spec import (
 )
 from fatune.storage import Heartbeat, open_storage, storage_lock
 
-ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2, "float32": 1e-3}  # max |candidate - torch| / max |torch|
 PRUNE_FACTOR = 1.5  # quick timing this much slower than the best so far: pruned
 CONTENDER_FACTOR = 1.1  # quick timing within this factor of the best so far: timed in full (else its quick time counts)
@@ -187,24 +187,6 @@ INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4
                                 maxnreg=(0,),  # the interpreter compiles nothing: a cap changes nothing there
                                 concurrent=(0,),  # nor has it streams to run kernels side by side
                                 pack_gqa=(1,), atomic_dq=(0, 1, 2))
-
-
-def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig) -> int:
-    """Estimate of a kernel's shared memory: resident tiles plus num_stages copies of streamed tiles.
-
-    Matches Triton 3.6's reports on sm_90 for the heuristic configs (see fatune.offline).
-    """
-    element = ELEMENT_BYTES[spec.dtype]
-    d, dv = lanes(spec.head_dim), lanes(spec.head_dim_v)
-    m, n, stages = config.block_m, config.block_n, config.num_stages
-    if kernel == "fwd":  # Q tile resident, K and V tiles streamed
-        return element * (m * d + stages * n * (d + dv))
-    if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed; atomic dQ stages its float32 dS K tile
-        # (and TMA reductions more): a rough fit to fatune.offline's reports, the compile decides near the limit;
-        # a head-dim split streams its own halves of Q and dO as well
-        streamed = m * (d + dv) * (3 if config.split_d == 2 else 2) // 2
-        return element * (n * (d + dv) + stages * streamed) + {0: 0, 1: 4, 2: 6}[config.atomic_dq] * m * d
-    return element * (m * (d + dv) + stages * n * (d + dv))  # dq: Q, dO resident, K, V streamed
 
 
 def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig, shared_limit: int | None) -> str | None:

@@ -93,10 +93,11 @@ def optional_inputs_used(spec: KernelSpec) -> set[str]:
     return {name for name, on in used.items() if on}
 
 
-def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset()) -> dict[str, str]:
+def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset(),
+                 mask_dtype: str | None = None) -> dict[str, str]:
     """Triton argument types of `kernel` for `spec`, as `triton.compile` takes them in an ASTSource
     signature ("constexpr" for the optional pointers it does not read and the `absent` ones, which
-    are passed as None)."""
+    are passed as None); `mask_dtype`: an additive mask's Triton type ("fp32"; default: the inputs')."""
     dtype = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[spec.dtype]
     used = optional_inputs_used(spec)
     types = {}
@@ -109,7 +110,7 @@ def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozens
         elif kind == "io":
             types[name] = "*" + dtype
         elif kind == "mask":
-            types[name] = "*i1" if spec.attn_mask == "bool" else "*" + dtype
+            types[name] = "*i1" if spec.attn_mask == "bool" else "*" + (mask_dtype or dtype)
         elif kind == "lse":
             types[name] = "*fp64" if spec.dtype == "float32" else "*fp32"
         else:
