@@ -375,9 +375,18 @@ def split_d_searched(spec: KernelSpec) -> bool:
     return min(lanes(spec.head_dim), lanes(spec.head_dim_v)) >= SPLIT_D_LANES
 
 
+def split_d_runs(spec: KernelSpec) -> bool:
+    """Whether dK/dV's head-dim split can run for `spec`: each half of at least 16 lanes, and the two head dims'
+    halves within 2x of each other. Triton 3.6 miscompiles the split kernel of a 256-lane query head dim with a
+    64-lane value head dim (halves of 128 and 32) under a GQA loop: an illegal address on an H200 at 64x128/w8
+    (benchmarks/fault_probe.py, session 16); halves of 128 and 64, or 64 and 32, ran correctly."""
+    d, dv = lanes(spec.head_dim), lanes(spec.head_dim_v)
+    return min(d, dv) >= SPLIT_D_MIN_LANES and max(d, dv) <= 2 * min(d, dv)
+
+
 def with_runnable_split_d(config: AttentionConfig, spec: KernelSpec) -> AttentionConfig:
-    """`config` with its dK/dV head-dim split dropped where a half would be under 16 lanes, as a launch runs it."""
-    if config.dkdv.split_d == 1 or min(lanes(spec.head_dim), lanes(spec.head_dim_v)) >= SPLIT_D_MIN_LANES:
+    """`config` with its dK/dV head-dim split dropped where it cannot run (split_d_runs), as a launch runs it."""
+    if config.dkdv.split_d == 1 or split_d_runs(spec):
         return config
     return config.replace(dkdv=dataclasses.replace(config.dkdv, split_d=1))
 

@@ -506,9 +506,12 @@ def test_split_d_with_an_empty_key_sequence(tma, poison_outputs):
                     config=_split_d(tma=tma))
 
 
-@pytest.mark.parametrize("head_dim, head_dim_v, kept", [(32, 32, 2), (17, 40, 2), (16, 64, 1), (64, 8, 1)])
-def test_split_d_needs_halves_of_16_lanes(head_dim, head_dim_v, kept):
-    """A head-dim half is a tensor-core operand: at least 16 lanes, else the launch runs the unsplit kernel."""
+@pytest.mark.parametrize("head_dim, head_dim_v, kept", [(32, 32, 2), (17, 40, 2), (16, 64, 1), (64, 8, 1),
+                                                       (128, 64, 2), (256, 128, 2), (234, 54, 1), (64, 256, 1)])
+def test_split_d_needs_halves_of_16_lanes_within_2x_of_each_other(head_dim, head_dim_v, kept):
+    """A head-dim half is a tensor-core operand: at least 16 lanes, else the launch runs the unsplit kernel; so
+    it does where one head dim's half is over twice the other's (Triton 3.6 miscompiles 128 and 32 lanes under
+    GQA: an illegal address on an H200)."""
     from fatune.launch import resolve
     from fatune.plans import Call
 
@@ -905,6 +908,31 @@ def test_gpu_variant(name, dtype, poison_outputs, record_gpu_errors):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim, mask, kwargs", [
+    (256, "additive-float32", {}), (256, "bool", {"is_causal": True}), (240, "additive", {}),
+    (192, "additive", {"is_causal": True, "alibi": True}), (160, "bool-keys", {})])
+def test_gpu_mask_at_large_head_dims(head_dim, mask, kwargs, dtype, poison_outputs, record_gpu_errors):
+    """Mask tiles stream beside d > 128 key tiles: the dispatched configs must still fit the GPU's shared memory
+    (the heuristic's three-stage d256 forward did not, session 16) and pass the accuracy rule."""
+    rng = random.Random(stable_seed("large-mask", head_dim, mask, dtype))
+    torch.manual_seed(rng.randint(0, 2**31))
+    b, h, lq, lk = 2, 4, rng.randint(200, 700), rng.randint(200, 700)
+    q, k, v = random_qkv(b, h, h, lq, lk, head_dim, head_dim, dtype=dtype, device="cuda")
+    kwargs = dict(kwargs)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(b, h, device="cuda") * 0.3
+    if mask == "bool":
+        kwargs["attn_mask"] = torch.rand(b, 1, lq, lk, device="cuda") < 0.8
+    elif mask == "bool-keys":  # key padding as a mask: one row for every query
+        kwargs["attn_mask"] = torch.arange(lk, device="cuda") < rng.randint(1, lk)
+    else:
+        kwargs["attn_mask"] = torch.randn(b, h, lq, lk, device="cuda",
+                                          dtype=torch.float32 if mask.endswith("float32") else dtype)
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim, atomic", [(256, 0), (256, 2), (200, 0), (128, 1), (72, 2)])
 def test_gpu_split_d(head_dim, atomic, dtype, poison_outputs, record_gpu_errors):
     """dK/dV's head-dim split on the GPU (wgmma tiles, TMA loads, dQ by the dQ kernel or atomics): odd lengths,
@@ -920,6 +948,17 @@ def test_gpu_split_d(head_dim, atomic, dtype, poison_outputs, record_gpu_errors)
     config = config.replace(dkdv=fatune.LaunchConfig(64, 64, num_warps=4, num_stages=1, tma=1, atomic_dq=atomic,
                                                      split_d=2))
     record_gpu_errors(run_and_compare(q, k, v, is_causal=True, enable_gqa=True, config=config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen_q, seqlen_k", [(234, 54, 2, 13), (256, 64, 77, 300),
+                                                                     (192, 128, 130, 64), (80, 256, 33, 200)])
+def test_gpu_unequal_head_dims_under_gqa(head_dim, head_dim_v, seqlen_q, seqlen_k, poison_outputs, record_gpu_errors):
+    """The dispatched configs of query and value head dims far apart, GQA 3:1 (a d234/dv54 call's split dK/dV
+    kernel faulted with an illegal address on an H200, session 16: fatune.spec.split_d_runs)."""
+    torch.manual_seed(stable_seed("unequal", head_dim, head_dim_v))
+    q, k, v = random_qkv(1, 6, 2, seqlen_q, seqlen_k, head_dim, head_dim_v, dtype=torch.float16, device="cuda")
+    record_gpu_errors(run_and_compare(q, k, v, enable_gqa=True))
 
 
 @pytest.mark.gpu
