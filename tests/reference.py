@@ -12,7 +12,8 @@ output dtype (no stored answer can beat it) and a tiny constant for exact-zero c
 - float32: torch SDPA, PyTorch's own fused kernel, where SDPA can express the variant
   (plain float32 ops are exact up to float32 rounding, not an implementation of the
   FlashAttention kind; they are the baseline only where SDPA cannot express the variant).
-On a GPU, 16-bit cases are checked against both baselines where SDPA can express them.
+On a GPU, 16-bit cases are checked against both baselines where SDPA can express them, SDPA with
+16-bit reductions allowed in its math fallback (by default it computes there in float32).
 """
 
 from __future__ import annotations
@@ -111,8 +112,15 @@ def same_dtype_baselines(problem: AttentionProblem, q: torch.Tensor) -> dict[str
     if sdpa_mask is not None:
         def sdpa(q_, k_, v_):
             mask = None if isinstance(sdpa_mask, bool) else sdpa_mask
-            return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=sdpa_mask is True,
-                                                  scale=problem.scale, enable_gqa=problem.group_size > 1)
+            # where no fused kernel takes the call (head dims not a multiple of 8, ...), SDPA's math fallback
+            # computes 16-bit inputs in float32 unless told otherwise: not a same-dtype implementation
+            upcast = not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+            try:
+                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=sdpa_mask is True,
+                                                      scale=problem.scale, enable_gqa=problem.group_size > 1)
+            finally:
+                torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(not upcast)
     if q.dtype == torch.float32:
         return {"torch-sdpa": sdpa} if sdpa is not None else {"torch-plain": plain}
     if q.is_cuda:
