@@ -98,7 +98,7 @@ def exhaustive(bench: Bench, kernel: str, pool: CompilePool) -> dict:
     """Every feasible config of the kernel's space, quick-timed; the fastest FULL_TIMED timed in full."""
     space = search.INTERPRETER_SPACE if bench.target.interpret else search.GPU_SPACE
     configs = [c for c in space.grid(kernel, bench.shape, bench.target.sms)
-               if search.infeasible(kernel, bench.shape.spec, c, bench.target.shared_limit) is None]
+               if search.infeasible(kernel, bench.shape.spec, c, bench.target.shared_limit, bench.target.arch) is None]
     compiled = {c: pool.submit(bench.shape, bench.config(kernel, c), kernel) for c in configs}
     quick = {}
     for config in configs:

@@ -141,5 +141,5 @@ def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
     if decode and spec.dtype != "float32":
         config = config.replace(fwd=_decode_forward(block_d, shares_sms))
     # the tiles above were chosen without a mask: its streamed tiles can take a pipeline stage's room (d > 128)
-    config = fit_shared_memory(config, spec, shared_memory_limit(arch))
+    config = fit_shared_memory(config, spec, shared_memory_limit(arch), arch)
     return with_forward_structure(with_runnable_split_d(config, spec))

@@ -58,13 +58,14 @@ def _signature(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset
                mask_dtype: str | None = None) -> tuple[dict, dict, dict]:
     """Argument types as a launch on contiguous, 16-aligned tensors specialises them: pointers and
     strides divisible by 16 (a block table's rows: any length), unit head-dim strides (and block-table page
-    strides) and unused (None) pointers constant."""
+    and mask key strides) and unused (None) pointers constant."""
     types = signature.triton_types(kernel, spec, absent, mask_dtype)
     attrs: dict[tuple[int], list] = {}
     constexprs: dict[str, int | None] = {name: None for name, kind in types.items() if kind == "constexpr"}
     for index, (name, kind) in enumerate(types.items()):
         # a contiguous block table's pages and a contiguous mask's keys too
-        if (name.startswith("stride") and name.endswith("d")) or name in ("stride_btp", "stride_mk"):
+        unit = name in ("stride_btp", "stride_mk") if spec.attn_mask != "none" else name == "stride_btp"
+        if (name.startswith("stride") and name.endswith("d")) or unit:
             types[name] = "constexpr"
             constexprs[name] = 1
         elif name == "stride_btb":  # pages per sequence: any count

@@ -73,7 +73,7 @@ from fatune.measure import (
     time_training_step,
 )
 from fatune.precompile import CompilePool, compile_error
-from fatune.resources import shared_memory_bytes
+from fatune.resources import MIN_ELEMENTS_PER_THREAD, shared_memory_bytes
 from fatune.spec import (
     KERNELS,
     AttentionConfig,
@@ -189,17 +189,18 @@ INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4
                                 pack_gqa=(1,), atomic_dq=(0, 1, 2))
 
 
-def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig, shared_limit: int | None) -> str | None:
-    """Why `config` cannot run well for `kernel` on a GPU with `shared_limit` bytes per block (None:
-    the interpreter, where only correctness matters), decided without compiling; None if it may."""
+def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig, shared_limit: int | None,
+               arch: tuple[int, int] = (9, 0)) -> str | None:
+    """Why `config` cannot run well for `kernel` on a GPU of compute capability `arch` with `shared_limit` bytes
+    per block (None: the interpreter, where only correctness matters), decided without compiling; None if it may."""
     if shared_limit is None:
         return None
-    if config.block_m * config.block_n < config.num_warps * 32 * 8:
-        return f"{config.num_warps} warps for a {config.block_m}x{config.block_n} tile: under 8 elements per thread"
-    if shared_limit is not None:
-        needed = shared_memory_bytes(kernel, spec, config)
-        if needed > shared_limit:
-            return f"needs ~{needed // 1024} KiB shared memory, the GPU has {shared_limit // 1024} KiB per block"
+    if config.block_m * config.block_n < config.num_warps * 32 * MIN_ELEMENTS_PER_THREAD:
+        return (f"{config.num_warps} warps for a {config.block_m}x{config.block_n} tile: under "
+                f"{MIN_ELEMENTS_PER_THREAD} elements per thread")
+    needed = shared_memory_bytes(kernel, spec, config, arch)
+    if needed > shared_limit:
+        return f"needs ~{needed // 1024} KiB shared memory, the GPU has {shared_limit // 1024} KiB per block"
     # accumulators in registers (a head-dim split's dK/dV programs each hold half)
     resident = {"fwd": config.block_m * lanes(spec.head_dim_v), "dkdv": config.block_n * (lanes(spec.head_dim)
                 + lanes(spec.head_dim_v)) // config.split_d, "dq": config.block_m * lanes(spec.head_dim)}[kernel]
@@ -218,6 +219,12 @@ class Target:
     capability: str
     shared_limit: int | None
     sms: int | None = None  # multiprocessors (None: the interpreter)
+
+    @property
+    def arch(self) -> tuple[int, int]:
+        """The GPU's compute capability ((9, 0) for the interpreter: its estimates are not used there)."""
+        major, _, minor = self.capability.partition(".")
+        return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else (9, 0)
 
     @classmethod
     def detect(cls, interpret: bool) -> Target:
@@ -534,7 +541,8 @@ class KernelSearch:
             params = heuristic_params(config, self.kernel, self.spec, self.axes)
             if params == self.start or not all(params.get(axis) in values for axis, values in self.axes.items()):
                 continue
-            if infeasible(self.kernel, self.spec, LaunchConfig.from_dict(params), self.target.shared_limit):
+            if infeasible(self.kernel, self.spec, LaunchConfig.from_dict(params), self.target.shared_limit,
+                          self.target.arch):
                 continue  # it would only be rejected, spending a trial
             with storage_lock(self.storage.url):
                 trials = self.study.get_trials(deepcopy=False)
@@ -608,7 +616,7 @@ class KernelSearch:
             heartbeat.hold(trial)
             trial.set_user_attr("worker", _worker_name())
             config = self.suggest(trial)
-            reason = infeasible(self.kernel, self.spec, config, self.target.shared_limit)
+            reason = infeasible(self.kernel, self.spec, config, self.target.shared_limit, self.target.arch)
         except BaseException:
             self._tell(trial, heartbeat, None, clock=clock)
             raise

@@ -77,6 +77,8 @@ def check_close(name: str, actual: torch.Tensor, golden: torch.Tensor, same_dtyp
         raise AssertionError(f"{name}: {int(bad.sum())} non-finite elements (unwritten or NaN), first at {index}")
     error = (actual.double() - golden).abs().max().item() if actual.numel() else 0.0
     torch_error = (same_dtype.double() - golden).abs().max().item() if actual.numel() else 0.0
+    if not torch_error < float("inf"):  # an overflowed baseline would make any error pass
+        raise AssertionError(f"{name}: {baseline}'s result is not finite: no bound to hold fatune to")
     bound = FACTOR * torch_error + rounding_error(golden, actual.dtype) + FLOOR[actual.dtype]
     assert error <= bound, (
         f"{name}: max abs error {error:.3e} > {FACTOR} x {baseline}'s {torch_error:.3e} + floor "

@@ -94,7 +94,8 @@ def _config(rng: random.Random, group: int, spec):
     config = INTERPRETER_CONFIG.replace(fwd=fwd, dkdv=dkdv, dq=dq)
     if HAS_GPU:
         limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-        if any(infeasible(kernel, spec, getattr(config, kernel), limit) for kernel in KERNELS):
+        arch = torch.cuda.get_device_capability()
+        if any(infeasible(kernel, spec, getattr(config, kernel), limit, arch) for kernel in KERNELS):
             return None
     return config
 

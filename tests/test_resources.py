@@ -6,55 +6,62 @@ import pytest
 
 from fatune.heuristics import default_config
 from fatune.resources import fit_shared_memory, shared_memory_bytes, shared_memory_limit
+from fatune.search import infeasible
 from fatune.spec import KERNELS, KernelSpec, LaunchConfig
 from tests.test_codegen import _compile_in_subprocess
 
 HOPPER = 227 * 1024
 
-# (spec, an additive mask's Triton type): the variants whose streamed mask tiles press a config chosen
-# without them (a 64x64 forward three stages deep at d256 needs 246784 bytes with a bf16 mask, over an H200's)
+# (spec, an additive mask's Triton type, GPU): the variants whose streamed mask tiles press a config chosen
+# without them (a 64x64 forward three stages deep at d256 needs 246784 bytes with a bf16 mask, over an H200's),
+# and tiles shrunk for a 99 KiB GPU
 MASKED_CASES = [
-    (KernelSpec("bfloat16", 256, attn_mask="additive"), "fp32"),
-    (KernelSpec("float16", 192, causal=True, attn_mask="bool", alibi=True), None),
-    (KernelSpec("bfloat16", 240, attn_mask="additive", dropout=True), "bf16"),
-    (KernelSpec("bfloat16", 128, attn_mask="additive"), "fp32"),
+    (KernelSpec("bfloat16", 256, attn_mask="additive"), "fp32", (9, 0)),
+    (KernelSpec("float16", 192, causal=True, attn_mask="bool", alibi=True), None, (9, 0)),
+    (KernelSpec("bfloat16", 256, attn_mask="additive"), "fp32", (8, 6)),
+    (KernelSpec("float32", 256, causal=True), None, (8, 6)),
 ]
 
 
-def test_masked_heuristic_kernels_compile_within_their_estimate_and_the_h200s_shared_memory(tmp_path):
-    """Compiled for sm_90 with a contiguous mask (its key stride specialised to 1, as launches do): each
-    kernel's shared memory is at most the estimate, and the estimate at most an H200's per block."""
-    cases = [(spec.to_dict(), mask_dtype) for spec, mask_dtype in MASKED_CASES]
+def test_heuristic_kernels_compile_within_their_estimate_and_their_gpus_shared_memory(tmp_path):
+    """Compiled for their GPU with a contiguous mask (its key stride specialised to 1, as launches do): each
+    kernel's shared memory is at most the estimate, and the estimate at most the GPU's per block."""
+    cases = [(spec.to_dict(), mask_dtype, arch, shared_memory_limit(arch)) for spec, mask_dtype, arch in MASKED_CASES]
     script = (
         "from fatune import offline\n"
         "from fatune.heuristics import default_config\n"
         "from fatune.resources import shared_memory_bytes\n"
         "from fatune.spec import KernelSpec\n"
-        f"for args, mask_dtype in {cases!r}:\n"
+        f"for args, mask_dtype, arch, limit in {cases!r}:\n"
         "    spec = KernelSpec(**args)\n"
-        "    config = default_config(spec, (9, 0))\n"
+        "    config = default_config(spec, arch)\n"
         "    for kernel in ('fwd', 'dkdv', 'dq'):\n"
-        "        info = offline.compile_kernel(kernel, spec, config, mask_dtype=mask_dtype)\n"
-        "        estimate = shared_memory_bytes(kernel, spec, getattr(config, kernel))\n"
-        f"        assert info.shared_bytes <= estimate <= {HOPPER}, (kernel, spec, mask_dtype, info, estimate)\n"
-        "        print(kernel, spec.head_dim, mask_dtype, info.shared_bytes, estimate)\n"
+        "        info = offline.compile_kernel(kernel, spec, config, arch=arch, mask_dtype=mask_dtype)\n"
+        "        estimate = shared_memory_bytes(kernel, spec, getattr(config, kernel), arch)\n"
+        "        assert info.shared_bytes <= estimate <= limit, (kernel, spec, mask_dtype, arch, info, estimate)\n"
+        "        print(kernel, spec.head_dim, mask_dtype, arch, info.shared_bytes, estimate)\n"
     )
     assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 3 * len(MASKED_CASES)
 
 
-@pytest.mark.parametrize("arch", [(9, 0), (8, 0), (8, 6), (12, 0)])
+@pytest.mark.parametrize("arch", [(9, 0), (8, 0), (8, 6), (12, 0), (7, 5)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("variant", [{}, {"causal": True}, {"attn_mask": "bool"}, {"attn_mask": "additive"},
                                      {"causal": True, "attn_mask": "additive", "alibi": True, "dropout": True}],
                          ids=["plain", "causal", "bool", "additive", "additive-causal-alibi-dropout"])
-def test_every_heuristic_config_fits_its_gpus_shared_memory(variant, head_dim, dtype, arch):
+def test_every_heuristic_config_is_feasible_on_its_gpu(variant, head_dim, dtype, arch):
     spec = KernelSpec(dtype, head_dim, **variant)
     limit = shared_memory_limit(arch)
     for decode, shares_sms, group in ((False, False, 1), (True, False, 1), (True, True, 1), (False, False, 8)):
         config = default_config(spec, arch, decode, shares_sms, group)
-        for kernel in KERNELS:
-            assert shared_memory_bytes(kernel, spec, getattr(config, kernel)) <= limit, (kernel, config)
+        for kernel in KERNELS:  # the search's own check: fits, and enough elements per thread for its warps
+            launch = getattr(config, kernel)
+            if arch == (7, 5) and dtype == "float32" and head_dim > 128 and kernel != "fwd":
+                # 64 KiB cannot hold float32 d256 K and V tiles of 16 rows: the smallest tiles, the compile decides
+                assert (launch.block_m, launch.block_n, launch.num_stages) == (16, 16, 1), launch
+                continue
+            assert infeasible(kernel, spec, launch, limit, arch) is None, (kernel, config)
 
 
 def test_only_the_stages_that_do_not_fit_are_dropped():
@@ -75,6 +82,7 @@ def test_a_tile_too_big_at_one_stage_is_halved_on_its_streamed_side():
     config = default_config(spec, (8, 6))  # float32 at d256 on a 99 KiB GPU
     assert (config.fwd.block_m, config.fwd.block_n) == (64, 16) and config.fwd.num_stages == 1
     assert (config.dkdv.block_m, config.dkdv.block_n) == (16, 32) and (config.dq.block_m, config.dq.block_n) == (32, 16)
+    assert config.dkdv.num_warps == config.dq.num_warps == 2  # 512 elements: 8 per thread of two warps
 
 
 def test_a_mask_tile_counts_at_its_widest_type_per_buffer():
@@ -86,6 +94,7 @@ def test_a_mask_tile_counts_at_its_widest_type_per_buffer():
     assert shared_memory_bytes("dq", additive, one) - shared_memory_bytes("dq", plain, one) == 128 * 64 * 4
 
 
-def test_unknown_gpus_get_the_smallest_limit():
+def test_unknown_gpus_get_the_smallest_limit_of_their_generation():
     assert shared_memory_limit((9, 0)) == HOPPER and shared_memory_limit((8, 6)) == 99 * 1024
-    assert shared_memory_limit((7, 5)) == 99 * 1024
+    assert shared_memory_limit((12, 1)) == 99 * 1024 and shared_memory_limit((7, 5)) == 64 * 1024
+    assert shared_memory_limit((6, 1)) == 64 * 1024
