@@ -39,21 +39,25 @@ def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig, arc
     num_stages copies of streamed tiles.
 
     A mask's tile streams beside them at its widest element type: num_stages - 1 buffers when pipelined,
-    one when not (on its way to the tensor-core layout). dK/dV stages its float32 P and dS tiles for the
-    transposed products where they are not wgmma's (float32, or GPUs other than sm_90).
+    one when not (on its way to the tensor-core layout). Where the products are not wgmma's (float32, or GPUs
+    other than sm_90) dK/dV stages its float32 P and dS tiles for the transposed products too. Near the limits
+    it is at or above Triton 3.6's reports on sm_90 and sm_86; far below them it can undercount by up to 16 KiB
+    (an unpipelined dK/dV tile of pointer loads on sm_90; forward and dQ tiles of float32, or of small head
+    dims off sm_90, by up to 7 KiB: benchmarks/shared_memory_census.py).
     """
     element = ELEMENT_BYTES[spec.dtype]
     d, dv = lanes(spec.head_dim), lanes(spec.head_dim_v)
     m, n, stages = config.block_m, config.block_n, config.num_stages
     mask = MASK_ELEMENT_BYTES[spec.attn_mask] * m * n * max(stages - 1, 1)
     barriers = PIPELINE_BARRIERS if stages > 1 else 0
+    mma_v2 = spec.dtype == "float32" or tuple(arch)[0] != 9
     if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed; atomic dQ stages its float32 dS K tile
         # (and TMA reductions more): a rough fit to fatune.offline's reports, the compile decides near the limit;
         # a pipelined head-dim split streams its own halves of Q and dO as well
         streamed = m * (d + dv) * (3 if config.split_d == 2 and stages > 1 else 2) // 2
         atomic = {0: 0, 1: 4, 2: 6}[config.atomic_dq] * m * d + (PIPELINE_BARRIERS if config.atomic_dq else 0)
-        transposed = 4 * m * n if spec.dtype == "float32" or tuple(arch)[0] != 9 else 0
-        return element * (n * (d + dv) + stages * streamed) + atomic + transposed + mask + barriers
+        staged = 4 * m * n if spec.dtype == "float32" else 8 * m * n if mma_v2 else 0
+        return element * (n * (d + dv) + stages * streamed) + atomic + staged + mask + barriers
     if kernel == "fwd":  # Q tile resident, K and V tiles streamed
         return element * (m * d + stages * n * (d + dv)) + mask + barriers
     return element * (m * (d + dv) + stages * n * (d + dv)) + mask + barriers  # dq: Q, dO resident, K, V streamed

@@ -98,3 +98,26 @@ def test_unknown_gpus_get_the_smallest_limit_of_their_generation():
     assert shared_memory_limit((9, 0)) == HOPPER and shared_memory_limit((8, 6)) == 99 * 1024
     assert shared_memory_limit((12, 1)) == 99 * 1024 and shared_memory_limit((7, 5)) == 64 * 1024
     assert shared_memory_limit((6, 1)) == 64 * 1024
+
+
+def test_the_shared_memory_census_compiles_what_launches_can_make_and_reports_it(tmp_path):
+    """benchmarks/shared_memory_census.py: every kernel config a launch can make of the heuristic's, compiled
+    for the GPU, with its estimate and the limit (two call kinds here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root), FATUNE_CACHE_DIR=str(tmp_path), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    out = tmp_path / "census.json"
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "shared_memory_census.py"), str(out),
+                             "--specs", "2", "--seed", "5", "--jobs", "1"], env=env, capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {row["kernel"] for row in rows} == set(KERNELS)
+    assert all(0 < row["shared"] <= row["limit"] == HOPPER and row["estimate"] > 0 for row in rows), rows
+    assert result.stdout.startswith(f"{len(rows)} kernels of 2 call kinds on sm_90: 0 over the {HOPPER}-byte limit")
