@@ -50,13 +50,13 @@ def shared_memory_bytes(kernel: str, spec: KernelSpec, config: LaunchConfig, arc
     m, n, stages = config.block_m, config.block_n, config.num_stages
     mask = MASK_ELEMENT_BYTES[spec.attn_mask] * m * n * max(stages - 1, 1)
     barriers = PIPELINE_BARRIERS if stages > 1 else 0
-    mma_v2 = spec.dtype == "float32" or tuple(arch)[0] != 9
     if kernel == "dkdv":  # K and V tiles resident, Q and dO tiles streamed; atomic dQ stages its float32 dS K tile
         # (and TMA reductions more): a rough fit to fatune.offline's reports, the compile decides near the limit;
         # a pipelined head-dim split streams its own halves of Q and dO as well
         streamed = m * (d + dv) * (3 if config.split_d == 2 and stages > 1 else 2) // 2
         atomic = {0: 0, 1: 4, 2: 6}[config.atomic_dq] * m * d + (PIPELINE_BARRIERS if config.atomic_dq else 0)
-        staged = 4 * m * n if spec.dtype == "float32" else 8 * m * n if mma_v2 else 0
+        # float32 P and dS tiles staged for mma's transposed products (not wgmma's: sm_90's 16-bit kernels)
+        staged = 4 * m * n if spec.dtype == "float32" else 8 * m * n if tuple(arch)[0] != 9 else 0
         return element * (n * (d + dv) + stages * streamed) + atomic + staged + mask + barriers
     if kernel == "fwd":  # Q tile resident, K and V tiles streamed
         return element * (m * d + stages * n * (d + dv)) + mask + barriers
