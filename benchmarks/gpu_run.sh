@@ -119,8 +119,9 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
       # run); searches listed in benchmarks/results/ship-db-h200-done.txt are skipped, an interrupted one resumes its
       # studies from the storage. SHIP_DEADLINE (s, default
       # 480): no new search starts after it. Build it once the templates stop changing: their hash keys every entry.
-      # Trials per kernel per shape: SHIP_TRIALS (20); fp16 SHIP_TRIALS_FP16 (16: TPE models after its first 10, and
-      # its studies start from the bf16 winners of the same lengths, which the two dtypes' kernels mostly share).
+      # Trials per kernel per shape: SHIP_TRIALS (20); fp16 SHIP_TRIALS_FP16 (4: its studies start from the heuristic
+      # and the bf16 winner of the same lengths; in the 147 fp16 studies of 16 trials stored by session 16, the
+      # first 3 trials were within 1% of the final best in every one: benchmarks/trial_budget.py).
       # A window is searched only at lengths it does not cover (L_q + L_k > width: a wider one is dropped by the
       # call, leaving plain causal, which the "both" search has). L = 32768 (B = 1) is searched apart with a quarter
       # of the default heads (SHIP_LONG_HEADS_DIV, 4; at least 2): its steps are the longest by far (63% of a "both"
@@ -149,7 +150,7 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             grep -qx "$dtype d$d $mask" "$stored" 2>/dev/null && continue  # stored by an earlier run
             echo "--- $dtype d$d $mask $(date -u +%H:%M:%S)" | tee -a "$OUT/ship-db.txt"
             trials=${SHIP_TRIALS:-20}
-            [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-16}
+            [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-4}
             long=""
             case "$mask" in gqa*|padding) ;; *) [ "${SHIP_LONG_HEADS_DIV:-4}" -gt 1 ] && long=32768 && lengths=${lengths%,32768} ;; esac
             python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$lengths" $extra \
@@ -165,9 +166,13 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             [ $rc = 0 ] && echo "$dtype d$d $mask" >> "$stored"
             # each finished search's DB (a consistent copy, WAL included) and logs reach $FINAL at once: a run cut
             # by the device's time limit keeps them
-            python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); sqlite3.connect(sys.argv[1]).backup(d)
-d.execute('pragma journal_mode=delete')" \
-              "$db" "$FINAL/nvidia-h200.sqlite" && cp "$stored" "$OUT/ship-db.txt" "$OUT/ship-db.log" "$FINAL/"
+            # (the Optuna storage too: a cut run's next run resumes its finished searches' studies from it)
+            for pair in "$db $FINAL/nvidia-h200.sqlite" "${storage#sqlite:///} $FINAL/ship-db-h200-optuna.sqlite"; do
+              python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); sqlite3.connect(sys.argv[1]).backup(d)
+d.execute('pragma journal_mode=delete')" $pair
+            done
+            gzip -f "$FINAL/ship-db-h200-optuna.sqlite"  # 14 MB of SQLite pages: ~3 MB (at most 16 MiB a file comes back)
+            cp "$stored" "$OUT/ship-db.txt" "$OUT/ship-db.log" "$FINAL/"
           done
         done
       done <<'GRID'
