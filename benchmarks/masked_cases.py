@@ -1,12 +1,14 @@
 """Masked, GQA and packed-sequence attention: fatune vs FlexAttention vs torch SDPA, one run (issue 12).
 
-    python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--quick] [--profile]
+    python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--head-dim 128] [--quick] [--profile] [--only TEXT]
 
-bf16, D = 128, H = 16. Cases: causal sliding windows (256, 1024, 4096 keys), GQA 8:1 causal,
-key padding (seqlens_k = L/2 and L/4), packed documents (2, 5 and 64 documents of random
-lengths, causal, cu_seqlens). Every implementation runs the same inputs; FlexAttention gets the
-same mask as a block mask (so it skips the same blocks), SDPA runs where it can express the
-case (is_causal + enable_gqa; a boolean key-padding mask). Forward and forward+backward medians
+bf16, D = 128 (--head-dim), H = 2048 / D. Cases: causal sliding windows (256, 1024, 4096 keys), GQA
+causal (H / 8 K/V heads), key padding (seqlens_k = L/2 and L/4), a boolean attn_mask tensor (a
+prefix-LM mask: causal, plus a prefix of L/4 and L/8 keys every query sees), packed documents (2, 5
+and 64 documents of random lengths, causal, cu_seqlens). Every implementation runs the same inputs;
+FlexAttention gets the same mask as a block mask (so it skips the same blocks; the tensor mask
+through a mask_mod that reads it), SDPA runs where it can express the case (is_causal + enable_gqa;
+a boolean mask tensor). Forward and forward+backward medians
 (triton.testing.do_bench), compile time excluded, outputs compared with fatune's.
 """
 
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 import fatune
 from fatune.measure import bench, kernel_times
 
-D, H, DTYPE = 128, 16, torch.bfloat16
+DTYPE = torch.bfloat16
+MODEL_DIM = 2048  # H * D
 
 
 def flex_runner(keep, q_len: int, k_len: int, gqa: bool):
@@ -47,7 +50,7 @@ def sdpa_runner(backend, **kwargs):
     return run
 
 
-def cases(length: int, quick: bool) -> list[dict]:
+def cases(length: int, quick: bool, heads: int) -> list[dict]:
     """Each case: name, B, H_kv, fatune kwargs, a Flex mask_mod, SDPA kwargs (None: not expressible), packing."""
     from torch.nn.attention import SDPBackend
 
@@ -56,15 +59,23 @@ def cases(length: int, quick: bool) -> list[dict]:
     for window in windows:
         def keep(b, h, q_idx, kv_idx, window=window):
             return (kv_idx <= q_idx) & (kv_idx >= q_idx - window)
-        out.append(dict(name=f"causal window {window}", batch=2, kv_heads=H, fatune={"window_size": (window, 0)},
+        out.append(dict(name=f"causal window {window}", batch=2, kv_heads=heads, fatune={"window_size": (window, 0)},
                         flex=keep, sdpa=None))
-    out.append(dict(name="GQA 8:1 causal", batch=2, kv_heads=2, fatune={"is_causal": True, "enable_gqa": True},
+    kv_heads = max(1, heads // 8)
+    out.append(dict(name=f"GQA {heads // kv_heads}:1 causal", batch=2, kv_heads=kv_heads, fatune={"is_causal": True, "enable_gqa": True},
                     flex=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx,
                     sdpa={"is_causal": True, "enable_gqa": True}))
     lengths = torch.tensor([length // 2, length // 4], dtype=torch.int32, device="cuda")
     padding = torch.arange(length, device="cuda")[None, None, None, :] < lengths[:, None, None, None]
-    out.append(dict(name="key padding L/2, L/4", batch=2, kv_heads=H, fatune={"seqlens_k": lengths},
+    out.append(dict(name="key padding L/2, L/4", batch=2, kv_heads=heads, fatune={"seqlens_k": lengths},
                     flex=lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], sdpa={"attn_mask": padding},
+                    sdpa_backends=(SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)))
+    prefix = torch.tensor([length // 4, length // 8], device="cuda")
+    positions = torch.arange(length, device="cuda")
+    prefix_lm = ((positions[None, :] <= positions[:, None])[None] | (positions[None, None, :] < prefix[:, None, None]))
+    prefix_lm = prefix_lm[:, None]  # (B, 1, L, L): the tensor a user hands over
+    out.append(dict(name="bool mask tensor: prefix LM", batch=2, kv_heads=heads, fatune={"attn_mask": prefix_lm},
+                    flex=lambda b, h, q_idx, kv_idx: prefix_lm[b, 0, q_idx, kv_idx], sdpa={"attn_mask": prefix_lm},
                     sdpa_backends=(SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)))
     for documents in ((5,) if quick else (2, 5, 64)):
         rng = random.Random(documents)
@@ -76,7 +87,7 @@ def cases(length: int, quick: bool) -> list[dict]:
 
         def keep(b, h, q_idx, kv_idx, doc_id=doc_id):
             return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx)
-        out.append(dict(name=f"{documents} packed documents, causal", batch=1, kv_heads=H, packed=True,
+        out.append(dict(name=f"{documents} packed documents, causal", batch=1, kv_heads=heads, packed=True,
                         fatune={"is_causal": True, "cu_seqlens_q": cu, "cu_seqlens_k": cu,
                                 "max_seqlen_q": max(sizes), "max_seqlen_k": max(sizes)},
                         flex=keep, sdpa=None,
@@ -109,13 +120,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--lengths", default="8192")
+    parser.add_argument("--head-dim", type=int, default=128, help="D; H = 2048 / D")
     parser.add_argument("--quick", action="store_true", help="one window and one document count")
     parser.add_argument("--profile", action="store_true", help="also GPU time per kernel of fatune's and Flex's steps")
     parser.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = parser.parse_args()
+    D = args.head_dim
+    H = max(1, MODEL_DIM // D)
     results = []
     for length in (int(x) for x in args.lengths.split(",")):
-        for case in (c for c in cases(length, args.quick) if args.only in c["name"]):
+        for case in (c for c in cases(length, args.quick, H) if args.only in c["name"]):
             torch.manual_seed(0)
             b, hkv = case["batch"], case["kv_heads"]
             q = torch.randn(b, H, length, D, device="cuda", dtype=DTYPE)
