@@ -29,14 +29,17 @@ from fatune.measure import bench, kernel_times
 
 DTYPE = torch.bfloat16
 MODEL_DIM = 2048  # H * D
+DISAGREE = 0.05  # a max |out - fatune's out| past this (bf16 outputs of unit-variance values): not the same attention
 
 
-def flex_runner(keep, q_len: int, k_len: int, gqa: bool):
+def flex_runner(keep, q_len: int, k_len: int, gqa: bool, batch: int):
+    """Flex with `keep` as a block mask per batch element (B=None would take batch element 0's blocks for all:
+    a mask that differs per batch element, such as key padding or a prefix, then runs wrong)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.reset()  # a fresh compile per case: past dynamo's recompile limit Flex runs unfused
     compiled = torch.compile(flex_attention, dynamic=False)
-    block_mask = create_block_mask(keep, None, None, q_len, k_len, device="cuda")
+    block_mask = create_block_mask(keep, batch, None, q_len, k_len, device="cuda")
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
@@ -151,7 +154,7 @@ def main() -> None:
                 def fatune_run(q_, k_, v_, kw=case["fatune"]):
                     return fatune.attention(q_, k_, v_, **kw)
             runners = {"fatune": fatune_run,
-                       "flex": flex_runner(case["flex"], length, length, hkv != H)}
+                       "flex": flex_runner(case["flex"], length, length, hkv != H, b)}
             if case["sdpa"] is not None:
                 backends = case.get("sdpa_backends", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
                 for backend in backends:
@@ -179,6 +182,8 @@ def main() -> None:
                              default=math.nan)
             for name, t in row["impls"].items():
                 line += f" | {name} " + (f"{t['fwd_ms']:.3f}/{t['fwd_bwd_ms']:.3f}" if "fwd_ms" in t else t["error"][:40])
+                if t.get("max_abs_diff_vs_fatune", 0.0) > DISAGREE:  # one of the two is wrong: say so
+                    line += f" (output differs from fatune's by {t['max_abs_diff_vs_fatune']:.3f})"
             ratio = best_other / row["impls"]["fatune"].get("fwd_bwd_ms", math.nan)
             print(line + f" | fatune vs best other (f+b) {ratio:.2f}x", flush=True)
             with open(args.out, "w") as file:

@@ -26,6 +26,7 @@ import jinja2
 import triton
 
 from fatune import signature
+from fatune.mask_spans import NO_SPAN
 from fatune.spec import AttentionConfig, KernelSpec, TritonExpr, lanes
 
 Kind = Literal["fwd", "bwd", "dropout_mask"]
@@ -116,7 +117,8 @@ def template_options(kind: Kind, spec: KernelSpec, config: AttentionConfig) -> d
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(used, sort_keys=True),
         "constants": constants,
-        "signature": {name: signature.render(name) for name in signature.PARAMS},
+        "signature": {name: signature.render(name, spec) for name in signature.PARAMS},
+        "no_span": NO_SPAN,
         **spec.switches(),
         **structure,
     }

@@ -31,6 +31,8 @@ from fatune import codegen, signature
 from fatune.dispatch import _warn, device_arch, sm_count
 from fatune.heuristics import default_config
 from fatune.inputs import MAX_SLICE_OFFSET, AttentionProblem, slice_offset
+from fatune.mask_spans import MaskSpans
+from fatune.mask_spans import layout as spans_layout
 from fatune.spec import (
     MAX_SPLITS,
     AttentionConfig,
@@ -42,8 +44,8 @@ from fatune.spec import (
 )
 
 # Tensors of one call, in the order KernelLaunch picks its pointer arguments from.
-SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "BLOCK_TABLE", "SEED", "O_PART",
-         "LSE_PART", "SPLIT_COUNT", "DO", "DELTA", "DQ", "DK", "DV", "DQ_ACC")
+SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K", "BLOCK_TABLE", "SEED", "KEY_SPANS",
+         "QUERY_SPANS", "O_PART", "LSE_PART", "SPLIT_COUNT", "DO", "DELTA", "DQ", "DK", "DV", "DQ_ACC")
 # order of a call's extras (the slots from MASK to BLOCK_TABLE)
 EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table")
 NO_EXTRAS = (None,) * len(EXTRAS)
@@ -160,12 +162,13 @@ class KernelLaunch:
     __slots__ = ("fn", "grid", "options", "pick", "tail", "binary", "direct", "middle", "scratch", "tma")
 
     def __init__(self, fn: Any, kernel: str, grid: tuple[int, int, int], config: LaunchConfig,
-                 values: dict[str, Any]):
+                 values: dict[str, Any], spec: KernelSpec | None = None):
+        """`spec`: the spec the kernel was rendered for (its parameters: fatune.signature.params)."""
         self.fn = fn
         self.grid = grid
         self.options = config.compile_options
-        self.pick = operator.itemgetter(*(SLOTS.index(name) for name in signature.pointers(kernel)))
-        self.tail = tuple(values[name] for name in signature.values(kernel))
+        self.pick = operator.itemgetter(*(SLOTS.index(name) for name in signature.pointers(kernel, spec)))
+        self.tail = tuple(values[name] for name in signature.values(kernel, spec))
         self.binary: CompiledKernel | None = None
         self.direct: Callable | None = None
         self.middle: tuple = ()
@@ -440,6 +443,11 @@ class Plan:
         alibi_strides = tuple(alibi.stride()) if alibi is not None else (0, 0)
         self.values.update(zip(("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah"),
                                mask_strides + alibi_strides))
+        # a mask tensor's spans (fatune.mask_spans): the tiles its kernels skip, made per mask
+        self.mask_spans = MaskSpans() if mask is not None else None
+        for span, row_dim in (("KEY_SPANS", 2), ("QUERY_SPANS", 3)):
+            span_strides = spans_layout(mask.shape, mask.stride(), row_dim) if mask is not None else (0, 0, 0)
+            self.values.update(zip(signature.SPAN_STRIDES[span], span_strides))
         table = problem.block_table  # a paged cache: K and V hold (pages, H_kv, page size, D)
         self.values.update({"PAGE_SIZE": k.shape[2] if table is not None else 1,
                             "NUM_PAGES": k.shape[0] if table is not None else 0,
@@ -486,7 +494,8 @@ class Plan:
         """The forward kernel (with split-KV, its last split per tile also merges the partial results)."""
         if self._fwd is None:
             module = codegen.load("fwd", self.spec, self.config)
-            self._fwd = (KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, self.values),)
+            self._fwd = (KernelLaunch(module.attn_fwd, "attn_fwd", self.fwd_grid, self.config.fwd, self.values,
+                                      self.spec),)
         return self._fwd
 
     def allocate_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -589,17 +598,18 @@ class Plan:
             module = codegen.load("bwd", self.spec, config)
             values = dict(self.values)
             values.update(zip(signature.strides("do"), bhld_strides(grad_out.stride(), self.packed)))
-            dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, config.dkdv, values)
+            dkdv = KernelLaunch(module.attn_bwd_dkdv, "attn_bwd_dkdv", self.dkdv_grid, config.dkdv, values, self.spec)
             if atomic:  # the passes around it take dQ's tile and warps (atomic_dq_pass_config)
                 prep, store = (atomic_dq_pass_config(self.config, kernel) for kernel in ("prep", "dq_store"))
-                launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.dq_grid, prep, values), dkdv,
-                            KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, store, values))
+                launches = (KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", self.dq_grid, prep, values, self.spec),
+                            dkdv, KernelLaunch(module.attn_bwd_dq_store, "attn_bwd_dq_store", self.rows_grid, store,
+                                               values, self.spec))
             else:
                 dq_grid = (triton.cdiv(self.dq_rows, config.dq.block_m), *self.dq_grid[1:])
-                dq = KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", dq_grid, config.dq, values)
+                dq = KernelLaunch(module.attn_bwd_dq, "attn_bwd_dq", dq_grid, config.dq, values, self.spec)
                 if config.dq.concurrent:
                     prep = KernelLaunch(module.attn_bwd_prep, "attn_bwd_prep", dq_grid,
-                                        atomic_dq_pass_config(config, "prep"), values)
+                                        atomic_dq_pass_config(config, "prep"), values, self.spec)
                     launches = (prep, dq, dkdv) if config.dq.concurrent == 1 else (prep, dkdv, dq)
                 else:
                     launches = (dq, dkdv)
@@ -654,7 +664,7 @@ class Plan:
         atomic = self.adds_dq_atomically()
         launches = self.bwd_launches(grad_out, atomic)
         buffers = self.allocate_backward(atomic)
-        slots = self.slots(q, k, v, out, lse, extras, seed) + (grad_out, *buffers)
+        slots = self.slots(q, k, v, out, lse, extras, seed, backward=True) + (grad_out, *buffers)
         config = self.config
         try:
             self.run_backward(slots, launches, self.beside())
@@ -665,9 +675,13 @@ class Plan:
 
     # -- arguments ---------------------------------------------------------------------------
 
-    def slots(self, q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None) -> tuple:
+    def slots(self, q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None, backward: bool = False) -> tuple:
         """The forward slots (SLOTS up to SPLIT_COUNT; run_forward fills split-KV's); tensors the kernels
-        do not read are None."""
+        do not read are None. A mask's spans: the keys' for the forward, the queries' too for `backward`."""
         if extras is NO_EXTRAS:
-            return (q, k, v, out, lse, None, None, None, None, None, None, seed, None, None, None)
-        return (q, k, v, out, lse, *extras, seed, None, None, None)
+            return (q, k, v, out, lse, None, None, None, None, None, None, seed, None, None, None, None, None)
+        key_spans = query_spans = None
+        if self.mask_spans is not None and extras[0] is not None:
+            key_spans, query_spans = self.mask_spans.get(extras[0], self.problem.attn_mask.shape, backward,
+                                                         current_stream(self.device))
+        return (q, k, v, out, lse, *extras, seed, key_spans, query_spans, None, None, None)

@@ -253,7 +253,7 @@ class KernelRunner:
         self.args = SimpleNamespace(out=out, lse=lse, delta=delta, grad_q=grad_q, grad_k=grad_k, grad_v=grad_v,
                                     grad_out=grad_out)
         seed = dropout.draw_seed(q.device) if self.plan.uses_seed else None
-        self.slots = self.plan.slots(q, k, v, out, lse, call.extras, seed) + (grad_out, *buffers)
+        self.slots = self.plan.slots(q, k, v, out, lse, call.extras, seed, backward=True) + (grad_out, *buffers)
 
     def run(self, kernel: str) -> Callable[[], None]:
         """A no-argument callable launching the forward ('fwd', split-KV's merge included) or the

@@ -24,6 +24,7 @@ POINTERS: dict[str, str] = {
     "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64", "BLOCK_TABLE": "i32",
     "DO": "io", "DELTA": "fp32", "DQ": "io", "DK": "io", "DV": "io",
     "O_PART": "fp32", "LSE_PART": "lse", "SPLIT_COUNT": "i32", "OUT": "i8", "DQ_ACC": "fp32",
+    "KEY_SPANS": "i32", "QUERY_SPANS": "i32",
 }
 FLOAT_SCALARS = frozenset({"sm_scale", "dropout_p"})
 
@@ -61,27 +62,51 @@ PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def pointers(kernel: str) -> tuple[str, ...]:
-    """The leading pointer parameters of `kernel`."""
+# An attn_mask tensor's spans (fatune.mask_spans), int32 (B, H, rows, 2) by strides (b, h, l): the [first, end) of
+# the keys each query row sees (KEY_SPANS: the kernels that stream keys past a query tile) or of the queries that
+# see each key (QUERY_SPANS: dK/dV, which streams queries). Parameters of a masked spec's kernels only, so no
+# other kernel's source changes.
+SPAN_INPUTS = {"attn_fwd": "KEY_SPANS", "attn_bwd_dq": "KEY_SPANS", "attn_bwd_prep": "KEY_SPANS",
+               "attn_bwd_dkdv": "QUERY_SPANS"}
+SPAN_STRIDES = {"KEY_SPANS": strides("ks", dims="bhl"), "QUERY_SPANS": strides("qs", dims="bhl")}
+
+
+def params(kernel: str, spec: KernelSpec | None = None) -> tuple[str, ...]:
+    """`kernel`'s parameters for kernels of `spec` (None: an unmasked spec's): PARAMS, with a masked spec's span
+    pointer after the other pointers and its strides last."""
     names = PARAMS[kernel]
-    count = next(i for i, name in enumerate(names) if name not in POINTERS)
-    return names[:count]
+    span = SPAN_INPUTS.get(kernel)
+    if span is None or spec is None or spec.attn_mask == "none":
+        return names
+    count = _pointer_count(names)
+    return names[:count] + (span,) + names[count:] + SPAN_STRIDES[span]
 
 
-def values(kernel: str) -> tuple[str, ...]:
+def _pointer_count(names: tuple[str, ...]) -> int:
+    return next(i for i, name in enumerate(names) if name not in POINTERS)
+
+
+def pointers(kernel: str, spec: KernelSpec | None = None) -> tuple[str, ...]:
+    """The leading pointer parameters of `kernel` (of `spec`'s kernels: params)."""
+    names = params(kernel, spec)
+    return names[:_pointer_count(names)]
+
+
+def values(kernel: str, spec: KernelSpec | None = None) -> tuple[str, ...]:
     """The scalar and stride parameters of `kernel` (everything after its pointers)."""
-    return PARAMS[kernel][len(pointers(kernel)):]
+    names = params(kernel, spec)
+    return names[_pointer_count(names):]
 
 
-def render(kernel: str, indent: int = 8) -> str:
+def render(kernel: str, spec: KernelSpec | None = None, indent: int = 8) -> str:
     """The parameter list as it stands in the kernel's `def` line: pointers, scalars, then one
     line of strides per tensor."""
-    scalars = [name for name in values(kernel) if not name.startswith("stride_")]
-    stride_names = [name for name in values(kernel) if name.startswith("stride_")]
+    scalars = [name for name in values(kernel, spec) if not name.startswith("stride_")]
+    stride_names = [name for name in values(kernel, spec) if name.startswith("stride_")]
     by_tensor: dict[str, list[str]] = {}
     for name in stride_names:
         by_tensor.setdefault(name[len("stride_"):-1], []).append(name)
-    lines = [", ".join(pointers(kernel)), ", ".join(scalars)] + [", ".join(group) for group in by_tensor.values()]
+    lines = [", ".join(pointers(kernel, spec)), ", ".join(scalars)] + [", ".join(group) for group in by_tensor.values()]
     return (",\n" + " " * indent).join(line for line in lines if line)
 
 
@@ -101,7 +126,7 @@ def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozens
     dtype = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[spec.dtype]
     used = optional_inputs_used(spec)
     types = {}
-    for name in PARAMS[kernel]:
+    for name in params(kernel, spec):
         kind = POINTERS.get(name)
         if kind is None:
             types[name] = "fp32" if name in FLOAT_SCALARS else "i32"

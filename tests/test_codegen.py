@@ -43,6 +43,7 @@ SWITCH_MARKERS = [
     (lambda s: s.causal or s.window_right, "keep = keep & (cols <= rows + offset + window_right)"),
     (lambda s: s.window_left, "keep = keep & (cols >= rows + offset - window_left)"),
     (lambda s: s.attn_mask != "none", "tl.load(MASK_base + rows * stride_mq"),
+    (lambda s: s.attn_mask != "none", "= within_spans("),
     (lambda s: s.alibi, "(alibi_slope * LOG2E)"),
     (lambda s: s.dropout, "tl.philox("),
     (lambda s: s.seqlens == "varlen", "packed_bounds(CU_Q, off_b, L_Q)"),
@@ -65,7 +66,7 @@ def test_every_variant_renders_valid_python(kind, spec):
     expected = {"fwd": {"attn_fwd"}, "bwd": {"attn_bwd_dkdv", "attn_bwd_dq"}}
     assert expected[kind] <= set(functions)
     for name in expected[kind]:  # the parameter list comes from fatune.signature, the launch layer's source too
-        assert [arg.arg for arg in functions[name].args.args] == list(signature.PARAMS[name])
+        assert [arg.arg for arg in functions[name].args.args] == list(signature.params(name, spec))
     for switch_on, marker in SWITCH_MARKERS:
         assert (marker in source) == bool(switch_on(spec)), f"{marker!r} present={marker in source} for {spec}"
 
@@ -206,7 +207,7 @@ def test_hopper_variants_render(spec, tag):
     config = _structure_config(spec, tag)
     source = codegen.render("fwd", spec, config)
     functions = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
-    assert [arg.arg for arg in functions["attn_fwd"].args.args] == list(signature.PARAMS["attn_fwd"])
+    assert [arg.arg for arg in functions["attn_fwd"].args.args] == list(signature.params("attn_fwd", spec))
     fwd = config.fwd
     assert source.count("tl.make_tensor_descriptor(") == (3 - fwd.pack_gqa if fwd.tma else 0)
     assert "        return\n" in source  # the early exit of tiles past the sequence

@@ -1,0 +1,113 @@
+"""Which keys each query row sees under an attn_mask tensor, and which queries see each key.
+
+A window or a causal mask tells the kernels by formula which tiles hold no visible score; a mask
+tensor does not. So a call's mask is first summarised as spans, int32 [first, end) pairs: per query
+row, the keys it sees (KEY_SPANS: the forward and dQ kernels stream keys past a query tile); per key,
+the query rows that see it (QUERY_SPANS: the dK/dV kernel streams queries past a key tile). An index
+that sees nothing gets the empty span [NO_SPAN, 0). A tile loop runs over the union of its rows'
+spans only; every tile it skips holds masked scores alone (weight exp(-inf) = 0), so the results
+are the dense loop's. A prefix-LM or document mask given as a tensor so skips what is_causal or
+cu_seqlens would.
+
+The spans take a few passes over the mask, on the device, once per mask tensor and version: a Plan
+keeps the last few (MaskSpans), so a model's layers and its backward, which pass the same mask
+tensor, reuse them. Nothing is reused while a CUDA graph is being captured: each replay recomputes
+them from the mask's memory, as a static mask buffer written between replays needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+NO_SPAN = 1 << 30  # an empty span's first index: past any sequence (kernel indices are int32), and its end is 0
+
+
+def compact(mask: torch.Tensor) -> torch.Tensor:
+    """A call's attn_mask as 4 dims (leading ones added), each stride-0 dim narrowed to size 1: its distinct
+    elements, which broadcast to the call's (B, H, L_q, L_k)."""
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    index = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.stride())
+    return mask[index]
+
+
+def layout(shape: tuple[int, ...], strides: tuple[int, ...], row_dim: int) -> tuple[int, int, int]:
+    """Element strides (b, h, l) by which the kernels index the spans of a (B, H, L_q, L_k) mask view of these
+    strides along `row_dim` (2: a span per query row; 3: per key): a broadcast dim gets stride 0."""
+    sizes = [1 if stride == 0 else size for size, stride in zip(shape, strides)]
+    kept = (sizes[0], sizes[1], sizes[row_dim])
+    inner = [kept[1] * kept[2] * 2, kept[2] * 2, 2]
+    return tuple(stride if size > 1 else 0 for size, stride in zip(kept, inner))
+
+
+def spans(visible: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """int32 (..., 2) [first, end) of the visible indices along `dim` of a uint8 (B, H, L_q, L_k) tensor (0 or 1),
+    that dim removed; `length`: the indices it stands for when it was broadcast (size 1, every index alike)."""
+    size = visible.shape[dim]
+    seen = visible.amax(dim).to(torch.int32) if size else visible.sum(dim, dtype=torch.int32)
+    if size == 1 and length != 1:  # one element for every index: all or none
+        first, end = torch.zeros_like(seen), torch.full_like(seen, length)
+    elif size == 0:
+        first, end = torch.zeros_like(seen), torch.zeros_like(seen)
+    else:
+        first = visible.argmax(dim).to(torch.int32)  # the first maximum
+        end = size - visible.flip(dim).argmax(dim).to(torch.int32)
+    seen = seen > 0
+    return torch.stack((torch.where(seen, first, NO_SPAN), torch.where(seen, end, 0)), dim=-1).contiguous()
+
+
+def visible(mask: torch.Tensor) -> torch.Tensor:
+    """uint8 1 where a (compacted) mask keeps the score: a bool mask's true entries, an additive mask's entries
+    other than -inf (NaN included: it reaches the result, so its tile must run)."""
+    if mask.dtype == torch.bool:  # already 0 or 1 bytes: read in place
+        return mask.view(torch.uint8)
+    if mask.dtype == torch.uint8:
+        return (mask != 0).view(torch.uint8)
+    return (mask != float("-inf")).view(torch.uint8)
+
+
+def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(KEY_SPANS, QUERY_SPANS) of a call's attn_mask (bool or additive, broadcastable to `shape`, the call's
+    (B, H, L_q, L_k)); QUERY_SPANS None unless `want_queries`. Each is contiguous (B', H', L', 2), B', H', L'
+    the mask's own sizes (1 where it broadcasts)."""
+    keep = visible(compact(mask))
+    key_spans = spans(keep, 3, shape[3])
+    query_spans = spans(keep, 2, shape[2]) if want_queries else None
+    return key_spans, query_spans
+
+
+class MaskSpans:
+    """The spans of the last few mask tensors a Plan ran with (RECENT: models that alternate masks between
+    layers), each reused while its tensor (the user's, which a call's mask view is cut from) is alive and
+    unmodified: its version counter counts in-place writes and copies into it."""
+
+    RECENT = 4
+
+    def __init__(self) -> None:
+        # most recent first: (weakref to the user's tensor, its version and layout, key spans, query spans)
+        self._recent: tuple[tuple, ...] = ()
+        self._lock = threading.Lock()
+
+    def get(self, mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool, stream: int | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The spans of `mask` (mask_spans) for kernels on `stream` (spans made on another are not reused: the
+        kernels that wrote them may still run there)."""
+        root = mask._base if mask._base is not None else mask
+        key = (root._version, mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask.dtype, shape, stream)
+        if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+            return mask_spans(mask, shape, want_queries)
+        for entry in self._recent:
+            if entry[0]() is root and entry[1] == key:
+                if entry[3] is not None or not want_queries:
+                    return entry[2], entry[3]
+                found = (entry[0], key, entry[2], spans(visible(compact(mask)), 2, shape[2]))
+                break
+        else:
+            found = (weakref.ref(root), key, *mask_spans(mask, shape, want_queries))
+        with self._lock:
+            others = tuple(entry for entry in self._recent if entry[0]() is not root)  # its older spans: stale
+            self._recent = (found, *others)[:self.RECENT]
+        return found[2], found[3]

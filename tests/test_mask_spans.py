@@ -1,0 +1,272 @@
+"""fatune.mask_spans: the spans of a mask tensor, and the tiles the kernels skip with them.
+
+The spans are checked against a brute-force scan; the kernels, with masks whose fully-masked tiles
+are many (prefix LM, documents, sinks and windows, padding), against the float64 golden under the
+accuracy rule; that skipped tiles are never read, by NaN in the keys and values no query sees;
+and the per-plan reuse of spans, by writing into a mask between calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fatune
+from fatune import launch
+from fatune.heuristics import INTERPRETER_CONFIG
+from fatune.mask_spans import NO_SPAN, layout, mask_spans
+from tests.conftest import DEVICE
+from tests.reference import random_qkv, run_and_compare, stable_seed
+
+F16 = torch.float16
+
+
+def brute_spans(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[first, end) of the true entries of a (B, H, L_q, L_k) bool tensor per query row and per key, by scanning."""
+    b, h, lq, lk = keep.shape
+    rows = torch.empty(b, h, lq, 2, dtype=torch.int64)
+    cols = torch.empty(b, h, lk, 2, dtype=torch.int64)
+    for index in range(b * h):
+        i, j = divmod(index, h)
+        for row in range(lq):
+            seen = keep[i, j, row].nonzero().flatten().tolist()
+            rows[i, j, row] = torch.tensor([seen[0], seen[-1] + 1] if seen else [NO_SPAN, 0])
+        for col in range(lk):
+            seen = keep[i, j, :, col].nonzero().flatten().tolist()
+            cols[i, j, col] = torch.tensor([seen[0], seen[-1] + 1] if seen else [NO_SPAN, 0])
+    return rows, cols
+
+
+def as_seen_by_kernels(spans: torch.Tensor, strides: tuple[int, int, int], b: int, h: int, n: int) -> torch.Tensor:
+    """(b, h, n, 2): the span each (batch, head, index) reads through the kernel's strides."""
+    flat = spans.flatten()
+    out = torch.empty(b, h, n, 2, dtype=torch.int64)
+    for i in range(b):
+        for j in range(h):
+            for index in range(n):
+                base = i * strides[0] + j * strides[1] + index * strides[2]
+                out[i, j, index] = flat[base:base + 2]
+    return out
+
+
+PROBLEM = (2, 3, 9, 11)  # B, H, L_q, L_k
+# mask shapes that broadcast to PROBLEM: every dim alone, and as users pass them
+SPAN_SHAPES = [(2, 3, 9, 11), (2, 1, 1, 11), (9, 11), (1, 3, 9, 11), (2, 1, 9, 1), (11,), (2, 3, 1, 11),
+               (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("shape", SPAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_spans_match_a_scan_through_the_kernels_strides(shape, kind):
+    generator = torch.Generator().manual_seed(stable_seed(shape, kind))
+    keep = torch.rand(shape, generator=generator) < 0.4
+    keep.view(-1)[:3] = False  # some rows and keys see nothing
+    if kind == "bool":
+        mask = keep
+    else:  # -inf where masked; NaN is kept (it reaches the result), finite values too
+        mask = torch.randn(shape, generator=generator).masked_fill(~keep, float("-inf"))
+        mask.view(-1)[-1] = float("nan")
+        keep = keep.clone()
+        keep.view(-1)[-1] = True
+    key_spans, query_spans = mask_spans(mask, PROBLEM)
+    def four_dims(t):
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)).expand(PROBLEM)
+
+    view = four_dims(mask)  # the call's broadcast view, whose strides the kernels get
+    expected_rows, expected_cols = brute_spans(four_dims(keep))
+    b, h, lq, lk = PROBLEM
+    assert torch.equal(as_seen_by_kernels(key_spans, layout(view.shape, view.stride(), 2), b, h, lq), expected_rows)
+    assert torch.equal(as_seen_by_kernels(query_spans, layout(view.shape, view.stride(), 3), b, h, lk),
+                       expected_cols)
+
+
+def test_a_user_expanded_mask_is_summarised_once_per_distinct_row():
+    """A (B, H, L_q, L_k) mask expanded by the user (stride 0 over heads and rows) costs one row's scan."""
+    row = torch.rand(2, 1, 1, 11) < 0.5
+    key_spans, query_spans = mask_spans(row.expand(PROBLEM), PROBLEM)
+    assert key_spans.shape == (2, 1, 1, 2) and query_spans.shape == (2, 1, 11, 2)
+
+
+# ------------------------------------------------------------------ the kernels with spans
+
+
+def _qkv(b=2, h=2, hkv=2, lq=150, lk=150, d=32, dtype=F16, seed=0):
+    torch.manual_seed(seed)
+    return random_qkv(b, h, hkv, lq, lk, d, d, dtype=dtype, device=DEVICE)
+
+
+def prefix_lm(b: int, lq: int, lk: int, prefixes: list[int]) -> torch.Tensor:
+    """(B, 1, L_q, L_k): causal (bottom-right), plus the first prefixes[b] keys for every query."""
+    rows = torch.arange(lq, device=DEVICE)[:, None] + (lk - lq)
+    cols = torch.arange(lk, device=DEVICE)[None, :]
+    prefix = torch.tensor(prefixes, device=DEVICE)[:, None, None, None]
+    return (cols <= rows)[None, None] | (cols[None, None] < prefix)
+
+
+def documents(lengths: list[int]) -> torch.Tensor:
+    """(L, L) block-diagonal causal mask of documents of these lengths (a packed batch as a tensor)."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=DEVICE), torch.tensor(lengths, device=DEVICE))
+    pos = torch.arange(len(ids), device=DEVICE)
+    return (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def sink_and_window(lq: int, lk: int, sinks: int, window: int) -> torch.Tensor:
+    """(L_q, L_k): the first `sinks` keys plus a causal window (StreamingLLM's attention sinks)."""
+    rows = torch.arange(lq, device=DEVICE)[:, None]
+    cols = torch.arange(lk, device=DEVICE)[None, :]
+    return (cols < sinks) | ((cols <= rows) & (cols > rows - window))
+
+
+def per_head_bands(b: int, h: int, lq: int, lk: int) -> torch.Tensor:
+    """(B, H, L_q, L_k): each (batch, head) sees its own band of keys; one head sees nothing past row 40."""
+    rows = torch.arange(lq, device=DEVICE)[:, None]
+    cols = torch.arange(lk, device=DEVICE)[None, :]
+    out = torch.zeros(b, h, lq, lk, dtype=torch.bool, device=DEVICE)
+    for i in range(b):
+        for j in range(h):
+            width = 9 + 23 * (i * h + j)
+            out[i, j] = (cols <= rows + j) & (cols > rows - width)
+    out[-1, -1, 40:] = False
+    return out
+
+
+MASKS = {
+    "prefix-lm": lambda: prefix_lm(2, 150, 150, [37, 100]),
+    "prefix-lm-lq-lt-lk": lambda: prefix_lm(2, 70, 150, [20, 64]),
+    "documents": lambda: documents([40, 3, 75, 32]),
+    "sink-window": lambda: sink_and_window(150, 150, 4, 33),
+    "key-padding-tiles": lambda: (torch.arange(150, device=DEVICE) < torch.tensor([17, 96], device=DEVICE)[:, None])
+    [:, None, None, :],
+    "per-head-bands": lambda: per_head_bands(2, 2, 150, 150),
+}
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_with_many_empty_tiles(name, kind, poison_outputs):
+    keep = MASKS[name]()
+    lq, lk = keep.shape[-2:]
+    q, k, v = _qkv(lq=lq, lk=lk, seed=stable_seed(name, kind))
+    mask = keep if kind == "bool" else torch.randn(keep.shape, device=DEVICE).masked_fill(~keep, float("-inf"))
+    run_and_compare(q, k, v, attn_mask=mask)
+
+
+def _structures():
+    base = INTERPRETER_CONFIG
+    return {
+        "split-kv-pack": base.replace(fwd=fatune.LaunchConfig(16, 16, num_splits=3, pack_gqa=1)),
+        "atomic-dq": base.replace(dkdv=fatune.LaunchConfig(16, 32, atomic_dq=1)),
+        "concurrent-dq": base.replace(dq=fatune.LaunchConfig(32, 16, concurrent=1)),
+        "split-d": base.replace(dkdv=fatune.LaunchConfig(16, 32, split_d=2)),
+    }
+
+
+@pytest.mark.parametrize("structure", list(_structures()))
+def test_spans_under_each_kernel_structure(structure, poison_outputs):
+    """GQA with a mask per query head: the forward's packed rows and dK/dV's head loop each take their head's
+    spans; Delta (the prep pass of atomic and concurrent dQ) sums over the same key tiles as the dQ kernel."""
+    q, k, v = random_qkv(2, 4, 2, 100, 130, 32, 32, dtype=F16, device=DEVICE)
+    mask = per_head_bands(2, 4, 100, 130)
+    run_and_compare(q, k, v, attn_mask=mask, enable_gqa=True, is_causal=True, causal_alignment="bottom_right",
+                    config=_structures()[structure])
+
+
+def test_tiles_no_query_sees_are_never_read():
+    """NaN keys and values where no query looks: a dense loop would spread NaN (0 * NaN) to every row of a tile
+    it reads; the spans keep them out of the output, and their gradients are exactly zero."""
+    q, k, v = _qkv(lq=96, lk=160, seed=7)
+    keep = torch.arange(160, device=DEVICE)[None, :] < torch.tensor([64, 96], device=DEVICE)[:, None]
+    mask = keep[:, None, None, :].expand(2, 1, 96, 160)
+    with torch.no_grad():
+        k[0, :, 96:] = float("nan")  # key tiles past 96 (and past 64 in batch 0): no query sees them
+        v[0, :, 96:] = float("nan")
+        k[1, :, 128:] = float("nan")
+        v[1, :, 128:] = float("nan")
+    out = fatune.attention(q, k, v, attn_mask=mask, config=INTERPRETER_CONFIG)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert (k.grad[0, :, 64:] == 0).all() and (v.grad[1, :, 96:] == 0).all()
+    clean = [t.detach().nan_to_num(0.0).requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*(t.float() for t in clean), attn_mask=mask)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)
+
+
+def test_a_mask_written_between_calls_gets_new_spans(poison_outputs, monkeypatch):
+    """A plan reuses the spans of the last mask tensor while it is unchanged (a model's layers, its backward), and
+    makes them again after an in-place write (a static mask buffer refilled each step)."""
+    import fatune.mask_spans as spans_module
+
+    made = []
+    real = spans_module.mask_spans
+    monkeypatch.setattr(spans_module, "mask_spans", lambda *args: made.append(1) or real(*args))
+    q, k, v = _qkv(lq=80, lk=80, seed=11)
+    mask = prefix_lm(2, 80, 80, [10, 60])
+    for _ in range(2):  # two layers, one mask: spans made once (the backward adds the query spans to them)
+        out = fatune.attention(q, k, v, attn_mask=mask, config=INTERPRETER_CONFIG)
+        out.backward(torch.randn_like(out))
+    assert len(made) == 1
+    mask.copy_(prefix_lm(2, 80, 80, [70, 3]))  # new contents, same tensor
+    q.grad = k.grad = v.grad = None
+    run_and_compare(q, k, v, attn_mask=mask, config=INTERPRETER_CONFIG)
+    assert len(made) == 2
+
+
+def test_spans_of_another_mask_are_not_reused(poison_outputs):
+    q, k, v = _qkv(lq=64, lk=64, seed=12)
+    first = prefix_lm(2, 64, 64, [0, 0])
+    run_and_compare(q, k, v, attn_mask=first, config=INTERPRETER_CONFIG)
+    q.grad = k.grad = v.grad = None
+    run_and_compare(q, k, v, attn_mask=~first, config=INTERPRETER_CONFIG)  # the complement: other tiles
+
+
+def test_plan_launches_take_the_span_pointers():
+    """Only a masked spec's kernels take spans: an unmasked kernel's parameters (and source) are unchanged."""
+    from fatune import signature
+
+    q, k, v = _qkv(lq=40, lk=40)
+    masked = fatune.inputs.check_inputs(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool, device=DEVICE)).spec
+    plain = fatune.inputs.check_inputs(q, k, v).spec
+    assert "KEY_SPANS" in signature.pointers("attn_fwd", masked)
+    assert "QUERY_SPANS" in signature.pointers("attn_bwd_dkdv", masked)
+    assert signature.params("attn_fwd", plain) == signature.PARAMS["attn_fwd"]
+    assert launch.SLOTS.index("KEY_SPANS") < launch.SLOTS.index("O_PART")
+
+
+def test_masks_that_alternate_between_layers_are_each_summarised_once(monkeypatch):
+    """Local and global layers taking turns (two mask tensors): each tensor's spans are made once."""
+    import fatune.mask_spans as spans_module
+
+    made = []
+    real = spans_module.mask_spans
+    monkeypatch.setattr(spans_module, "mask_spans", lambda *args: made.append(1) or real(*args))
+    q, k, v = _qkv(lq=48, lk=48, seed=13)
+    local, global_ = sink_and_window(48, 48, 0, 16), prefix_lm(1, 48, 48, [0])[0, 0]
+    with torch.no_grad():
+        outs = [fatune.attention(q, k, v, attn_mask=mask, config=INTERPRETER_CONFIG)
+                for mask in (local, global_, local, global_)]
+    assert len(made) == 2
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
+GPU_SPAN_CASES = {  # (B, H, H_kv, L_q, L_k, head dim) -> mask factory
+    "prefix-lm-d128": ((2, 4, 4, 1000, 1000, 128), lambda: prefix_lm(2, 1000, 1000, [313, 77])),
+    "prefix-lm-d256": ((2, 4, 4, 700, 700, 256), lambda: prefix_lm(2, 700, 700, [129, 600])),
+    "documents-d64": ((1, 4, 4, 1500, 1500, 64), lambda: documents([700, 13, 400, 387])),
+    "sink-window-gqa-d128": ((2, 8, 2, 1200, 1200, 128), lambda: sink_and_window(1200, 1200, 4, 300)),
+    "per-head-bands-gqa-d96": ((2, 4, 2, 600, 900, 96), lambda: per_head_bands(2, 4, 600, 900)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(GPU_SPAN_CASES))
+def test_gpu_masks_with_many_empty_tiles(name, dtype, kind, poison_outputs, record_gpu_errors):
+    """The dispatched (compiled) kernels with span-cut tile loops, at sizes with many tiles per row."""
+    (b, h, hkv, lq, lk, d), make = GPU_SPAN_CASES[name]
+    torch.manual_seed(stable_seed("gpu-spans", name, dtype, kind))
+    q, k, v = random_qkv(b, h, hkv, lq, lk, d, d, dtype=dtype, device="cuda")
+    keep = make()
+    mask = keep if kind == "bool" else torch.randn(keep.shape, device="cuda", dtype=dtype).masked_fill(
+        ~keep, float("-inf"))
+    record_gpu_errors(run_and_compare(q, k, v, attn_mask=mask, enable_gqa=hkv != h))
