@@ -33,29 +33,51 @@ def compact(mask: torch.Tensor) -> torch.Tensor:
     return mask[index]
 
 
+SPAN = 4  # int32 per index: first, end (any visible), full_first, full_end (all visible)
+
+
 def layout(shape: tuple[int, ...], strides: tuple[int, ...], row_dim: int) -> tuple[int, int, int]:
     """Element strides (b, h, l) by which the kernels index the spans of a (B, H, L_q, L_k) mask view of these
     strides along `row_dim` (2: a span per query row; 3: per key): a broadcast dim gets stride 0."""
     sizes = [1 if stride == 0 else size for size, stride in zip(shape, strides)]
     kept = (sizes[0], sizes[1], sizes[row_dim])
-    inner = [kept[1] * kept[2] * 2, kept[2] * 2, 2]
+    inner = [kept[1] * kept[2] * SPAN, kept[2] * SPAN, SPAN]
     return tuple(stride if size > 1 else 0 for size, stride in zip(kept, inner))
 
 
-def spans(visible: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    """int32 (..., 2) [first, end) of the visible indices along `dim` of a uint8 (B, H, L_q, L_k) tensor (0 or 1),
-    that dim removed; `length`: the indices it stands for when it was broadcast (size 1, every index alike)."""
+def spans(visible: torch.Tensor, dim: int, length: int, full: bool = True) -> torch.Tensor:
+    """int32 (..., SPAN) spans along `dim` of a uint8 (B, H, L_q, L_k) tensor (0 or 1), that dim removed: [first,
+    end) of its visible indices and [full_first, end), the run of visible indices that ends at the last one (with
+    `full`; else empty). An index with none visible gets [NO_SPAN, 0) for both. `length`: the indices the dim
+    stands for when it was broadcast (size 1, every index alike)."""
     size = visible.shape[dim]
     seen = visible.amax(dim).to(torch.int32) if size else visible.sum(dim, dtype=torch.int32)
     if size == 1 and length != 1:  # one element for every index: all or none
         first, end = torch.zeros_like(seen), torch.full_like(seen, length)
+        full_first = first
     elif size == 0:
-        first, end = torch.zeros_like(seen), torch.zeros_like(seen)
+        first = end = full_first = torch.zeros_like(seen)
     else:
         first = visible.argmax(dim).to(torch.int32)  # the first maximum
         end = size - visible.flip(dim).argmax(dim).to(torch.int32)
+        full_first = _last_run_start(visible, dim, end) if full else torch.full_like(seen, NO_SPAN)
     seen = seen > 0
-    return torch.stack((torch.where(seen, first, NO_SPAN), torch.where(seen, end, 0)), dim=-1).contiguous()
+    full_seen = seen & (full_first < end) if full else torch.zeros_like(seen)
+    return torch.stack((torch.where(seen, first, NO_SPAN), torch.where(seen, end, 0),
+                        torch.where(full_seen, full_first, NO_SPAN), torch.where(full_seen, end, 0)),
+                       dim=-1).contiguous()
+
+
+def _last_run_start(visible: torch.Tensor, dim: int, end: torch.Tensor) -> torch.Tensor:
+    """Per index of the other dims, where the run of visible entries along `dim` that ends at end - 1 starts: one
+    past the last hidden entry before `end` (0 if none)."""
+    size = visible.shape[dim]
+    shape = [1] * visible.dim()
+    shape[dim] = size
+    positions = torch.arange(size, device=visible.device, dtype=torch.int32).view(shape)
+    hidden = (visible == 0) & (positions < end.unsqueeze(dim))
+    last_hidden = size - 1 - hidden.flip(dim).view(torch.uint8).argmax(dim).to(torch.int32)
+    return torch.where(hidden.any(dim), last_hidden + 1, 0).to(torch.int32)
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
@@ -74,8 +96,9 @@ def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_querie
     (B, H, L_q, L_k)); QUERY_SPANS None unless `want_queries`. Each is contiguous (B', H', L', 2), B', H', L'
     the mask's own sizes (1 where it broadcasts)."""
     keep = visible(compact(mask))
-    key_spans = spans(keep, 3, shape[3])
-    query_spans = spans(keep, 2, shape[2]) if want_queries else None
+    full = mask.dtype == torch.bool  # an additive mask is added on every tile: no tile skips it
+    key_spans = spans(keep, 3, shape[3], full)
+    query_spans = spans(keep, 2, shape[2], full) if want_queries else None
     return key_spans, query_spans
 
 
@@ -103,7 +126,8 @@ class MaskSpans:
             if entry[0]() is root and entry[1] == key:
                 if entry[3] is not None or not want_queries:
                     return entry[2], entry[3]
-                found = (entry[0], key, entry[2], spans(visible(compact(mask)), 2, shape[2]))
+                query_spans = spans(visible(compact(mask)), 2, shape[2], mask.dtype == torch.bool)
+                found = (entry[0], key, entry[2], query_spans)
                 break
         else:
             found = (weakref.ref(root), key, *mask_spans(mask, shape, want_queries))

@@ -183,7 +183,8 @@ class KernelSpec:
             "PAGED": self.paged,
             # Rows can end with every key masked (and -inf scores) in any tile, not just band tiles.
             "ANY_TILE_MASKS": self.attn_mask != "none",
-            "HAS_SCORE_MOD": self.attn_mask != "none" or self.alibi,
+            # a boolean mask is applied with the band's, in masked tiles only (fatune.mask_spans' full tiles skip it)
+            "HAS_SCORE_MOD": self.attn_mask == "additive" or self.alibi,
             # 16-bit dS is split into hi + lo parts in masked tiles (see attn_bwd.py.jinja)
             "SPLIT_DS": self.dtype != "float32",
             # float32 gradients are summed with Kahan compensation (see _common.py.jinja)

@@ -211,7 +211,8 @@ def test_hopper_variants_render(spec, tag):
     fwd = config.fwd
     assert source.count("tl.make_tensor_descriptor(") == (3 - fwd.pack_gqa if fwd.tma else 0)
     assert "        return\n" in source  # the early exit of tiles past the sequence
-    assert source.count("acc, l_i, m_i = attend_key_tiles(") == 2 + spec.window_left
+    # the left-edge loop: a window, or a boolean mask's tiles that some row does not see in full
+    assert source.count("acc, l_i, m_i = attend_key_tiles(") == 2 + bool(spec.window_left or spec.attn_mask == "bool")
 
 
 def _compile_variants_for_sm90(cases: list, kernel: str, checks: str, tmp_path) -> None:

@@ -10,42 +10,51 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 
 import fatune
 from fatune import launch
 from fatune.heuristics import INTERPRETER_CONFIG
-from fatune.mask_spans import NO_SPAN, layout, mask_spans
-from tests.conftest import DEVICE
+from fatune.mask_spans import NO_SPAN, SPAN, layout, mask_spans
+from tests.conftest import DEVICE, HAS_GPU
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
 F16 = torch.float16
 
 
-def brute_spans(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[first, end) of the true entries of a (B, H, L_q, L_k) bool tensor per query row and per key, by scanning."""
+def _scan(seen: list[int], full: bool) -> list[int]:
+    """[first, end, full_first, full_end] of the visible indices `seen` (sorted): the run that ends at the last."""
+    if not seen:
+        return [NO_SPAN, 0, NO_SPAN, 0]
+    start = len(seen) - 1
+    while full and start > 0 and seen[start - 1] == seen[start] - 1:
+        start -= 1
+    return [seen[0], seen[-1] + 1] + ([seen[start], seen[-1] + 1] if full else [NO_SPAN, 0])
+
+
+def brute_spans(keep: torch.Tensor, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans per query row and per key of a (B, H, L_q, L_k) bool tensor, by scanning."""
     b, h, lq, lk = keep.shape
-    rows = torch.empty(b, h, lq, 2, dtype=torch.int64)
-    cols = torch.empty(b, h, lk, 2, dtype=torch.int64)
+    rows = torch.empty(b, h, lq, SPAN, dtype=torch.int64)
+    cols = torch.empty(b, h, lk, SPAN, dtype=torch.int64)
     for index in range(b * h):
         i, j = divmod(index, h)
         for row in range(lq):
-            seen = keep[i, j, row].nonzero().flatten().tolist()
-            rows[i, j, row] = torch.tensor([seen[0], seen[-1] + 1] if seen else [NO_SPAN, 0])
+            rows[i, j, row] = torch.tensor(_scan(keep[i, j, row].nonzero().flatten().tolist(), full))
         for col in range(lk):
-            seen = keep[i, j, :, col].nonzero().flatten().tolist()
-            cols[i, j, col] = torch.tensor([seen[0], seen[-1] + 1] if seen else [NO_SPAN, 0])
+            cols[i, j, col] = torch.tensor(_scan(keep[i, j, :, col].nonzero().flatten().tolist(), full))
     return rows, cols
 
 
 def as_seen_by_kernels(spans: torch.Tensor, strides: tuple[int, int, int], b: int, h: int, n: int) -> torch.Tensor:
-    """(b, h, n, 2): the span each (batch, head, index) reads through the kernel's strides."""
+    """(b, h, n, SPAN): the span each (batch, head, index) reads through the kernel's strides."""
     flat = spans.flatten()
-    out = torch.empty(b, h, n, 2, dtype=torch.int64)
+    out = torch.empty(b, h, n, SPAN, dtype=torch.int64)
     for i in range(b):
         for j in range(h):
             for index in range(n):
                 base = i * strides[0] + j * strides[1] + index * strides[2]
-                out[i, j, index] = flat[base:base + 2]
+                out[i, j, index] = flat[base:base + SPAN]
     return out
 
 
@@ -59,7 +68,7 @@ SPAN_SHAPES = [(2, 3, 9, 11), (2, 1, 1, 11), (9, 11), (1, 3, 9, 11), (2, 1, 9, 1
 @pytest.mark.parametrize("shape", SPAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_spans_match_a_scan_through_the_kernels_strides(shape, kind):
     generator = torch.Generator().manual_seed(stable_seed(shape, kind))
-    keep = torch.rand(shape, generator=generator) < 0.4
+    keep = torch.rand(shape, generator=generator) < 0.6
     keep.view(-1)[:3] = False  # some rows and keys see nothing
     if kind == "bool":
         mask = keep
@@ -73,7 +82,7 @@ def test_spans_match_a_scan_through_the_kernels_strides(shape, kind):
         return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)).expand(PROBLEM)
 
     view = four_dims(mask)  # the call's broadcast view, whose strides the kernels get
-    expected_rows, expected_cols = brute_spans(four_dims(keep))
+    expected_rows, expected_cols = brute_spans(four_dims(keep), full=kind == "bool")
     b, h, lq, lk = PROBLEM
     assert torch.equal(as_seen_by_kernels(key_spans, layout(view.shape, view.stride(), 2), b, h, lq), expected_rows)
     assert torch.equal(as_seen_by_kernels(query_spans, layout(view.shape, view.stride(), 3), b, h, lk),
@@ -84,7 +93,7 @@ def test_a_user_expanded_mask_is_summarised_once_per_distinct_row():
     """A (B, H, L_q, L_k) mask expanded by the user (stride 0 over heads and rows) costs one row's scan."""
     row = torch.rand(2, 1, 1, 11) < 0.5
     key_spans, query_spans = mask_spans(row.expand(PROBLEM), PROBLEM)
-    assert key_spans.shape == (2, 1, 1, 2) and query_spans.shape == (2, 1, 11, 2)
+    assert key_spans.shape == (2, 1, 1, SPAN) and query_spans.shape == (2, 1, 11, SPAN)
 
 
 # ------------------------------------------------------------------ the kernels with spans
@@ -270,3 +279,59 @@ def test_gpu_masks_with_many_empty_tiles(name, dtype, kind, poison_outputs, reco
     mask = keep if kind == "bool" else torch.randn(keep.shape, device="cuda", dtype=dtype).masked_fill(
         ~keep, float("-inf"))
     record_gpu_errors(run_and_compare(q, k, v, attn_mask=mask, enable_gqa=hkv != h))
+
+
+# ------------------------------------------------------------------ the kernels' tile ranges
+
+_within_spans = None  # the generated module's within_spans, which _probe calls (set by the test below)
+
+
+def _probe(SPANS, OUT, n, lo, a, b, hi, TILE: tl.constexpr, ROWS: tl.constexpr):
+    index = tl.arange(0, ROWS)
+    lo, a, b, hi = _within_spans(SPANS + index * 4, index < n, lo, a, b, hi, TILE)
+    for i, value in enumerate((lo, a, b, hi)):
+        tl.store(OUT + i, value)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="calls a generated helper from a probe kernel: the interpreter resolves it")
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_ranges_cover_every_visible_key_and_skip_the_mask_only_where_all_see(seed, kind, monkeypatch):
+    """within_spans, run by the interpreter on one query tile's spans: the loops [lo, a) [a, b) [b, hi) reach
+    every key some row sees; lo is tile-aligned; the unmasked tiles [a, b) lie inside the band's and (boolean
+    masks) are seen in full by every row; an additive mask, added on every tile, leaves [a, b) as the band's."""
+    import triton
+
+    from fatune import codegen
+
+    rng = torch.Generator().manual_seed(seed)
+    rows, keys, tile = 24, 200, 16
+    pattern = seed % 3
+    cols = torch.arange(keys)[None, :]
+    row_ids = torch.arange(rows)[:, None] + 100
+    if pattern == 0:  # prefix LM
+        keep = (cols <= row_ids) | (cols < 37)
+    elif pattern == 1:  # sinks and a window
+        keep = (cols < 3) | ((cols <= row_ids) & (cols > row_ids - 50))
+    else:  # random runs in a document that starts mid-tile
+        keep = (torch.rand(rows, keys, generator=rng) < 0.9) & (cols >= 21) & (cols < 170)
+    keep[5] = False if seed == 4 else keep[5]  # a row that sees nothing
+    mask = keep if kind == "bool" else torch.zeros(rows, keys).masked_fill(~keep, float("-inf"))
+    key_spans, _ = mask_spans(mask, (1, 1, rows, keys), want_queries=False)
+    spec = fatune.KernelSpec("float16", 16, attn_mask="bool" if kind == "bool" else "additive")
+    monkeypatch.setitem(globals(), "_within_spans", codegen.load("fwd", spec, INTERPRETER_CONFIG).within_spans)
+    probe = triton.jit(_probe)
+
+    band = (0, 48, 160, keys)  # as key_range hands them over: [lo, a) and [b, hi) masked by a band
+    out = torch.empty(4, dtype=torch.int32)
+    probe[(1,)](key_spans, out, rows, *band, TILE=tile, ROWS=32)
+    lo, a, b, hi = out.tolist()
+    assert lo % tile == 0 and lo <= a <= b <= hi <= keys
+    seen = keep.any(0).nonzero().flatten()
+    assert seen.numel() == 0 or (lo <= seen.min() and seen.max() < hi)
+    assert band[1] <= a or a == b
+    assert b <= band[2] or a == b
+    if kind == "bool" and a < b:
+        assert a % tile == 0 and b % tile == 0 and keep[:, a:b].all()
+    if kind == "additive":
+        assert (a, b) == (max(min(band[1], hi), lo), max(min(band[2], hi), max(min(band[1], hi), lo)))
