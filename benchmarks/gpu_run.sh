@@ -258,6 +258,15 @@ GRID
     masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)
       python3 benchmarks/masked_cases.py "$OUT/masked.json" ${MASKED_ARGS:-} > "$OUT/masked.log" 2>&1
       tail -n 20 "$OUT/masked.log" ;;
+    mask-spans)  # mask tensors with spans: the gpu tests of fatune.mask_spans, then the mask-tensor cases (prefix LM,
+      # random) at d128 and d256 against Flex (a block mask per batch element) and SDPA's mask-tensor backends
+      python3 -m pytest tests/test_mask_spans.py -m gpu -n 16 -q -p no:cacheprovider > "$OUT/mask-spans-tests.log" 2>&1
+      tail -n 3 "$OUT/mask-spans-tests.log"
+      for d in 128 256; do
+        python3 benchmarks/masked_cases.py "$OUT/mask-tensor-d$d.json" --head-dim $d --lengths 2048,8192 \
+          --only "mask tensor" > "$OUT/mask-tensor-d$d.log" 2>&1
+        grep "mask tensor" "$OUT/mask-tensor-d$d.log"
+      done ;;
     bench-masked)  # issue 12's cases through fatune bench at L = 2048, 8192, 32768 (BM_LENGTHS): windows 256/1024/4096,
       # key padding, packed documents 2/5/64 (Flex with a document mask), causal GQA 8:1; fatune vs Flex and SDPA
       for args in "--mask window --window 256" "--mask window --window 1024" "--mask window --window 4096" \

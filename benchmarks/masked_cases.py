@@ -3,8 +3,9 @@
     python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--head-dim 128] [--quick] [--profile] [--only TEXT]
 
 bf16, D = 128 (--head-dim), H = 2048 / D. Cases: causal sliding windows (256, 1024, 4096 keys), GQA
-causal (H / 8 K/V heads), key padding (seqlens_k = L/2 and L/4), a boolean attn_mask tensor (a
-prefix-LM mask: causal, plus a prefix of L/4 and L/8 keys every query sees), packed documents (2, 5
+causal (H / 8 K/V heads), key padding (seqlens_k = L/2 and L/4), boolean attn_mask tensors (a
+prefix-LM mask: causal, plus a prefix of L/4 and L/8 keys every query sees; 90% of entries kept at
+random, where no tile is empty or full), packed documents (2, 5
 and 64 documents of random lengths, causal, cu_seqlens). Every implementation runs the same inputs;
 FlexAttention gets the same mask as a block mask (so it skips the same blocks; the tensor mask
 through a mask_mod that reads it), SDPA runs where it can express the case (is_causal + enable_gqa;
@@ -79,6 +80,12 @@ def cases(length: int, quick: bool, heads: int) -> list[dict]:
     prefix_lm = prefix_lm[:, None]  # (B, 1, L, L): the tensor a user hands over
     out.append(dict(name="bool mask tensor: prefix LM", batch=2, kv_heads=heads, fatune={"attn_mask": prefix_lm},
                     flex=lambda b, h, q_idx, kv_idx: prefix_lm[b, 0, q_idx, kv_idx], sdpa={"attn_mask": prefix_lm},
+                    sdpa_backends=(SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)))
+    # no tile empty, none full: the spans skip nothing, so this times what they cost
+    generator = torch.Generator(device="cuda").manual_seed(length)
+    scattered = torch.rand(2, 1, length, length, device="cuda", generator=generator) < 0.9
+    out.append(dict(name="bool mask tensor: random 90%", batch=2, kv_heads=heads, fatune={"attn_mask": scattered},
+                    flex=lambda b, h, q_idx, kv_idx: scattered[b, 0, q_idx, kv_idx], sdpa={"attn_mask": scattered},
                     sdpa_backends=(SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)))
     for documents in ((5,) if quick else (2, 5, 64)):
         rng = random.Random(documents)
