@@ -31,8 +31,8 @@ from fatune import codegen, signature
 from fatune.dispatch import _warn, device_arch, sm_count
 from fatune.heuristics import default_config
 from fatune.inputs import MAX_SLICE_OFFSET, AttentionProblem, slice_offset
-from fatune.mask_spans import MaskSpans
 from fatune.mask_spans import layout as spans_layout
+from fatune.mask_spans import mask_spans
 from fatune.spec import (
     MAX_SPLITS,
     AttentionConfig,
@@ -443,8 +443,7 @@ class Plan:
         alibi_strides = tuple(alibi.stride()) if alibi is not None else (0, 0)
         self.values.update(zip(("stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ab", "stride_ah"),
                                mask_strides + alibi_strides))
-        # a mask tensor's spans (fatune.mask_spans): the tiles its kernels skip, made per mask
-        self.mask_spans = MaskSpans() if mask is not None else None
+        # a mask tensor's spans (fatune.mask_spans, made per call): indexed like the mask, broadcast dims at stride 0
         for span, row_dim in (("KEY_SPANS", 2), ("QUERY_SPANS", 3)):
             span_strides = spans_layout(mask.shape, mask.stride(), row_dim) if mask is not None else (0, 0, 0)
             self.values.update(zip(signature.SPAN_STRIDES[span], span_strides))
@@ -681,7 +680,6 @@ class Plan:
         if extras is NO_EXTRAS:
             return (q, k, v, out, lse, None, None, None, None, None, None, seed, None, None, None, None, None)
         key_spans = query_spans = None
-        if self.mask_spans is not None and extras[0] is not None:
-            key_spans, query_spans = self.mask_spans.get(extras[0], self.problem.attn_mask.shape, backward,
-                                                         current_stream(self.device))
+        if extras[0] is not None:  # a mask tensor: the tiles its kernels skip (fatune.mask_spans), made per call
+            key_spans, query_spans = mask_spans(extras[0], self.problem.attn_mask.shape, backward)
         return (q, k, v, out, lse, *extras, seed, key_spans, query_spans, None, None, None)

@@ -9,16 +9,13 @@ spans only; every tile it skips holds masked scores alone (weight exp(-inf) = 0)
 are the dense loop's. A prefix-LM or document mask given as a tensor so skips what is_causal or
 cu_seqlens would.
 
-The spans take a few passes over the mask, on the device, once per mask tensor and version: a Plan
-keeps the last few (MaskSpans), so a model's layers and its backward, which pass the same mask
-tensor, reuse them. Nothing is reused while a CUDA graph is being captured: each replay recomputes
-them from the mask's memory, as a static mask buffer written between replays needs.
+The spans take a few passes over the mask, on the device, in every call that runs kernels (the
+forward's key spans; the backward's key and query spans): a mask's memory can change without torch
+knowing (a compiled graph reuses a dead mask's buffer for the next one, numpy or another kernel
+writes it, a CUDA graph replays), so spans made for one call are never trusted in another.
 """
 
 from __future__ import annotations
-
-import threading
-import weakref
 
 import torch
 
@@ -83,9 +80,7 @@ def _last_run_start(visible: torch.Tensor, dim: int, end: torch.Tensor) -> torch
 def visible(mask: torch.Tensor) -> torch.Tensor:
     """uint8 1 where a (compacted) mask keeps the score: a bool mask's true entries, an additive mask's entries
     other than -inf (NaN included: it reaches the result, so its tile must run)."""
-    if mask.dtype == torch.bool:  # already 0 or 1 bytes: read in place
-        return mask.view(torch.uint8)
-    if mask.dtype == torch.uint8:
+    if mask.dtype in (torch.bool, torch.uint8):  # a bool's bytes need not be 0 or 1 (a uint8 tensor viewed as bool)
         return (mask != 0).view(torch.uint8)
     return (mask != float("-inf")).view(torch.uint8)
 
@@ -100,38 +95,3 @@ def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_querie
     key_spans = spans(keep, 3, shape[3], full)
     query_spans = spans(keep, 2, shape[2], full) if want_queries else None
     return key_spans, query_spans
-
-
-class MaskSpans:
-    """The spans of the last few mask tensors a Plan ran with (RECENT: models that alternate masks between
-    layers), each reused while its tensor (the user's, which a call's mask view is cut from) is alive and
-    unmodified: its version counter counts in-place writes and copies into it."""
-
-    RECENT = 4
-
-    def __init__(self) -> None:
-        # most recent first: (weakref to the user's tensor, its version and layout, key spans, query spans)
-        self._recent: tuple[tuple, ...] = ()
-        self._lock = threading.Lock()
-
-    def get(self, mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool, stream: int | None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The spans of `mask` (mask_spans) for kernels on `stream` (spans made on another are not reused: the
-        kernels that wrote them may still run there)."""
-        root = mask._base if mask._base is not None else mask
-        key = (root._version, mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask.dtype, shape, stream)
-        if mask.is_cuda and torch.cuda.is_current_stream_capturing():
-            return mask_spans(mask, shape, want_queries)
-        for entry in self._recent:
-            if entry[0]() is root and entry[1] == key:
-                if entry[3] is not None or not want_queries:
-                    return entry[2], entry[3]
-                query_spans = spans(visible(compact(mask)), 2, shape[2], mask.dtype == torch.bool)
-                found = (entry[0], key, entry[2], query_spans)
-                break
-        else:
-            found = (weakref.ref(root), key, *mask_spans(mask, shape, want_queries))
-        with self._lock:
-            others = tuple(entry for entry in self._recent if entry[0]() is not root)  # its older spans: stale
-            self._recent = (found, *others)[:self.RECENT]
-        return found[2], found[3]

@@ -62,7 +62,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
-# An attn_mask tensor's spans (fatune.mask_spans), int32 (B, H, rows, 2) by strides (b, h, l): the [first, end) of
+# An attn_mask tensor's spans (fatune.mask_spans), int32 (B, H, rows, SPAN) by strides (b, h, l): the [first, end) of
 # the keys each query row sees (KEY_SPANS: the kernels that stream keys past a query tile) or of the queries that
 # see each key (QUERY_SPANS: dK/dV, which streams queries). Parameters of a masked spec's kernels only, so no
 # other kernel's source changes.
