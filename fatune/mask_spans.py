@@ -9,15 +9,21 @@ spans only; every tile it skips holds masked scores alone (weight exp(-inf) = 0)
 are the dense loop's. A prefix-LM or document mask given as a tensor so skips what is_causal or
 cu_seqlens would.
 
-The spans take a few passes over the mask, on the device, in every call that runs kernels (the
-forward's key spans; the backward's key and query spans): a mask's memory can change without torch
-knowing (a compiled graph reuses a dead mask's buffer for the next one, numpy or another kernel
-writes it, a CUDA graph replays), so spans made for one call are never trusted in another.
+A Triton kernel makes them in one pass over the mask per direction (spans_kernel), on the mask's
+device, in every call that runs kernels (the forward's key spans; the backward's key and query
+spans): a mask's memory can change without torch knowing (a compiled graph reuses a dead mask's
+buffer for the next one, numpy or another kernel writes it, a CUDA graph replays), so spans made
+for one call are never trusted in another.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 NO_SPAN = 1 << 30  # an empty span's first index: past any sequence (kernel indices are int32), and its end is 0
 
@@ -42,56 +48,88 @@ def layout(shape: tuple[int, ...], strides: tuple[int, ...], row_dim: int) -> tu
     return tuple(stride if size > 1 else 0 for size, stride in zip(kept, inner))
 
 
-def spans(visible: torch.Tensor, dim: int, length: int, full: bool = True) -> torch.Tensor:
-    """int32 (..., SPAN) spans along `dim` of a uint8 (B, H, L_q, L_k) tensor (0 or 1), that dim removed: [first,
-    end) of its visible indices and [full_first, end), the run of visible indices that ends at the last one (with
-    `full`; else empty). An index with none visible gets [NO_SPAN, 0) for both. `length`: the indices the dim
-    stands for when it was broadcast (size 1, every index alike)."""
-    size = visible.shape[dim]
-    seen = visible.amax(dim).to(torch.int32) if size else visible.sum(dim, dtype=torch.int32)
-    if size == 1 and length != 1:  # one element for every index: all or none
-        first, end = torch.zeros_like(seen), torch.full_like(seen, length)
-        full_first = first
-    elif size == 0:
-        first = end = full_first = torch.zeros_like(seen)
+def spans_kernel(MASK, OUT, n_rows, n_cols, heads, stride_mb, stride_mh, stride_mr, stride_mc, stride_ob, stride_oh,
+                 stride_or, ADDITIVE: tl.constexpr, FULL: tl.constexpr, NONE: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Spans of BLOCK_R rows of one (batch, head) of a mask, scanning its n_cols columns left to right:
+    [first, end) of the visible columns, and (FULL) [full_first, end), the visible run that ends at the
+    last visible column: full_first is one past the last hidden column before it. A row of the mask is a
+    query row (key spans) or, through swapped strides, a key (query spans). Visible: nonzero bytes, or
+    (ADDITIVE) entries other than -inf."""
+    b = (tl.program_id(0) // heads).to(tl.int64)
+    h = (tl.program_id(0) % heads).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    row_base = MASK + b * stride_mb + h * stride_mh + rows.to(tl.int64)[:, None] * stride_mr
+    first = tl.full([BLOCK_R], NONE, tl.int32)
+    last_seen = tl.full([BLOCK_R], -1, tl.int32)  # the last visible column so far
+    last_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hidden column before last_seen
+    max_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hidden column so far
+    for start in range(0, n_cols, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        inside = row_ok[:, None] & (cols[None, :] < n_cols)
+        entry = tl.load(row_base + cols.to(tl.int64)[None, :] * stride_mc, mask=inside, other=0)
+        if ADDITIVE:
+            seen = inside & (entry != float("-inf"))
+            hidden = inside & (entry == float("-inf"))
+        else:
+            seen = inside & (entry != 0)
+            hidden = inside & (entry == 0)
+        index = cols[None, :] + tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
+        first = tl.minimum(first, tl.min(tl.where(seen, index, NONE), 1))
+        tile_last = tl.max(tl.where(seen, index, -1), 1)
+        if FULL:
+            before = tl.max(tl.where(hidden & (index < tile_last[:, None]), index, -1), 1)
+            last_hidden = tl.where(tile_last >= 0, tl.maximum(max_hidden, before), last_hidden)
+            max_hidden = tl.maximum(max_hidden, tl.max(tl.where(hidden, index, -1), 1))
+        last_seen = tl.maximum(last_seen, tile_last)
+    any_seen = last_seen >= 0
+    end = tl.where(any_seen, last_seen + 1, 0)
+    out = OUT + b * stride_ob + h * stride_oh + rows * stride_or
+    tl.store(out, tl.where(any_seen, first, NONE), mask=row_ok)
+    tl.store(out + 1, end, mask=row_ok)
+    if FULL:
+        tl.store(out + 2, tl.where(any_seen, last_hidden + 1, NONE), mask=row_ok)
+        tl.store(out + 3, end, mask=row_ok)
     else:
-        first = visible.argmax(dim).to(torch.int32)  # the first maximum
-        end = size - visible.flip(dim).argmax(dim).to(torch.int32)
-        full_first = _last_run_start(visible, dim, end) if full else torch.full_like(seen, NO_SPAN)
-    seen = seen > 0
-    full_seen = seen & (full_first < end) if full else torch.zeros_like(seen)
-    return torch.stack((torch.where(seen, first, NO_SPAN), torch.where(seen, end, 0),
-                        torch.where(full_seen, full_first, NO_SPAN), torch.where(full_seen, end, 0)),
-                       dim=-1).contiguous()
+        tl.store(out + 2, tl.full([BLOCK_R], NONE, tl.int32), mask=row_ok)
+        tl.store(out + 3, tl.zeros([BLOCK_R], tl.int32), mask=row_ok)
 
 
-def _last_run_start(visible: torch.Tensor, dim: int, end: torch.Tensor) -> torch.Tensor:
-    """Per index of the other dims, where the run of visible entries along `dim` that ends at end - 1 starts: one
-    past the last hidden entry before `end` (0 if none)."""
-    size = visible.shape[dim]
-    shape = [1] * visible.dim()
-    shape[dim] = size
-    positions = torch.arange(size, device=visible.device, dtype=torch.int32).view(shape)
-    hidden = (visible == 0) & (positions < end.unsqueeze(dim))
-    last_hidden = size - 1 - hidden.flip(dim).view(torch.uint8).argmax(dim).to(torch.int32)
-    return torch.where(hidden.any(dim), last_hidden + 1, 0).to(torch.int32)
+@functools.cache
+def _jitted(interpret: bool) -> triton.JITFunction:
+    """spans_kernel as Triton compiles it, or interprets it: Triton reads TRITON_INTERPRET when a function is jitted,
+    and the generated attention kernels are loaded when first called (fatune.codegen), so this one is too."""
+    return triton.jit(spans_kernel)
 
 
-def visible(mask: torch.Tensor) -> torch.Tensor:
-    """uint8 1 where a (compacted) mask keeps the score: a bool mask's true entries, an additive mask's entries
-    other than -inf (NaN included: it reaches the result, so its tile must run)."""
-    if mask.dtype in (torch.bool, torch.uint8):  # a bool's bytes need not be 0 or 1 (a uint8 tensor viewed as bool)
-        return (mask != 0).view(torch.uint8)
-    return (mask != float("-inf")).view(torch.uint8)
+def spans(mask: torch.Tensor, row_dim: int, length: int) -> torch.Tensor:
+    """int32 (B', H', rows, SPAN) spans of a compacted 4-d mask (compact()) per index of `row_dim` (2: query rows,
+    scanning keys; 3: keys, scanning query rows), `length` the scanned dim's size in the call (a broadcast one is
+    read at stride 0). Full runs for boolean masks only: an additive mask is added on every tile."""
+    additive = mask.dtype not in (torch.bool, torch.uint8)
+    if not additive:
+        mask = mask.view(torch.uint8)  # any nonzero byte keeps, not only 1 (a uint8 tensor viewed as bool)
+    col_dim = 5 - row_dim
+    batch, heads, rows = mask.shape[0], mask.shape[1], mask.shape[row_dim]
+    out = torch.empty(batch, heads, rows, SPAN, dtype=torch.int32, device=mask.device)
+    if out.numel() == 0:
+        return out
+    stride_c = mask.stride(col_dim) if mask.shape[col_dim] > 1 else 0
+    block_r, block_c = (32, 128) if row_dim == 2 else (128, 32)  # the tile's long side along keys, often contiguous
+    grid = (batch * heads, triton.cdiv(rows, block_r))  # (batch, head) pairs on the axis of 2^31 programs
+    _jitted(os.environ.get("TRITON_INTERPRET", "0") == "1")[grid](mask, out, rows, length, heads, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
+                       out.stride(0), out.stride(1), out.stride(2), ADDITIVE=additive, FULL=not additive,
+                       NONE=NO_SPAN, BLOCK_R=block_r, BLOCK_C=block_c)
+    return out
 
 
 def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(KEY_SPANS, QUERY_SPANS) of a call's attn_mask (bool or additive, broadcastable to `shape`, the call's
-    (B, H, L_q, L_k)); QUERY_SPANS None unless `want_queries`. Each is contiguous (B', H', L', 2), B', H', L'
-    the mask's own sizes (1 where it broadcasts)."""
-    keep = visible(compact(mask))
-    full = mask.dtype == torch.bool  # an additive mask is added on every tile: no tile skips it
-    key_spans = spans(keep, 3, shape[3], full)
-    query_spans = spans(keep, 2, shape[2], full) if want_queries else None
+    (B, H, L_q, L_k)); QUERY_SPANS None unless `want_queries`. Each is contiguous (B', H', L', SPAN), B', H',
+    L' the mask's own sizes (1 where it broadcasts)."""
+    distinct = compact(mask)
+    key_spans = spans(distinct, 2, shape[3])
+    query_spans = spans(distinct, 3, shape[2]) if want_queries else None
     return key_spans, query_spans

@@ -335,3 +335,25 @@ def test_tile_ranges_cover_every_visible_key_and_skip_the_mask_only_where_all_se
         assert a % tile == 0 and b % tile == 0 and keep[:, a:b].all()
     if kind == "additive":
         assert (a, b) == (max(min(band[1], hi), lo), max(min(band[2], hi), max(min(band[1], hi), lo)))
+
+
+def test_the_spans_kernel_compiles_for_sm90(tmp_path):
+    """The spans kernel as the GPU runs it (compiled, not interpreted), for a bool and two additive masks."""
+    from tests.test_codegen import _compile_in_subprocess
+
+    script = (
+        "import triton\n"
+        "from triton.compiler import ASTSource\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from fatune.mask_spans import NO_SPAN, _jitted\n"
+        "for additive, pointer in ((False, '*u8'), (True, '*fp32'), (True, '*bf16')):\n"
+        "    signature = dict(MASK=pointer, OUT='*i32', **dict.fromkeys(('n_rows', 'n_cols', 'heads'), 'i32'),\n"
+        "                     **dict.fromkeys(('stride_mb', 'stride_mh', 'stride_mr', 'stride_mc'), 'i64'),\n"
+        "                     **dict.fromkeys(('stride_ob', 'stride_oh', 'stride_or'), 'i32'),\n"
+        "                     **dict.fromkeys(('ADDITIVE', 'FULL', 'NONE', 'BLOCK_R', 'BLOCK_C'), 'constexpr'))\n"
+        "    constants = dict(ADDITIVE=additive, FULL=not additive, NONE=NO_SPAN, BLOCK_R=32, BLOCK_C=128)\n"
+        "    kernel = triton.compile(ASTSource(fn=_jitted(False), signature=signature, constexprs=constants),\n"
+        "                            target=GPUTarget('cuda', 90, 32))\n"
+        "    print(pointer, kernel.metadata.num_warps)\n"
+    )
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 3
