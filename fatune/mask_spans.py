@@ -1,13 +1,15 @@
 """Which keys each query row sees under an attn_mask tensor, and which queries see each key.
 
 A window or a causal mask tells the kernels by formula which tiles hold no visible score; a mask
-tensor does not. So a call's mask is first summarised as spans, int32 [first, end) pairs: per query
-row, the keys it sees (KEY_SPANS: the forward and dQ kernels stream keys past a query tile); per key,
-the query rows that see it (QUERY_SPANS: the dK/dV kernel streams queries past a key tile). An index
-that sees nothing gets the empty span [NO_SPAN, 0). A tile loop runs over the union of its rows'
-spans only; every tile it skips holds masked scores alone (weight exp(-inf) = 0), so the results
-are the dense loop's. A prefix-LM or document mask given as a tensor so skips what is_causal or
-cu_seqlens would.
+tensor does not. So a call's mask is first summarised as spans, SPAN int32 per index: per query row,
+over the keys it sees (KEY_SPANS: the forward and dQ kernels stream keys past a query tile); per key,
+over the query rows that see it (QUERY_SPANS: the dK/dV kernel streams queries past a key tile).
+[first, end) bounds everything the index sees; [full_first, full_end) is the run of visible entries
+that ends at its last one (boolean masks only). An index that sees nothing gets [NO_SPAN, 0) for
+both. A tile loop runs over the union of its rows' [first, end) only: every tile it skips holds
+masked scores alone (weight exp(-inf) = 0), so the results are the dense loop's; tiles inside every
+row's full run skip the boolean mask's load too, as Flex's full blocks skip its mask_mod. A
+prefix-LM or document mask given as a tensor so runs what is_causal or cu_seqlens would.
 
 A Triton kernel makes them in one pass over the mask per direction (spans_kernel), on the mask's
 device, in every call that runs kernels (the forward's key spans; the backward's key and query
@@ -118,9 +120,10 @@ def spans(mask: torch.Tensor, row_dim: int, length: int) -> torch.Tensor:
     stride_c = mask.stride(col_dim) if mask.shape[col_dim] > 1 else 0
     block_r, block_c = (32, 128) if row_dim == 2 else (128, 32)  # the tile's long side along keys, often contiguous
     grid = (batch * heads, triton.cdiv(rows, block_r))  # (batch, head) pairs on the axis of 2^31 programs
-    _jitted(os.environ.get("TRITON_INTERPRET", "0") == "1")[grid](mask, out, rows, length, heads, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
-                       out.stride(0), out.stride(1), out.stride(2), ADDITIVE=additive, FULL=not additive,
-                       NONE=NO_SPAN, BLOCK_R=block_r, BLOCK_C=block_c)
+    kernel = _jitted(os.environ.get("TRITON_INTERPRET", "0") == "1")
+    kernel[grid](mask, out, rows, length, heads, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
+                 out.stride(0), out.stride(1), out.stride(2), ADDITIVE=additive, FULL=not additive, NONE=NO_SPAN,
+                 BLOCK_R=block_r, BLOCK_C=block_c)
     return out
 
 

@@ -68,7 +68,7 @@ def _signature(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozenset
         if (name.startswith("stride") and name.endswith("d")) or unit:
             types[name] = "constexpr"
             constexprs[name] = 1
-        elif name == "stride_btb" or name in _SPAN_STRIDES:  # pages per sequence: any count; spans: 2 per index
+        elif name == "stride_btb" or name in _SPAN_STRIDES:  # pages per sequence: any count; spans: SPAN per index
             continue
         elif kind.startswith("*") or name.startswith("stride") or name in ("L_Q", "L_K"):
             attrs[(index,)] = [["tt.divisibility", 16]]
