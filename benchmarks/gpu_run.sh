@@ -148,6 +148,8 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             lengths=512,2048,8192,32768
             case "$mask" in window1024) lengths=2048,8192,32768 ;; window4096) lengths=8192,32768 ;; esac
             grep -qx "$dtype d$d $mask" "$stored" 2>/dev/null && continue  # stored by an earlier run
+            # SHIP_ONLY: an extended regex over "dtype dD mask", the searches this run may start (e.g. "^fp16 d80 ")
+            [[ -n "${SHIP_ONLY:-}" && ! "$dtype d$d $mask" =~ $SHIP_ONLY ]] && continue
             echo "--- $dtype d$d $mask $(date -u +%H:%M:%S)" | tee -a "$OUT/ship-db.txt"
             trials=${SHIP_TRIALS:-20}
             [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-4}
