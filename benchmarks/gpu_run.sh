@@ -124,21 +124,39 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
       # first 3 trials were within 1% of the final best in every one: benchmarks/trial_budget.py).
       # A window is searched only at lengths it does not cover (L_q + L_k > width: a wider one is dropped by the
       # call, leaving plain causal, which the "both" search has). L = 32768 (B = 1) is searched apart with a quarter
-      # of the default heads (SHIP_LONG_HEADS_DIV, 4; at least 2): its steps are the longest by far (63% of a "both"
-      # search's wall time at d64 with 32 heads, session 10), and a quarter of the heads still gives every kernel at
-      # least 512 programs (~4 waves or more); the DB key has no head count. GQA shapes keep their heads (few K/V
-      # heads), and so does key padding (a quarter of the keys: most dK/dV programs have no work).
+      # of the default heads (SHIP_LONG_HEADS_DIV, 4; at least 2, and a whole GQA group): its steps are the longest
+      # by far (63% of a "both" search's wall time at d64 with 32 heads, session 10; a bf16 d80 GQA 4:1 search with
+      # 32 heads there ran past 5.5 minutes, session 18), and a quarter of the heads still gives every kernel at
+      # least 512 programs (~4 waves or more); the DB key has no head count. Key padding keeps its heads (a quarter
+      # of the keys: most dK/dV programs have no work). The shorter lengths' part, once stored, is recorded as
+      # "dtype dD mask short" and not searched again when a cut run resumes.
       db=tuned_db/nvidia-h200.sqlite storage=sqlite:///$PWD/benchmarks/results/ship-db-h200-optuna.sqlite
       # a killed earlier run's WAL files do not belong to the DBs the device tool copied in again
       rm -f "$db"-wal "$db"-shm benchmarks/results/ship-db-h200-optuna.sqlite-wal benchmarks/results/ship-db-h200-optuna.sqlite-shm
       stored=benchmarks/results/ship-db-h200-done.txt  # the searches whose winners are stored (commit it with the DB)
       deadline=$(( $(date +%s) + ${SHIP_DEADLINE:-480} ))
+      save() {  # the DB and the Optuna storage (consistent copies, WAL included) and the logs to $FINAL at once: a
+        # run cut by the device's time limit keeps them (a cut run's next run resumes its studies from the storage)
+        for pair in "$db $FINAL/nvidia-h200.sqlite" "${storage#sqlite:///} $FINAL/ship-db-h200-optuna.sqlite"; do
+          python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); sqlite3.connect(sys.argv[1]).backup(d)
+d.execute('pragma journal_mode=delete')" $pair
+        done
+        gzip -f "$FINAL/ship-db-h200-optuna.sqlite"  # 14 MB of SQLite pages: ~3 MB (at most 16 MiB a file comes back)
+        cp "$stored" "$OUT/ship-db.txt" "$OUT/ship-db.log" "$FINAL/"
+      }
+      search() {  # search HEADS LENGTHS: one search of this grid cell (HEADS empty: the search's default)
+        local heads_args=()
+        [ -n "$1" ] && heads_args=(--heads "$1") && [ "$group" -gt 1 ] && heads_args+=(--kv-heads $(( $1 / group )))
+        python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$2" $extra "${heads_args[@]}" \
+          --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
+      }
       while read -r dtype dims masks; do
         for d in ${dims//,/ }; do
           for mask in ${masks//,/ }; do
             [ "$(date +%s)" -ge "$deadline" ] && break 3
+            group=1 heads=""
             case "$mask" in
-              gqa4|gqa8) extra="--mask both --heads 32 --kv-heads $(( 32 / ${mask#gqa} ))" ;;
+              gqa4|gqa8) group=${mask#gqa} heads=32 extra="--mask both" ;;
               window?*) extra="--mask window --window ${mask#window}" ;;  # "window" alone: search's default, 256
               # cu_seqlens: 5 documents of unequal lengths cut from 5 x L tokens (mean length L; the DB key is the
               # longest): the default batch (16384 tokens) would pack the same documents at every L <= 8192
@@ -154,27 +172,20 @@ s.sort_stats('tottime').print_stats(30)" > "$OUT/search-profile.txt"; grep -A 12
             trials=${SHIP_TRIALS:-20}
             [ "$dtype" = fp16 ] && trials=${SHIP_TRIALS_FP16:-4}
             long=""
-            case "$mask" in gqa*|padding) ;; *) [ "${SHIP_LONG_HEADS_DIV:-4}" -gt 1 ] && long=32768 && lengths=${lengths%,32768} ;; esac
-            python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$lengths" $extra \
-              --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
-            rc=$?
+            [ "$mask" != padding ] && [ "${SHIP_LONG_HEADS_DIV:-4}" -gt 1 ] && long=32768 && lengths=${lengths%,32768}
+            rc=0
+            if ! grep -qx "$dtype d$d $mask short" "$stored" 2>/dev/null; then
+              search "$heads" "$lengths"; rc=$?
+              [ $rc = 0 ] && [ -n "$long" ] && echo "$dtype d$d $mask short" >> "$stored" && save
+            fi
             if [ -n "$long" ] && [ $rc = 0 ]; then
-              heads=$(( 2048 / d / ${SHIP_LONG_HEADS_DIV:-4} )); [ "$heads" -lt 2 ] && heads=2
-              python3 -m fatune.cli search --head-dim "$d" --dtype "$dtype" --lengths "$long" --heads "$heads" $extra \
-                --trials "$trials" --db "$db" --storage "$storage" >> "$OUT/ship-db.log" 2>&1
-              rc=$?
+              long_heads=$(( 2048 / d / ${SHIP_LONG_HEADS_DIV:-4} )); [ "$long_heads" -lt 2 ] && long_heads=2
+              long_heads=$(( (long_heads + group - 1) / group * group ))  # a whole number of K/V heads
+              search "$long_heads" "$long"; rc=$?
             fi
             echo "rc $rc" >> "$OUT/ship-db.txt"
             [ $rc = 0 ] && echo "$dtype d$d $mask" >> "$stored"
-            # each finished search's DB (a consistent copy, WAL included) and logs reach $FINAL at once: a run cut
-            # by the device's time limit keeps them
-            # (the Optuna storage too: a cut run's next run resumes its finished searches' studies from it)
-            for pair in "$db $FINAL/nvidia-h200.sqlite" "${storage#sqlite:///} $FINAL/ship-db-h200-optuna.sqlite"; do
-              python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); sqlite3.connect(sys.argv[1]).backup(d)
-d.execute('pragma journal_mode=delete')" $pair
-            done
-            gzip -f "$FINAL/ship-db-h200-optuna.sqlite"  # 14 MB of SQLite pages: ~3 MB (at most 16 MiB a file comes back)
-            cp "$stored" "$OUT/ship-db.txt" "$OUT/ship-db.log" "$FINAL/"
+            save
           done
         done
       done <<'GRID'
@@ -260,14 +271,15 @@ GRID
     masked)  # issue 12's cases: windows, GQA, key padding, packed documents vs Flex and SDPA (MASKED_ARGS: --quick)
       python3 benchmarks/masked_cases.py "$OUT/masked.json" ${MASKED_ARGS:-} > "$OUT/masked.log" 2>&1
       tail -n 20 "$OUT/masked.log" ;;
-    mask-spans)  # mask tensors with spans: the gpu tests of fatune.mask_spans, then the mask-tensor cases (prefix LM,
-      # random) at d128 and d256 against Flex (a block mask per batch element) and SDPA's mask-tensor backends
+    mask-spans)  # mask tensors with spans: the gpu tests of fatune.mask_spans, then the mask-tensor cases (causal, prefix
+      # LM, random) beside is_causal at d128 and d256 (MS_DIMS), L = 2048 and 8192 (MS_LENGTHS), against Flex (a block
+      # mask per batch element) and SDPA's mask-tensor backends; MS_ARGS=--profile adds GPU time per kernel of a step
       python3 -m pytest tests/test_mask_spans.py -m gpu -n 16 -q -p no:cacheprovider > "$OUT/mask-spans-tests.log" 2>&1
       tail -n 3 "$OUT/mask-spans-tests.log"
-      for d in 128 256; do
-        python3 benchmarks/masked_cases.py "$OUT/mask-tensor-d$d.json" --head-dim $d --lengths 2048,8192 \
-          --only "mask tensor" > "$OUT/mask-tensor-d$d.log" 2>&1
-        grep "mask tensor" "$OUT/mask-tensor-d$d.log"
+      for d in ${MS_DIMS:-128 256}; do
+        python3 benchmarks/masked_cases.py "$OUT/mask-tensor-d$d.json" --head-dim $d --lengths "${MS_LENGTHS:-2048,8192}" \
+          --only "causal formula,mask tensor" ${MS_ARGS:-} > "$OUT/mask-tensor-d$d.log" 2>&1
+        grep -E "mask tensor|causal formula|step kernels" "$OUT/mask-tensor-d$d.log"
       done ;;
     bench-masked)  # issue 12's cases through fatune bench at L = 2048, 8192, 32768 (BM_LENGTHS): windows 256/1024/4096,
       # key padding, packed documents 2/5/64 (Flex with a document mask), causal GQA 8:1; fatune vs Flex and SDPA

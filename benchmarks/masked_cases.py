@@ -4,8 +4,8 @@
 
 bf16, D = 128 (--head-dim), H = 2048 / D. Cases: causal sliding windows (256, 1024, 4096 keys), GQA
 causal (H / 8 K/V heads), key padding (seqlens_k = L/2 and L/4), boolean attn_mask tensors (a
-prefix-LM mask: causal, plus a prefix of L/4 and L/8 keys every query sees; 90% of entries kept at
-random, where no tile is empty or full), packed documents (2, 5
+causal mask, beside the same mask by formula; a prefix-LM mask: causal, plus a prefix of L/4 and L/8 keys
+every query sees; 90% of entries kept at random, where no tile is empty or full), packed documents (2, 5
 and 64 documents of random lengths, causal, cu_seqlens). Every implementation runs the same inputs;
 FlexAttention gets the same mask as a block mask (so it skips the same blocks; the tensor mask
 through a mask_mod that reads it), SDPA runs where it can express the case (is_causal + enable_gqa;
@@ -74,8 +74,15 @@ def cases(length: int, quick: bool, heads: int) -> list[dict]:
     out.append(dict(name="key padding L/2, L/4", batch=2, kv_heads=heads, fatune={"seqlens_k": lengths},
                     flex=lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], sdpa={"attn_mask": padding},
                     sdpa_backends=(SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)))
-    prefix = torch.tensor([length // 4, length // 8], device="cuda")
+    # the same causal mask by formula and as a tensor: what the tensor path costs on a mask the kernels know
+    out.append(dict(name="causal formula (is_causal)", batch=2, kv_heads=heads, fatune={"is_causal": True},
+                    flex=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, sdpa={"is_causal": True}))
     positions = torch.arange(length, device="cuda")
+    causal = (positions[None, :] <= positions[:, None]).expand(2, 1, length, length)
+    out.append(dict(name="bool mask tensor: causal", batch=2, kv_heads=heads, fatune={"attn_mask": causal},
+                    flex=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, sdpa={"attn_mask": causal},
+                    sdpa_backends=(SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)))
+    prefix = torch.tensor([length // 4, length // 8], device="cuda")
     prefix_lm = ((positions[None, :] <= positions[:, None])[None] | (positions[None, None, :] < prefix[:, None, None]))
     prefix_lm = prefix_lm[:, None]  # (B, 1, L, L): the tensor a user hands over
     out.append(dict(name="bool mask tensor: prefix LM", batch=2, kv_heads=heads, fatune={"attn_mask": prefix_lm},
@@ -133,13 +140,14 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="D; H = 2048 / D")
     parser.add_argument("--quick", action="store_true", help="one window and one document count")
     parser.add_argument("--profile", action="store_true", help="also GPU time per kernel of fatune's and Flex's steps")
-    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    parser.add_argument("--only", default="", help="the cases whose name contains one of these (comma-separated) texts")
     args = parser.parse_args()
     D = args.head_dim
     H = max(1, MODEL_DIM // D)
     results = []
     for length in (int(x) for x in args.lengths.split(",")):
-        for case in (c for c in cases(length, args.quick, H) if args.only in c["name"]):
+        chosen = [c for c in cases(length, args.quick, H) if any(part in c["name"] for part in args.only.split(","))]
+        for case in chosen:
             torch.manual_seed(0)
             b, hkv = case["batch"], case["kv_heads"]
             q = torch.randn(b, H, length, D, device="cuda", dtype=DTYPE)

@@ -11,7 +11,8 @@ masked scores alone (weight exp(-inf) = 0), so the results are the dense loop's;
 row's full run skip the boolean mask's load too, as Flex's full blocks skip its mask_mod. A
 prefix-LM or document mask given as a tensor so runs what is_causal or cu_seqlens would.
 
-A Triton kernel makes them in one pass over the mask per direction (spans_kernel), on the mask's
+A Triton kernel makes them in one pass over the mask per direction (spans_kernel; where a mask has few
+rows to summarise, each row's scan is cut into pieces that run in parallel and are then joined), on the mask's
 device, in every call that runs kernels (the forward's key spans; the backward's key and query
 spans): a mask's memory can change without torch knowing (a compiled graph reuses a dead mask's
 buffer for the next one, numpy or another kernel writes it, a CUDA graph replays), so spans made
@@ -50,52 +51,72 @@ def layout(shape: tuple[int, ...], strides: tuple[int, ...], row_dim: int) -> tu
     return tuple(stride if size > 1 else 0 for size, stride in zip(kept, inner))
 
 
-def spans_kernel(MASK, OUT, n_rows, n_cols, heads, stride_mb, stride_mh, stride_mr, stride_mc, stride_ob, stride_oh,
-                 stride_or, ADDITIVE: tl.constexpr, FULL: tl.constexpr, NONE: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Spans of BLOCK_R rows of one (batch, head) of a mask, scanning its n_cols columns left to right:
-    [first, end) of the visible columns, and (FULL) [full_first, end), the visible run that ends at the
-    last visible column: full_first is one past the last hidden column before it. A row of the mask is a
-    query row (key spans) or, through swapped strides, a key (query spans). Visible: nonzero bytes, or
-    (ADDITIVE) entries other than -inf."""
+def spans_kernel(SRC, OUT, n_rows, n_cols, heads, piece, stride_sb, stride_sh, stride_sr, stride_sc, stride_ob,
+                 stride_oh, stride_or, stride_op, ADDITIVE: tl.constexpr, FULL: tl.constexpr, JOIN: tl.constexpr,
+                 PARTIAL: tl.constexpr, NONE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Spans of BLOCK_R rows of one (batch, head) of a mask, scanning columns left to right: [first, end) of
+    the visible columns, and (FULL) [full_first, end), the visible run that ends at the last visible column:
+    full_first is one past the last hidden column before it. A row of the mask is a query row (key spans) or,
+    through swapped strides, a key (query spans). Visible: nonzero bytes, or (ADDITIVE) entries other than -inf.
+
+    The scan's state, (first visible, last visible, last hidden before it, last hidden), summarises any run of
+    columns, and two runs' states join as a tile joins the state before it. PARTIAL: the program scans the
+    `piece` columns of piece program_id(2) and writes its state; JOIN: SRC holds those states, n_cols of them
+    per row (BLOCK_C = 1), and the program joins them in column order."""
     b = (tl.program_id(0) // heads).to(tl.int64)
     h = (tl.program_id(0) % heads).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
-    row_base = MASK + b * stride_mb + h * stride_mh + rows.to(tl.int64)[:, None] * stride_mr
+    row_base = SRC + b * stride_sb + h * stride_sh + rows.to(tl.int64) * stride_sr
     first = tl.full([BLOCK_R], NONE, tl.int32)
     last_seen = tl.full([BLOCK_R], -1, tl.int32)  # the last visible column so far
     last_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hidden column before last_seen
     max_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hidden column so far
-    for start in range(0, n_cols, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        inside = row_ok[:, None] & (cols[None, :] < n_cols)
-        entry = tl.load(row_base + cols.to(tl.int64)[None, :] * stride_mc, mask=inside, other=0)
-        if ADDITIVE:
-            seen = inside & (entry != float("-inf"))
-            hidden = inside & (entry == float("-inf"))
-        else:
-            seen = inside & (entry != 0)
-            hidden = inside & (entry == 0)
-        index = cols[None, :] + tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
-        first = tl.minimum(first, tl.min(tl.where(seen, index, NONE), 1))
-        tile_last = tl.max(tl.where(seen, index, -1), 1)
+    begin = tl.program_id(2) * piece
+    for start in range(begin, tl.minimum(begin + piece, n_cols), BLOCK_C):
+        if JOIN:  # one piece's state
+            state = row_base + start * stride_sc
+            run_first = tl.load(state, mask=row_ok, other=NONE)
+            run_last = tl.load(state + 1, mask=row_ok, other=-1)
+            run_before = tl.load(state + 2, mask=row_ok, other=-1)
+            run_hidden = tl.load(state + 3, mask=row_ok, other=-1)
+        else:  # one tile's columns
+            cols = start + tl.arange(0, BLOCK_C)
+            inside = row_ok[:, None] & (cols[None, :] < n_cols)
+            entry = tl.load(row_base[:, None] + cols.to(tl.int64)[None, :] * stride_sc, mask=inside, other=0)
+            if ADDITIVE:
+                seen = inside & (entry != float("-inf"))
+                hidden = inside & (entry == float("-inf"))
+            else:
+                seen = inside & (entry != 0)
+                hidden = inside & (entry == 0)
+            index = cols[None, :] + tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
+            run_first = tl.min(tl.where(seen, index, NONE), 1)
+            run_last = tl.max(tl.where(seen, index, -1), 1)
+            run_before = tl.max(tl.where(hidden & (index < run_last[:, None]), index, -1), 1)
+            run_hidden = tl.max(tl.where(hidden, index, -1), 1)
+        first = tl.minimum(first, run_first)
         if FULL:
-            before = tl.max(tl.where(hidden & (index < tile_last[:, None]), index, -1), 1)
-            last_hidden = tl.where(tile_last >= 0, tl.maximum(max_hidden, before), last_hidden)
-            max_hidden = tl.maximum(max_hidden, tl.max(tl.where(hidden, index, -1), 1))
-        last_seen = tl.maximum(last_seen, tile_last)
-    any_seen = last_seen >= 0
-    end = tl.where(any_seen, last_seen + 1, 0)
+            last_hidden = tl.where(run_last >= 0, tl.maximum(max_hidden, run_before), last_hidden)
+            max_hidden = tl.maximum(max_hidden, run_hidden)
+        last_seen = tl.maximum(last_seen, run_last)
     out = OUT + b * stride_ob + h * stride_oh + rows * stride_or
-    tl.store(out, tl.where(any_seen, first, NONE), mask=row_ok)
-    tl.store(out + 1, end, mask=row_ok)
-    if FULL:
-        tl.store(out + 2, tl.where(any_seen, last_hidden + 1, NONE), mask=row_ok)
-        tl.store(out + 3, end, mask=row_ok)
+    if PARTIAL:
+        out = out + tl.program_id(2) * stride_op
+        tl.store(out, first, mask=row_ok)
+        tl.store(out + 1, last_seen, mask=row_ok)
+        tl.store(out + 2, last_hidden, mask=row_ok)
+        tl.store(out + 3, max_hidden, mask=row_ok)
     else:
-        tl.store(out + 2, tl.full([BLOCK_R], NONE, tl.int32), mask=row_ok)
-        tl.store(out + 3, tl.zeros([BLOCK_R], tl.int32), mask=row_ok)
+        any_seen = last_seen >= 0
+        tl.store(out, tl.where(any_seen, first, NONE), mask=row_ok)
+        tl.store(out + 1, tl.where(any_seen, last_seen + 1, 0), mask=row_ok)
+        if FULL:
+            tl.store(out + 2, tl.where(any_seen, last_hidden + 1, NONE), mask=row_ok)
+            tl.store(out + 3, tl.where(any_seen, last_seen + 1, 0), mask=row_ok)
+        else:
+            tl.store(out + 2, tl.full([BLOCK_R], NONE, tl.int32), mask=row_ok)
+            tl.store(out + 3, tl.zeros([BLOCK_R], tl.int32), mask=row_ok)
 
 
 @functools.cache
@@ -105,10 +126,32 @@ def _jitted(interpret: bool) -> triton.JITFunction:
     return triton.jit(spans_kernel)
 
 
-def spans(mask: torch.Tensor, row_dim: int, length: int) -> torch.Tensor:
+PROGRAMS_PER_SM = 8  # a scan's programs per multiprocessor: each waits on its loads, so many hide each other's
+MIN_PIECE_TILES = 4  # column tiles per piece at least: a piece's state costs a write and a read back
+JOIN_ROWS = 128  # rows per program where the pieces' states are joined
+INTERPRETER_SMS = 4  # a small GPU's count: interpreted calls take the pieces' path on larger masks too
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def scan_pieces(programs: int, length: int, block_c: int, sms: int) -> int:
+    """Pieces to cut each row's scan of `length` columns into, so that `programs` row blocks give `sms`
+    multiprocessors PROGRAMS_PER_SM programs each where the columns allow (a mask broadcast over heads, or one
+    long sequence, has few row blocks: its query spans would otherwise be a few programs' long serial scans)."""
+    wanted = -(-PROGRAMS_PER_SM * sms // programs)
+    return max(1, min(wanted, length // (MIN_PIECE_TILES * block_c)))
+
+
+def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = None) -> torch.Tensor:
     """int32 (B', H', rows, SPAN) spans of a compacted 4-d mask (compact()) per index of `row_dim` (2: query rows,
     scanning keys; 3: keys, scanning query rows), `length` the scanned dim's size in the call (a broadcast one is
-    read at stride 0). Full runs for boolean masks only: an additive mask is added on every tile."""
+    read at stride 0). Full runs for boolean masks only: an additive mask is added on every tile. `pieces`: how
+    many programs share a row block's scan (scan_pieces chooses by default)."""
     additive = mask.dtype not in (torch.bool, torch.uint8)
     if not additive:
         mask = mask.view(torch.uint8)  # any nonzero byte keeps, not only 1 (a uint8 tensor viewed as bool)
@@ -119,11 +162,23 @@ def spans(mask: torch.Tensor, row_dim: int, length: int) -> torch.Tensor:
         return out
     stride_c = mask.stride(col_dim) if mask.shape[col_dim] > 1 else 0
     block_r, block_c = (32, 128) if row_dim == 2 else (128, 32)  # the tile's long side along keys, often contiguous
-    grid = (batch * heads, triton.cdiv(rows, block_r))  # (batch, head) pairs on the axis of 2^31 programs
+    row_blocks = triton.cdiv(rows, block_r)
+    if pieces is None:
+        pieces = scan_pieces(batch * heads * row_blocks, length, block_c, _multiprocessors(mask.device))
+    piece = triton.cdiv(triton.cdiv(length, pieces), block_c) * block_c
+    pieces = triton.cdiv(length, piece) if length else 1
     kernel = _jitted(os.environ.get("TRITON_INTERPRET", "0") == "1")
-    kernel[grid](mask, out, rows, length, heads, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
-                 out.stride(0), out.stride(1), out.stride(2), ADDITIVE=additive, FULL=not additive, NONE=NO_SPAN,
-                 BLOCK_R=block_r, BLOCK_C=block_c)
+    partial = pieces > 1
+    target = torch.empty(batch, heads, rows, pieces, SPAN, dtype=torch.int32, device=mask.device) if partial else out
+    # (batch, head) pairs on the grid's first axis, of 2^31 programs
+    kernel[(batch * heads, row_blocks, pieces)](
+        mask, target, rows, length, heads, piece, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
+        target.stride(0), target.stride(1), target.stride(2), target.stride(3) if partial else 0, ADDITIVE=additive,
+        FULL=not additive, JOIN=False, PARTIAL=partial, NONE=NO_SPAN, BLOCK_R=block_r, BLOCK_C=block_c)
+    if partial:  # the pieces' states joined, row by row
+        kernel[(batch * heads, triton.cdiv(rows, JOIN_ROWS), 1)](
+            target, out, rows, pieces, heads, pieces, *target.stride()[:4], *out.stride()[:3], 0, ADDITIVE=False,
+            FULL=not additive, JOIN=True, PARTIAL=False, NONE=NO_SPAN, BLOCK_R=JOIN_ROWS, BLOCK_C=1)
     return out
 
 

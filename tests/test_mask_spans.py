@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 
 import fatune
+import fatune.mask_spans
 from fatune import launch
 from fatune.heuristics import INTERPRETER_CONFIG
-from fatune.mask_spans import NO_SPAN, SPAN, layout, mask_spans
+from fatune.mask_spans import NO_SPAN, PROGRAMS_PER_SM, SPAN, layout, mask_spans, scan_pieces, spans
 from tests.conftest import DEVICE, HAS_GPU
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
@@ -89,6 +91,46 @@ def test_spans_match_a_scan_through_the_kernels_strides(shape, kind):
                        expected_cols)
 
 
+def _runs_mask(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """Visible runs of random lengths with hidden gaps, rows that see nothing, and one row that sees everything:
+    the runs and gaps cross any piece border."""
+    keep = torch.zeros(rows, cols, dtype=torch.bool)
+    for row in range(rows):
+        col = int(torch.randint(0, cols, (1,), generator=generator))
+        while col < cols:
+            run = int(torch.randint(1, 200, (1,), generator=generator))
+            keep[row, col:col + run] = True
+            col += run + int(torch.randint(1, 150, (1,), generator=generator))
+    keep[3] = False
+    keep[-1] = True
+    return keep
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("pieces", [2, 3, 7])
+def test_spans_scanned_in_pieces_match_one_scan(pieces, kind):
+    """A row's scan cut into pieces (a mask with few rows to summarise on a large GPU) gives the spans of one scan:
+    the join takes the last visible index from the last piece that sees one, and the last hidden one before it from
+    that piece or any earlier one."""
+    generator = torch.Generator().manual_seed(stable_seed(pieces, kind))
+    keep = _runs_mask(70, 900, generator)
+    mask = keep if kind == "bool" else torch.randn(keep.shape, generator=generator).masked_fill(~keep, float("-inf"))
+    distinct = mask[None, None]
+    expected_rows, expected_cols = brute_spans(keep[None, None], full=kind == "bool")
+    for row_dim, length, expected in ((2, keep.shape[1], expected_rows), (3, keep.shape[0], expected_cols)):
+        assert torch.equal(spans(distinct, row_dim, length, pieces=1).long(), expected)
+        assert torch.equal(spans(distinct, row_dim, length, pieces=pieces).long(), expected)
+
+
+def test_few_rows_to_summarise_are_scanned_in_pieces():
+    """scan_pieces fills the GPU where the row blocks are few, never below MIN_PIECE_TILES column tiles a piece, and
+    leaves a mask with many row blocks to one scan per row block."""
+    assert scan_pieces(programs=128, length=8192, block_c=32, sms=132) == 9  # query spans of a (2, 1, 8192, 8192) mask
+    assert scan_pieces(programs=4096, length=8192, block_c=128, sms=132) == 1
+    assert scan_pieces(programs=1, length=300, block_c=128, sms=132) == 1  # shorter than MIN_PIECE_TILES tiles
+    assert scan_pieces(programs=1, length=1 << 20, block_c=32, sms=132) == PROGRAMS_PER_SM * 132
+
+
 def test_a_user_expanded_mask_is_summarised_once_per_distinct_row():
     """A (B, H, L_q, L_k) mask expanded by the user (stride 0 over heads and rows) costs one row's scan."""
     row = torch.rand(2, 1, 1, 11) < 0.5
@@ -156,6 +198,20 @@ def test_masks_with_many_empty_tiles(name, kind, poison_outputs):
     keep = MASKS[name]()
     lq, lk = keep.shape[-2:]
     q, k, v = _qkv(lq=lq, lk=lk, seed=stable_seed(name, kind))
+    mask = keep if kind == "bool" else torch.randn(keep.shape, device=DEVICE).masked_fill(~keep, float("-inf"))
+    run_and_compare(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_call_whose_spans_are_scanned_in_pieces(kind, poison_outputs, monkeypatch):
+    """A whole call (forward and backward) with both directions' scans cut into pieces and joined, as a large GPU cuts
+    them for a mask with few rows to summarise (pieces of one column tile here, to keep the interpreter quick)."""
+    monkeypatch.setattr(fatune.mask_spans, "MIN_PIECE_TILES", 1)
+    keep = prefix_lm(1, 150, 300, [70])
+    sms = fatune.mask_spans._multiprocessors(keep.device)
+    assert fatune.mask_spans.scan_pieces(triton.cdiv(150, 32), 300, 128, sms) > 1  # key spans: rows of 300 keys
+    assert fatune.mask_spans.scan_pieces(triton.cdiv(300, 128), 150, 32, sms) > 1  # query spans: keys of 150 rows
+    q, k, v = _qkv(lq=150, lk=300, seed=stable_seed("pieces", kind))
     mask = keep if kind == "bool" else torch.randn(keep.shape, device=DEVICE).masked_fill(~keep, float("-inf"))
     run_and_compare(q, k, v, attn_mask=mask)
 
@@ -338,7 +394,8 @@ def test_tile_ranges_cover_every_visible_key_and_skip_the_mask_only_where_all_se
 
 
 def test_the_spans_kernel_compiles_for_sm90(tmp_path):
-    """The spans kernel as the GPU runs it (compiled, not interpreted), for a bool and two additive masks."""
+    """The spans kernel as the GPU runs it (compiled, not interpreted): one scan and a scan in pieces, for a bool and
+    two additive masks, and the join of the pieces' states."""
     from tests.test_codegen import _compile_in_subprocess
 
     script = (
@@ -346,14 +403,19 @@ def test_the_spans_kernel_compiles_for_sm90(tmp_path):
         "from triton.compiler import ASTSource\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from fatune.mask_spans import NO_SPAN, _jitted\n"
-        "for additive, pointer in ((False, '*u8'), (True, '*fp32'), (True, '*bf16')):\n"
-        "    signature = dict(MASK=pointer, OUT='*i32', **dict.fromkeys(('n_rows', 'n_cols', 'heads'), 'i32'),\n"
-        "                     **dict.fromkeys(('stride_mb', 'stride_mh', 'stride_mr', 'stride_mc'), 'i64'),\n"
-        "                     **dict.fromkeys(('stride_ob', 'stride_oh', 'stride_or'), 'i32'),\n"
-        "                     **dict.fromkeys(('ADDITIVE', 'FULL', 'NONE', 'BLOCK_R', 'BLOCK_C'), 'constexpr'))\n"
-        "    constants = dict(ADDITIVE=additive, FULL=not additive, NONE=NO_SPAN, BLOCK_R=32, BLOCK_C=128)\n"
+        "cases = [(pointer, additive, False, partial, 32, 128) for additive, pointer in\n"
+        "         ((False, '*u8'), (True, '*fp32'), (True, '*bf16')) for partial in (False, True)]\n"
+        "cases += [('*i32', False, True, False, 128, 1), ('*i32', True, True, False, 128, 1)]\n"
+        "for pointer, additive, join, partial, block_r, block_c in cases:\n"
+        "    signature = dict(SRC=pointer, OUT='*i32', **dict.fromkeys(('n_rows', 'n_cols', 'heads', 'piece'), 'i32'),\n"
+        "                     **dict.fromkeys(('stride_sb', 'stride_sh', 'stride_sr', 'stride_sc'), 'i64'),\n"
+        "                     **dict.fromkeys(('stride_ob', 'stride_oh', 'stride_or', 'stride_op'), 'i32'),\n"
+        "                     **dict.fromkeys(('ADDITIVE', 'FULL', 'JOIN', 'PARTIAL', 'NONE', 'BLOCK_R', 'BLOCK_C'),\n"
+        "                                     'constexpr'))\n"
+        "    constants = dict(ADDITIVE=additive and not join, FULL=not additive, JOIN=join, PARTIAL=partial, NONE=NO_SPAN,\n"
+        "                     BLOCK_R=block_r, BLOCK_C=block_c)\n"
         "    kernel = triton.compile(ASTSource(fn=_jitted(False), signature=signature, constexprs=constants),\n"
         "                            target=GPUTarget('cuda', 90, 32))\n"
         "    print(pointer, kernel.metadata.num_warps)\n"
     )
-    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 3
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 8
