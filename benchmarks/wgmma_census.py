@@ -1,8 +1,9 @@
 """Does a compiled kernel overlap its tensor-core products with its other work? Read from sm_90 cubins, no GPU.
 
-    python benchmarks/wgmma_census.py [--head-dims 64,128,256] [--dtype bfloat16] > census.md
+    python benchmarks/wgmma_census.py [--head-dims 64,128,256] [--dtype bfloat16] [--masks none,causal,bool] > census.md
 
-Each kernel of the Hopper heuristic (forward, dK/dV, dQ; causal and not) is compiled for sm_90 through
+Each kernel of the Hopper heuristic (forward, dK/dV, dQ; no mask, causal, and with --masks a boolean mask
+tensor) is compiled for sm_90 through
 `fatune.offline`, and its PTX read for two things: the most groups of asynchronous tensor-core products
 (wgmma) any `wgmma.wait_group N` leaves running, and how many exp2 instructions (the softmax) are issued
 while a product may still be pending (`fatune.offline.exp2_under_wgmma`, an upper bound over the paths).
@@ -54,20 +55,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--masks", default="none,causal", help="none, causal, bool (an attn_mask tensor), additive")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("wgmma_census.py compiles for sm_90: unset TRITON_INTERPRET")
-    print("| kernel | head dim | causal | config | wgmma | most groups past a wait | exp2 under a product | registers "
+    print("| kernel | head dim | mask | config | wgmma | most groups past a wait | exp2 under a product | registers "
           "| spill bytes | shared KiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for head_dim in (int(d) for d in args.head_dims.split(",")):
-        for causal in (False, True):
-            spec = KernelSpec(args.dtype, head_dim, causal=causal)
+        for mask in args.masks.split(","):
+            tensor = mask in ("bool", "additive")
+            spec = KernelSpec(args.dtype, head_dim, causal=mask == "causal", attn_mask=mask if tensor else "none")
             config = default_config(spec, (9, 0))
             config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))  # one plain launch
             for kernel in ("fwd", "dkdv", "dq"):
                 info = offline.compile_kernel(kernel, spec, config)
-                print(f"| {kernel} | {head_dim} | {'yes' if causal else 'no'} | {getattr(config, kernel)} | "
+                print(f"| {kernel} | {head_dim} | {mask} | {getattr(config, kernel)} | "
                       f"{'yes' if info.uses_wgmma else 'no'} | {info.wgmma_in_flight} | {info.exp2_under_wgmma} | {info.registers} | "
                       f"{info.spill_bytes} | {info.shared_bytes / 1024:.0f} |", flush=True)
     print(f"| control: TMA matmul 128x128x64/w8/s3 | – | – | – | yes | {control_in_flight()} | – | | | |")

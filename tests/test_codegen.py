@@ -153,7 +153,7 @@ def test_the_wgmma_census_tells_a_pipelined_product_chain_from_an_unpipelined_on
     rows = [line.split("|")[1:-1] for line in _compile_in_subprocess(script, tmp_path).splitlines()[2:]]
     kernels = [row for row in rows if not row[0].strip().startswith("control")]
     assert [(row[0].strip(), row[2].strip()) for row in kernels] == [
-        (kernel, causal) for causal in ("no", "yes") for kernel in ("fwd", "dkdv", "dq")]
+        (kernel, mask) for mask in ("none", "causal") for kernel in ("fwd", "dkdv", "dq")]
     assert all(row[4].strip() in ("yes", "no") and int(row[5]) >= 0 and int(row[6]) >= 0 and int(row[7]) > 0
                for row in kernels), rows
     (control,) = [row for row in rows if row[0].strip().startswith("control")]
