@@ -163,6 +163,8 @@ def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = No
     stride_c = mask.stride(col_dim) if mask.shape[col_dim] > 1 else 0
     block_r, block_c = (32, 128) if row_dim == 2 else (128, 32)  # the tile's long side along keys, often contiguous
     row_blocks = triton.cdiv(rows, block_r)
+    if pieces is not None and pieces < 1:
+        raise ValueError(f"pieces: expected a positive count or None (chosen by scan_pieces), got {pieces!r}")
     if pieces is None:
         pieces = scan_pieces(batch * heads * row_blocks, length, block_c, _multiprocessors(mask.device))
     piece = triton.cdiv(triton.cdiv(length, pieces), block_c) * block_c

@@ -122,6 +122,11 @@ def test_spans_scanned_in_pieces_match_one_scan(pieces, kind):
         assert torch.equal(spans(distinct, row_dim, length, pieces=pieces).long(), expected)
 
 
+def test_a_piece_count_below_one_is_refused_by_name():
+    with pytest.raises(ValueError, match="pieces: expected a positive count"):
+        spans(torch.ones(1, 1, 4, 4, dtype=torch.bool), 2, 4, pieces=0)
+
+
 def test_few_rows_to_summarise_are_scanned_in_pieces():
     """scan_pieces fills the GPU where the row blocks are few, never below MIN_PIECE_TILES column tiles a piece, and
     leaves a mask with many row blocks to one scan per row block."""
