@@ -78,8 +78,9 @@ def spans_kernel(SRC, OUT, n_rows, n_cols, heads, piece, stride_sb, stride_sh, s
             state = row_base + start * stride_sc
             run_first = tl.load(state, mask=row_ok, other=NONE)
             run_last = tl.load(state + 1, mask=row_ok, other=-1)
-            run_before = tl.load(state + 2, mask=row_ok, other=-1)
-            run_hidden = tl.load(state + 3, mask=row_ok, other=-1)
+            if FULL:
+                run_before = tl.load(state + 2, mask=row_ok, other=-1)
+                run_hidden = tl.load(state + 3, mask=row_ok, other=-1)
         else:  # one tile's columns
             cols = start + tl.arange(0, BLOCK_C)
             inside = row_ok[:, None] & (cols[None, :] < n_cols)
@@ -93,8 +94,9 @@ def spans_kernel(SRC, OUT, n_rows, n_cols, heads, piece, stride_sb, stride_sh, s
             index = cols[None, :] + tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
             run_first = tl.min(tl.where(seen, index, NONE), 1)
             run_last = tl.max(tl.where(seen, index, -1), 1)
-            run_before = tl.max(tl.where(hidden & (index < run_last[:, None]), index, -1), 1)
-            run_hidden = tl.max(tl.where(hidden, index, -1), 1)
+            if FULL:  # the full run's state: an additive mask has none
+                run_before = tl.max(tl.where(hidden & (index < run_last[:, None]), index, -1), 1)
+                run_hidden = tl.max(tl.where(hidden, index, -1), 1)
         first = tl.minimum(first, run_first)
         if FULL:
             last_hidden = tl.where(run_last >= 0, tl.maximum(max_hidden, run_before), last_hidden)
