@@ -281,6 +281,9 @@ GRID
           --only "causal formula,mask tensor" ${MS_ARGS:-} > "$OUT/mask-tensor-d$d.log" 2>&1
         grep -E "mask tensor|causal formula|step kernels" "$OUT/mask-tensor-d$d.log"
       done ;;
+    spans-probe)  # GPU time of the mask spans' scans per direction, grain and tile, beside torch's reductions
+      python3 benchmarks/spans_probe.py "$OUT/spans-probe.json" > "$OUT/spans-probe.log" 2>&1
+      grep -E "torch amax|both directions" "$OUT/spans-probe.log"; grep -c DIFFERENT "$OUT/spans-probe.log" ;;
     bench-masked)  # issue 12's cases through fatune bench at L = 2048, 8192, 32768 (BM_LENGTHS): windows 256/1024/4096,
       # key padding, packed documents 2/5/64 (Flex with a document mask), causal GQA 8:1; fatune vs Flex and SDPA
       for args in "--mask window --window 256" "--mask window --window 1024" "--mask window --window 4096" \

@@ -4,10 +4,12 @@ A window or a causal mask tells the kernels by formula which tiles hold no visib
 tensor does not. So a call's mask is first summarised as spans, SPAN int32 per index: per query row,
 over the keys it sees (KEY_SPANS: the forward and dQ kernels stream keys past a query tile); per key,
 over the query rows that see it (QUERY_SPANS: the dK/dV kernel streams queries past a key tile).
-[first, end) bounds everything the index sees; [full_first, full_end) is the run of visible entries
-that ends at its last one (boolean masks only). An index that sees nothing gets [NO_SPAN, 0) for
-both. A tile loop runs over the union of its rows' [first, end) only: every tile it skips holds
-masked scores alone (weight exp(-inf) = 0), so the results are the dense loop's; tiles inside every
+The mask is read in grains of GRAIN indices along the scan (the kernels' tiles are whole grains): [first, end)
+bounds the grains holding everything the index sees; [full_first, full_end) is a run of grains it sees in full,
+the one that ends at its last grain that sees something, or just before it (boolean masks only; a grain past
+the sequence's end counts its columns inside it only). Both end at the length at most. An index that sees
+nothing gets [NO_SPAN, 0) for both. A tile loop runs over the union of its rows' [first, end) only: every
+tile it skips holds masked scores alone (weight exp(-inf) = 0), so the results are the dense loop's; tiles inside every
 row's full run skip the boolean mask's load too, as Flex's full blocks skip its mask_mod. A
 prefix-LM or document mask given as a tensor so runs what is_causal or cu_seqlens would.
 
@@ -40,6 +42,10 @@ def compact(mask: torch.Tensor) -> torch.Tensor:
 
 
 SPAN = 4  # int32 per index: first, end (any visible), full_first, full_end (all visible)
+GRAIN = 16  # indices per grain: the kernels' tiles are 16 or more, powers of two
+# (BLOCK_R, BLOCK_C, num_warps) of a scan: along columns nearer in memory than rows (a query row's key spans of a
+# mask in its usual layout), a tile's columns are reduced; else (COLUMNWISE) BLOCK_C is GRAIN, folded elementwise
+TILES = {"rows": (8, 512, 4), "columns": (512, GRAIN, 4)}
 
 
 def layout(shape: tuple[int, ...], strides: tuple[int, ...], row_dim: int) -> tuple[int, int, int]:
@@ -51,27 +57,33 @@ def layout(shape: tuple[int, ...], strides: tuple[int, ...], row_dim: int) -> tu
     return tuple(stride if size > 1 else 0 for size, stride in zip(kept, inner))
 
 
-def spans_kernel(SRC, OUT, n_rows, n_cols, heads, piece, stride_sb, stride_sh, stride_sr, stride_sc, stride_ob,
+def spans_kernel(SRC, OUT, n_rows, n_cols, length, heads, piece, stride_sb, stride_sh, stride_sr, stride_sc, stride_ob,
                  stride_oh, stride_or, stride_op, ADDITIVE: tl.constexpr, FULL: tl.constexpr, JOIN: tl.constexpr,
-                 PARTIAL: tl.constexpr, NONE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Spans of BLOCK_R rows of one (batch, head) of a mask, scanning columns left to right: [first, end) of
-    the visible columns, and (FULL) [full_first, end), the visible run that ends at the last visible column:
-    full_first is one past the last hidden column before it. A row of the mask is a query row (key spans) or,
-    through swapped strides, a key (query spans). Visible: nonzero bytes, or (ADDITIVE) entries other than -inf.
+                 PARTIAL: tl.constexpr, NONE: tl.constexpr, GRAIN: tl.constexpr, COLUMNWISE: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Spans of BLOCK_R rows of one (batch, head) of a mask, scanning its `length` columns left to right in grains
+    of GRAIN: [first, end) of the grains with a visible column, and (FULL) [full_first, full_end), the run of grains
+    without a hidden column that ends at the last grain with a visible one (or just before it, where that grain
+    also hides one). A row of the mask is a query row (key spans) or, through swapped strides, a key (query spans).
+    Visible: nonzero bytes, or (ADDITIVE) entries other than -inf.
 
-    The scan's state, (first visible, last visible, last hidden before it, last hidden), summarises any run of
-    columns, and two runs' states join as a tile joins the state before it. PARTIAL: the program scans the
-    `piece` columns of piece program_id(2) and writes its state; JOIN: SRC holds those states, n_cols of them
-    per row (BLOCK_C = 1), and the program joins them in column order."""
+    The scan's state, in grains, (first visible, last visible, last hidden before it, last hidden), summarises any
+    run of columns, and two runs' states join as a tile joins the state before it. The last visible grain is kept
+    as 2 * grain + (1 if it hides nothing): the larger grain wins a join, and its fullness comes with it. PARTIAL:
+    the program scans the `piece` columns of piece program_id(2) and writes its state; JOIN: SRC holds those
+    states, n_cols of them per row (BLOCK_C = 1), and the program joins them in column order. COLUMNWISE (rows
+    nearer in memory than columns: a key's query spans): a grain's GRAIN columns are loaded one by one as vectors
+    along the rows and folded elementwise (BLOCK_C = GRAIN), where a tile's reduction along its columns would
+    cross threads."""
     b = (tl.program_id(0) // heads).to(tl.int64)
     h = (tl.program_id(0) % heads).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     row_base = SRC + b * stride_sb + h * stride_sh + rows.to(tl.int64) * stride_sr
     first = tl.full([BLOCK_R], NONE, tl.int32)
-    last_seen = tl.full([BLOCK_R], -1, tl.int32)  # the last visible column so far
-    last_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hidden column before last_seen
-    max_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hidden column so far
+    last_seen = tl.full([BLOCK_R], -1, tl.int32)  # the last visible grain so far (2 * grain + full)
+    last_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hiding grain before last_seen's
+    max_hidden = tl.full([BLOCK_R], -1, tl.int32)  # the last hiding grain so far
     begin = tl.program_id(2) * piece
     for start in range(begin, tl.minimum(begin + piece, n_cols), BLOCK_C):
         if JOIN:  # one piece's state
@@ -81,6 +93,25 @@ def spans_kernel(SRC, OUT, n_rows, n_cols, heads, piece, stride_sb, stride_sh, s
             if FULL:
                 run_before = tl.load(state + 2, mask=row_ok, other=-1)
                 run_hidden = tl.load(state + 3, mask=row_ok, other=-1)
+        elif COLUMNWISE:  # one grain's columns, one at a time
+            seen = tl.zeros([BLOCK_R], tl.int1)
+            hidden = tl.zeros([BLOCK_R], tl.int1)
+            for column in tl.static_range(GRAIN):
+                inside = row_ok & (start + column < n_cols)
+                offset = (tl.zeros([BLOCK_R], tl.int64) + start + column) * stride_sc  # 64-bit: a column of a long mask
+                entry = tl.load(row_base + offset, mask=inside, other=0)
+                if ADDITIVE:
+                    seen = seen | (inside & (entry != float("-inf")))
+                    hidden = hidden | (inside & (entry == float("-inf")))
+                else:
+                    seen = seen | (inside & (entry != 0))
+                    hidden = hidden | (inside & (entry == 0))
+            grain = start // GRAIN
+            run_first = tl.where(seen, grain, NONE)
+            run_last = tl.where(seen, 2 * grain + tl.where(hidden, 0, 1), -1)
+            if FULL:  # a grain has no hidden grain before its own
+                run_before = tl.full([BLOCK_R], -1, tl.int32)
+                run_hidden = tl.where(hidden, grain, -1)
         else:  # one tile's columns
             cols = start + tl.arange(0, BLOCK_C)
             inside = row_ok[:, None] & (cols[None, :] < n_cols)
@@ -91,11 +122,15 @@ def spans_kernel(SRC, OUT, n_rows, n_cols, heads, piece, stride_sb, stride_sh, s
             else:
                 seen = inside & (entry != 0)
                 hidden = inside & (entry == 0)
-            index = cols[None, :] + tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
+            if GRAIN > 1:  # per grain: any visible column, any hidden one
+                seen = tl.max(tl.reshape(seen.to(tl.int32), [BLOCK_R, BLOCK_C // GRAIN, GRAIN]), 2) > 0
+                hidden = tl.max(tl.reshape(hidden.to(tl.int32), [BLOCK_R, BLOCK_C // GRAIN, GRAIN]), 2) > 0
+            grain = start // GRAIN + tl.arange(0, BLOCK_C // GRAIN)
+            index = grain[None, :] + tl.zeros([BLOCK_R, BLOCK_C // GRAIN], tl.int32)
             run_first = tl.min(tl.where(seen, index, NONE), 1)
-            run_last = tl.max(tl.where(seen, index, -1), 1)
+            run_last = tl.max(tl.where(seen, 2 * index + tl.where(hidden, 0, 1), -1), 1)
             if FULL:  # the full run's state: an additive mask has none
-                run_before = tl.max(tl.where(hidden & (index < run_last[:, None]), index, -1), 1)
+                run_before = tl.max(tl.where(hidden & (index < (run_last >> 1)[:, None]), index, -1), 1)
                 run_hidden = tl.max(tl.where(hidden, index, -1), 1)
         first = tl.minimum(first, run_first)
         if FULL:
@@ -109,13 +144,15 @@ def spans_kernel(SRC, OUT, n_rows, n_cols, heads, piece, stride_sb, stride_sh, s
         tl.store(out + 1, last_seen, mask=row_ok)
         tl.store(out + 2, last_hidden, mask=row_ok)
         tl.store(out + 3, max_hidden, mask=row_ok)
-    else:
+    else:  # grains to indices
         any_seen = last_seen >= 0
-        tl.store(out, tl.where(any_seen, first, NONE), mask=row_ok)
-        tl.store(out + 1, tl.where(any_seen, last_seen + 1, 0), mask=row_ok)
+        end = tl.minimum(((last_seen >> 1) + 1) * GRAIN, length)
+        tl.store(out, tl.where(any_seen, tl.where(any_seen, first, 0) * GRAIN, NONE), mask=row_ok)
+        tl.store(out + 1, tl.where(any_seen, end, 0), mask=row_ok)
         if FULL:
-            tl.store(out + 2, tl.where(any_seen, last_hidden + 1, NONE), mask=row_ok)
-            tl.store(out + 3, tl.where(any_seen, last_seen + 1, 0), mask=row_ok)
+            full_end = tl.minimum(((last_seen >> 1) + (last_seen & 1)) * GRAIN, length)
+            tl.store(out + 2, tl.where(any_seen, (last_hidden + 1) * GRAIN, NONE), mask=row_ok)
+            tl.store(out + 3, tl.where(any_seen, full_end, 0), mask=row_ok)
         else:
             tl.store(out + 2, tl.full([BLOCK_R], NONE, tl.int32), mask=row_ok)
             tl.store(out + 3, tl.zeros([BLOCK_R], tl.int32), mask=row_ok)
@@ -163,7 +200,9 @@ def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = No
     if out.numel() == 0:
         return out
     stride_c = mask.stride(col_dim) if mask.shape[col_dim] > 1 else 0
-    block_r, block_c = (32, 128) if row_dim == 2 else (128, 32)  # the tile's long side along keys, often contiguous
+    columnwise = abs(stride_c) > abs(mask.stride(row_dim)) if mask.shape[row_dim] > 1 else False
+    block_r, block_c, warps = TILES["columns" if columnwise else "rows"]
+    block_c = GRAIN if columnwise else block_c
     row_blocks = triton.cdiv(rows, block_r)
     if pieces is not None and pieces < 1:
         raise ValueError(f"pieces: expected a positive count or None (chosen by scan_pieces), got {pieces!r}")
@@ -176,13 +215,15 @@ def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = No
     target = torch.empty(batch, heads, rows, pieces, SPAN, dtype=torch.int32, device=mask.device) if partial else out
     # (batch, head) pairs on the grid's first axis, of 2^31 programs
     kernel[(batch * heads, row_blocks, pieces)](
-        mask, target, rows, length, heads, piece, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
-        target.stride(0), target.stride(1), target.stride(2), target.stride(3) if partial else 0, ADDITIVE=additive,
-        FULL=not additive, JOIN=False, PARTIAL=partial, NONE=NO_SPAN, BLOCK_R=block_r, BLOCK_C=block_c)
+        mask, target, rows, length, length, heads, piece, mask.stride(0), mask.stride(1), mask.stride(row_dim),
+        stride_c, target.stride(0), target.stride(1), target.stride(2), target.stride(3) if partial else 0,
+        ADDITIVE=additive, FULL=not additive, JOIN=False, PARTIAL=partial, NONE=NO_SPAN, GRAIN=GRAIN,
+        COLUMNWISE=columnwise, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     if partial:  # the pieces' states joined, row by row
         kernel[(batch * heads, triton.cdiv(rows, JOIN_ROWS), 1)](
-            target, out, rows, pieces, heads, pieces, *target.stride()[:4], *out.stride()[:3], 0, ADDITIVE=False,
-            FULL=not additive, JOIN=True, PARTIAL=False, NONE=NO_SPAN, BLOCK_R=JOIN_ROWS, BLOCK_C=1)
+            target, out, rows, pieces, length, heads, pieces, *target.stride()[:4], *out.stride()[:3], 0,
+            ADDITIVE=False, FULL=not additive, JOIN=True, PARTIAL=False, NONE=NO_SPAN, GRAIN=GRAIN,
+            COLUMNWISE=False, BLOCK_R=JOIN_ROWS, BLOCK_C=1)
     return out
 
 

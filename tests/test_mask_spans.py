@@ -17,24 +17,32 @@ import fatune
 import fatune.mask_spans
 from fatune import launch
 from fatune.heuristics import INTERPRETER_CONFIG
-from fatune.mask_spans import NO_SPAN, PROGRAMS_PER_SM, SPAN, layout, mask_spans, scan_pieces, spans
+from fatune.mask_spans import GRAIN, NO_SPAN, PROGRAMS_PER_SM, SPAN, layout, mask_spans, scan_pieces, spans
 from tests.conftest import DEVICE, HAS_GPU
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
 F16 = torch.float16
 
 
-def _scan(seen: list[int], full: bool) -> list[int]:
-    """[first, end, full_first, full_end] of the visible indices `seen` (sorted): the run that ends at the last."""
+def _scan(keep: torch.Tensor, full: bool, grain: int) -> list[int]:
+    """[first, end, full_first, full_end] of one index's visible entries `keep` (1-d bool) in grains of `grain`:
+    the grains that see something, and the run of grains that see all, ending at the last grain that sees
+    something if that one sees all, else just before it."""
+    length = keep.numel()
+    grains = [keep[start:start + grain] for start in range(0, length, grain)]
+    seen = [index for index, part in enumerate(grains) if part.any()]
     if not seen:
         return [NO_SPAN, 0, NO_SPAN, 0]
-    start = len(seen) - 1
-    while full and start > 0 and seen[start - 1] == seen[start] - 1:
-        start -= 1
-    return [seen[0], seen[-1] + 1] + ([seen[start], seen[-1] + 1] if full else [NO_SPAN, 0])
+    last = seen[-1]
+    spans = [seen[0] * grain, min((last + 1) * grain, length)]
+    if not full:
+        return spans + [NO_SPAN, 0]
+    hiding = [index for index, part in enumerate(grains) if not part.all()]
+    before = max((index for index in hiding if index < last), default=-1)
+    return spans + [(before + 1) * grain, min((last + (last not in hiding)) * grain, length)]
 
 
-def brute_spans(keep: torch.Tensor, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def brute_spans(keep: torch.Tensor, full: bool, grain: int = GRAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """Spans per query row and per key of a (B, H, L_q, L_k) bool tensor, by scanning."""
     b, h, lq, lk = keep.shape
     rows = torch.empty(b, h, lq, SPAN, dtype=torch.int64)
@@ -42,10 +50,26 @@ def brute_spans(keep: torch.Tensor, full: bool) -> tuple[torch.Tensor, torch.Ten
     for index in range(b * h):
         i, j = divmod(index, h)
         for row in range(lq):
-            rows[i, j, row] = torch.tensor(_scan(keep[i, j, row].nonzero().flatten().tolist(), full))
+            rows[i, j, row] = torch.tensor(_scan(keep[i, j, row], full, grain))
         for col in range(lk):
-            cols[i, j, col] = torch.tensor(_scan(keep[i, j, :, col].nonzero().flatten().tolist(), full))
+            cols[i, j, col] = torch.tensor(_scan(keep[i, j, :, col], full, grain))
     return rows, cols
+
+
+def assert_spans_bound(spans: torch.Tensor, keep: torch.Tensor, full: bool) -> None:
+    """What the kernels rely on, checked apart from any scan: (B, H, n, SPAN) spans of `keep` (B, H, n, length)
+    hold every visible entry in [first, end), and only visible ones in [full_first, full_end); both start on a grain
+    and end on one or at the length."""
+    length = keep.shape[-1]
+    index = torch.arange(length)
+    first, end, full_first, full_end = (spans[..., i, None] for i in range(SPAN))
+    assert not (keep & ((index < first) | (index >= end))).any()
+    assert (keep.any(-1) == (end[..., 0] > 0)).all()
+    assert ((first % GRAIN == 0) | (first == NO_SPAN)).all() and ((end % GRAIN == 0) | (end == length)).all()
+    if full:
+        assert keep[((index >= full_first) & (index < full_end)).expand(keep.shape)].all()
+        assert ((full_first % GRAIN == 0) | (full_first == NO_SPAN)).all()
+        assert ((full_end % GRAIN == 0) | (full_end == length)).all()
 
 
 def as_seen_by_kernels(spans: torch.Tensor, strides: tuple[int, int, int], b: int, h: int, n: int) -> torch.Tensor:
@@ -60,17 +84,22 @@ def as_seen_by_kernels(spans: torch.Tensor, strides: tuple[int, int, int], b: in
     return out
 
 
-PROBLEM = (2, 3, 9, 11)  # B, H, L_q, L_k
+PROBLEM = (2, 3, 37, 45)  # B, H, L_q, L_k: grains of 16 and a ragged one each way
 # mask shapes that broadcast to PROBLEM: every dim alone, and as users pass them
-SPAN_SHAPES = [(2, 3, 9, 11), (2, 1, 1, 11), (9, 11), (1, 3, 9, 11), (2, 1, 9, 1), (11,), (2, 3, 1, 11),
+SPAN_SHAPES = [(2, 3, 37, 45), (2, 1, 1, 45), (37, 45), (1, 3, 37, 45), (2, 1, 37, 1), (45,), (2, 3, 1, 45),
                (1, 1, 1, 1)]
 
 
+@pytest.mark.parametrize("grain", [GRAIN, 1])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 @pytest.mark.parametrize("shape", SPAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_spans_match_a_scan_through_the_kernels_strides(shape, kind):
+def test_spans_match_a_scan_through_the_kernels_strides(shape, kind, grain, monkeypatch):
+    """Grains of GRAIN (as the kernels read spans) and of one index (exact spans: the same scan, finest)."""
+    monkeypatch.setattr(fatune.mask_spans, "GRAIN", grain)
     generator = torch.Generator().manual_seed(stable_seed(shape, kind))
+    # runs of visible entries over hidden gaps: grains that see all, some, and nothing
     keep = torch.rand(shape, generator=generator) < 0.6
+    keep |= torch.rand(shape[:-1] + (1,), generator=generator) < 0.4
     keep.view(-1)[:3] = False  # some rows and keys see nothing
     if kind == "bool":
         mask = keep
@@ -84,11 +113,14 @@ def test_spans_match_a_scan_through_the_kernels_strides(shape, kind):
         return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)).expand(PROBLEM)
 
     view = four_dims(mask)  # the call's broadcast view, whose strides the kernels get
-    expected_rows, expected_cols = brute_spans(four_dims(keep), full=kind == "bool")
+    expected_rows, expected_cols = brute_spans(four_dims(keep), full=kind == "bool", grain=grain)
     b, h, lq, lk = PROBLEM
-    assert torch.equal(as_seen_by_kernels(key_spans, layout(view.shape, view.stride(), 2), b, h, lq), expected_rows)
-    assert torch.equal(as_seen_by_kernels(query_spans, layout(view.shape, view.stride(), 3), b, h, lk),
-                       expected_cols)
+    rows = as_seen_by_kernels(key_spans, layout(view.shape, view.stride(), 2), b, h, lq)
+    cols = as_seen_by_kernels(query_spans, layout(view.shape, view.stride(), 3), b, h, lk)
+    assert torch.equal(rows, expected_rows) and torch.equal(cols, expected_cols)
+    if grain == GRAIN:
+        assert_spans_bound(rows, four_dims(keep), full=kind == "bool")
+        assert_spans_bound(cols, four_dims(keep).transpose(2, 3), full=kind == "bool")
 
 
 def _runs_mask(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -122,6 +154,20 @@ def test_spans_scanned_in_pieces_match_one_scan(pieces, kind):
         assert torch.equal(spans(distinct, row_dim, length, pieces=pieces).long(), expected)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_mask_in_either_memory_order_gets_the_same_spans(kind):
+    """A mask whose keys lie far apart (a transposed view) is scanned the other way round in each direction
+    (a tile's reduction along its rows, grains folded elementwise along its columns): the spans are the same."""
+    generator = torch.Generator().manual_seed(stable_seed("order", kind))
+    keep = _runs_mask(70, 300, generator)
+    mask = keep if kind == "bool" else torch.randn(keep.shape, generator=generator).masked_fill(~keep, float("-inf"))
+    transposed = mask.t().contiguous().t()[None, None]
+    assert transposed.stride()[2:] == (1, 70)
+    for row_dim, length in ((2, 300), (3, 70)):
+        assert torch.equal(spans(transposed, row_dim, length), spans(mask[None, None], row_dim, length))
+        assert torch.equal(spans(transposed, row_dim, length, pieces=3), spans(mask[None, None], row_dim, length))
+
+
 def test_a_piece_count_below_one_is_refused_by_name():
     with pytest.raises(ValueError, match="pieces: expected a positive count"):
         spans(torch.ones(1, 1, 4, 4, dtype=torch.bool), 2, 4, pieces=0)
@@ -138,9 +184,9 @@ def test_few_rows_to_summarise_are_scanned_in_pieces():
 
 def test_a_user_expanded_mask_is_summarised_once_per_distinct_row():
     """A (B, H, L_q, L_k) mask expanded by the user (stride 0 over heads and rows) costs one row's scan."""
-    row = torch.rand(2, 1, 1, 11) < 0.5
+    row = torch.rand(2, 1, 1, 45) < 0.5
     key_spans, query_spans = mask_spans(row.expand(PROBLEM), PROBLEM)
-    assert key_spans.shape == (2, 1, 1, SPAN) and query_spans.shape == (2, 1, 11, SPAN)
+    assert key_spans.shape == (2, 1, 1, SPAN) and query_spans.shape == (2, 1, 45, SPAN)
 
 
 # ------------------------------------------------------------------ the kernels with spans
@@ -399,28 +445,31 @@ def test_tile_ranges_cover_every_visible_key_and_skip_the_mask_only_where_all_se
 
 
 def test_the_spans_kernel_compiles_for_sm90(tmp_path):
-    """The spans kernel as the GPU runs it (compiled, not interpreted): one scan and a scan in pieces, for a bool and
-    two additive masks, and the join of the pieces' states."""
+    """The spans kernel as the GPU runs it (compiled, not interpreted): one scan and a scan in pieces, in both
+    directions' tiles, for a bool and two additive masks, and the join of the pieces' states."""
     from tests.test_codegen import _compile_in_subprocess
 
     script = (
         "import triton\n"
         "from triton.compiler import ASTSource\n"
         "from triton.backends.compiler import GPUTarget\n"
-        "from fatune.mask_spans import NO_SPAN, _jitted\n"
-        "cases = [(pointer, additive, False, partial, 32, 128) for additive, pointer in\n"
-        "         ((False, '*u8'), (True, '*fp32'), (True, '*bf16')) for partial in (False, True)]\n"
-        "cases += [('*i32', False, True, False, 128, 1), ('*i32', True, True, False, 128, 1)]\n"
-        "for pointer, additive, join, partial, block_r, block_c in cases:\n"
-        "    signature = dict(SRC=pointer, OUT='*i32', **dict.fromkeys(('n_rows', 'n_cols', 'heads', 'piece'), 'i32'),\n"
+        "from fatune.mask_spans import GRAIN, NO_SPAN, TILES, _jitted\n"
+        "cases = [(pointer, additive, False, partial, mode) for additive, pointer in\n"
+        "         ((False, '*u8'), (True, '*fp32'), (True, '*bf16')) for partial in (False, True) for mode in TILES]\n"
+        "cases += [('*i32', False, True, False, 'join'), ('*i32', True, True, False, 'join')]\n"
+        "for pointer, additive, join, partial, mode in cases:\n"
+        "    block_r, block_c, warps = TILES.get(mode, (128, 1, 4))\n"
+        "    block_c = GRAIN if mode == 'columns' else block_c\n"
+        "    signature = dict(SRC=pointer, OUT='*i32',\n"
+        "                     **dict.fromkeys(('n_rows', 'n_cols', 'length', 'heads', 'piece'), 'i32'),\n"
         "                     **dict.fromkeys(('stride_sb', 'stride_sh', 'stride_sr', 'stride_sc'), 'i64'),\n"
         "                     **dict.fromkeys(('stride_ob', 'stride_oh', 'stride_or', 'stride_op'), 'i32'),\n"
-        "                     **dict.fromkeys(('ADDITIVE', 'FULL', 'JOIN', 'PARTIAL', 'NONE', 'BLOCK_R', 'BLOCK_C'),\n"
-        "                                     'constexpr'))\n"
-        "    constants = dict(ADDITIVE=additive and not join, FULL=not additive, JOIN=join, PARTIAL=partial, NONE=NO_SPAN,\n"
-        "                     BLOCK_R=block_r, BLOCK_C=block_c)\n"
+        "                     **dict.fromkeys(('ADDITIVE', 'FULL', 'JOIN', 'PARTIAL', 'NONE', 'GRAIN', 'COLUMNWISE',\n"
+        "                                      'BLOCK_R', 'BLOCK_C'), 'constexpr'))\n"
+        "    constants = dict(ADDITIVE=additive and not join, FULL=not additive, JOIN=join, PARTIAL=partial,\n"
+        "                     NONE=NO_SPAN, GRAIN=GRAIN, COLUMNWISE=mode == 'columns', BLOCK_R=block_r, BLOCK_C=block_c)\n"
         "    kernel = triton.compile(ASTSource(fn=_jitted(False), signature=signature, constexprs=constants),\n"
-        "                            target=GPUTarget('cuda', 90, 32))\n"
+        "                            target=GPUTarget('cuda', 90, 32), options=dict(num_warps=warps))\n"
         "    print(pointer, kernel.metadata.num_warps)\n"
     )
-    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 8
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 14
