@@ -175,6 +175,9 @@ class KernelSpec:
             "HAS_LEFT": self.window_left,
             "HAS_BAND": has_right or self.window_left,
             "IS_CAUSAL": self.causal,
+            # the query tiles further down see more keys (a band's right edge; most mask tensors: causal, prefix
+            # LM, documents): the forward and dQ kernels launch them first, so the last wave is short
+            "LATE_ROWS_FIRST": bool(has_right) or self.attn_mask != "none",
             "BOTTOM_RIGHT": self.bottom_right,
             "MASK_KIND": self.attn_mask,
             "SEQLENS": self.seqlens,
