@@ -1,6 +1,7 @@
 """Masked, GQA and packed-sequence attention: fatune vs FlexAttention vs torch SDPA, one run (issue 12).
 
     python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--head-dim 128] [--quick] [--profile] [--only TEXT]
+        [--causal-config]
 
 bf16, D = 128 (--head-dim), H = 2048 / D. Cases: causal sliding windows (256, 1024, 4096 keys), GQA
 causal (H / 8 K/V heads), key padding (seqlens_k = L/2 and L/4), boolean attn_mask tensors (a
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="D; H = 2048 / D")
     parser.add_argument("--quick", action="store_true", help="one window and one document count")
     parser.add_argument("--profile", action="store_true", help="also GPU time per kernel of fatune's and Flex's steps")
+    parser.add_argument("--causal-config", action="store_true",
+                        help="mask-tensor cases also at the launch config that is_causal gets (fatune-causal-config)")
     parser.add_argument("--only", default="", help="the cases whose name contains one of these (comma-separated) texts")
     args = parser.parse_args()
     D = args.head_dim
@@ -168,8 +171,15 @@ def main() -> None:
             else:
                 def fatune_run(q_, k_, v_, kw=case["fatune"]):
                     return fatune.attention(q_, k_, v_, **kw)
-            runners = {"fatune": fatune_run,
-                       "flex": flex_runner(case["flex"], length, length, hkv != H, b)}
+            runners = {"fatune": fatune_run}
+            if args.causal_config and "attn_mask" in case["fatune"]:
+                # the mask tensor's kernels at the launch config is_causal gets for this shape (its tuned entry):
+                # what the tensor's own config (the heuristic's: mask tensors have no entries) costs
+                borrowed = fatune.explain(q, k, v, is_causal=True).decision.config
+                row["causal_config"] = str(borrowed)
+                runners["fatune-causal-config"] = functools.partial(fatune.attention, config=borrowed,
+                                                                    **case["fatune"])
+            runners["flex"] = flex_runner(case["flex"], length, length, hkv != H, b)
             if case["sdpa"] is not None:
                 backends = case.get("sdpa_backends", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
                 for backend in backends:
@@ -184,7 +194,7 @@ def main() -> None:
                         timing["max_abs_diff_vs_fatune"] = float((run(q, k, v).float() - ours).abs().max())
                 except Exception as error:  # noqa: BLE001 - a backend that cannot run a case is reported
                     timing = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
-                if args.profile and name in ("fatune", "flex") and "error" not in timing:
+                if args.profile and name.startswith(("fatune", "flex")) and "error" not in timing:
                     timing["step_kernels_us"] = kernel_times(functools.partial(step_once, run, *own))
                     print(f"    {name} step kernels (us): " + ", ".join(
                         f"{kernel[:40]} {us:.1f}" for kernel, us in timing["step_kernels_us"].items()), flush=True)
@@ -193,8 +203,8 @@ def main() -> None:
                     t.grad = None
             results.append(row)
             line = f"{case['name']:>28} L={length:<6}"
-            best_other = min((t["fwd_bwd_ms"] for n, t in row["impls"].items() if n != "fatune" and "fwd_bwd_ms" in t),
-                             default=math.nan)
+            best_other = min((t["fwd_bwd_ms"] for n, t in row["impls"].items()
+                              if not n.startswith("fatune") and "fwd_bwd_ms" in t), default=math.nan)
             for name, t in row["impls"].items():
                 line += f" | {name} " + (f"{t['fwd_ms']:.3f}/{t['fwd_bwd_ms']:.3f}" if "fwd_ms" in t else t["error"][:40])
                 if t.get("max_abs_diff_vs_fatune", 0.0) > DISAGREE:  # one of the two is wrong: say so
