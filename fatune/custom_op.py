@@ -1,7 +1,8 @@
 """fatune.attention as torch custom ops, so torch.compile(fullgraph=True) traces it without graph breaks.
 
-`fatune::attention_forward` returns (out, lse) and `fatune::attention_backward` the three
-gradients; both have fake (meta) implementations, and the backward is registered as the
+`fatune::attention_forward` returns (out, lse, a mask tensor's key spans: int32, empty without
+one, handed to the backward so that it does not scan the mask for them again) and
+`fatune::attention_backward` the three gradients; both have fake (meta) implementations, and the backward is registered as the
 forward's autograd formula. Nothing is decided while tracing: the ops' real
 implementations prepare their plan (checks, dispatch, kernel arguments; fatune.plans)
 when they run, so a compiled graph picks its configs per call shape, and `dynamic=True`
@@ -18,6 +19,7 @@ import torch
 
 from fatune import dropout, plans
 from fatune.launch import layout_like, lse_dtype
+from fatune.mask_spans import SPAN, compact
 from fatune.plans import Call
 from fatune.spec import KERNELS, AttentionConfig, LaunchConfig
 
@@ -50,32 +52,43 @@ def _lse_rows(q: Tensor, packed: bool) -> tuple:
     return (1, q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[1], q.shape[2])
 
 
+def _no_key_spans(q: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+    """The key-spans output where no kernel made them: shaped as the kernels' would be (fatune.mask_spans), empty
+    without a mask tensor."""
+    if attn_mask is None:
+        return q.new_empty((0,), dtype=torch.int32)
+    return q.new_zeros((*compact(attn_mask).shape[:3], SPAN), dtype=torch.int32)
+
+
 @torch.library.custom_op("fatune::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
                       seqlens_k: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                       seed: Optional[Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
                       enable_gqa: bool, window_left: int, window_right: int, causal_alignment: str,
                       max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], block_table: Optional[Tensor],
-                      config: list[int]) -> tuple[Tensor, Tensor]:
+                      config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     call = _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
                  enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table)
     prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
     if prepared.plan is None:
         out = plans.run_without_kernels(prepared, q, k, v, call)
-        return out, q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
-    return prepared.plan.forward(q, k, v, call.extras, seed)
+        lse = q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
+        return out, lse, _no_key_spans(q, attn_mask)
+    out, lse, key_spans = prepared.plan.forward_with_spans(q, k, v, call.extras, seed)
+    return out, lse, _no_key_spans(q, attn_mask) if key_spans is None else key_spans
 
 
 @attention_forward.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, seed, dropout_p, is_causal, scale,
       enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table, config):
     out = torch.empty_strided(*layout_like(q.shape, q.stride(), v.shape[-1]), dtype=q.dtype, device=q.device)
-    return out, q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
+    lse = q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
+    return out, lse, torch.empty_like(_no_key_spans(q, attn_mask))
 
 
 @torch.library.custom_op("fatune::attention_backward", mutates_args=())
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor], seqlens_k: Optional[Tensor],
+                       key_spans: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor], seqlens_k: Optional[Tensor],
                        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seed: Optional[Tensor],
                        dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, window_left: int,
                        window_right: int, causal_alignment: str, max_seqlen_q: Optional[int],
@@ -94,7 +107,8 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
             result = plans.run_without_kernels(prepared, *inputs, call)
             grads = torch.autograd.grad(result, inputs, grad_out, allow_unused=True)
         return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q, k, v)))
-    return prepared.plan.backward(grad_out, q, k, v, out, lse, call.extras, seed)
+    spans = key_spans if attn_mask is not None and key_spans.numel() else None  # none made: made again
+    return prepared.plan.backward(grad_out, q, k, v, out, lse, call.extras, seed, spans)
 
 
 @attention_backward.register_fake
@@ -118,9 +132,9 @@ _INPUTS = ("q", "k", "v", "attn_mask", "alibi_slopes", "seqlens_k", "cu_seqlens_
            "max_seqlen_q", "max_seqlen_k", "block_table", "config")
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, *ctx.rest)
+def _backward(ctx, grad_out, grad_lse, grad_key_spans):
+    q, k, v, out, lse, key_spans = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, key_spans, *ctx.rest)
     grads = {"q": dq, "k": dk, "v": dv}
     return tuple(grads.get(name) for name in _INPUTS)
 
@@ -132,9 +146,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConf
     """fatune.attention through the custom ops (what torch.compile traces)."""
     seed = dropout.draw_seed(q.device) if call.dropout_p > 0 else None
     window_left, window_right = (min(int(size), 2**62) for size in call.window_size)  # beyond any sequence
-    out, _ = attention_forward(q, k, v, call.attn_mask, call.alibi_slopes, call.seqlens_k, call.cu_seqlens_q,
-                               call.cu_seqlens_k, seed, float(call.dropout_p), bool(call.is_causal),
-                               None if call.scale is None else float(call.scale), bool(call.enable_gqa),
-                               window_left, window_right, call.causal_alignment or "", call.max_seqlen_q,
-                               call.max_seqlen_k, call.block_table, config_to_list(config))
+    out, _, _ = attention_forward(q, k, v, call.attn_mask, call.alibi_slopes, call.seqlens_k, call.cu_seqlens_q,
+                                  call.cu_seqlens_k, seed, float(call.dropout_p), bool(call.is_causal),
+                                  None if call.scale is None else float(call.scale), bool(call.enable_gqa),
+                                  window_left, window_right, call.causal_alignment or "", call.max_seqlen_q,
+                                  call.max_seqlen_k, call.block_table, config_to_list(config))
     return out

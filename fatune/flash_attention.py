@@ -30,9 +30,9 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, plan: Plan, extras: tuple):
         seed = dropout.draw_seed(query.device) if plan.uses_seed else None
-        out, lse = plan.forward(query, key, value, extras, seed)
+        out, lse, key_spans = plan.forward_with_spans(query, key, value, extras, seed)
         ctx.save_for_backward(query, key, value, out)
-        ctx.state = plan, lse, extras, seed  # LSE: not an input or output
+        ctx.state = plan, lse, extras, seed, key_spans  # LSE and a mask's key spans: not inputs or outputs
         return out
 
     @staticmethod
@@ -40,8 +40,9 @@ class _FlashAttention(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("fatune.attention: double backward (create_graph=True) is not supported")
         query, key, value, out = ctx.saved_tensors
-        plan, lse, extras, seed = ctx.state
-        grad_query, grad_key, grad_value = plan.backward(grad_out, query, key, value, out, lse, extras, seed)
+        plan, lse, extras, seed, key_spans = ctx.state
+        grad_query, grad_key, grad_value = plan.backward(grad_out, query, key, value, out, lse, extras, seed,
+                                                         key_spans)
         return grad_query, grad_key, grad_value, None, None
 
 

@@ -49,6 +49,7 @@ SLOTS = ("Q", "K", "V", "O", "LSE", "MASK", "ALIBI", "CU_Q", "CU_K", "SEQLENS_K"
 # order of a call's extras (the slots from MASK to BLOCK_TABLE)
 EXTRAS = ("attn_mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table")
 NO_EXTRAS = (None,) * len(EXTRAS)
+_KEY_SPANS_SLOT = SLOTS.index("KEY_SPANS")
 
 
 def new_buffer(shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -507,6 +508,12 @@ class Plan:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_with_spans(q, k, v, extras, seed)[:2]
+
+    def forward_with_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
+                           seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(out, lse, the mask tensor's key spans or None): the backward of the same call takes the key spans
+        back (`backward(..., key_spans=)`) instead of scanning the mask for them again."""
         launches = self._fwd
         if launches is None or launches[0].binary is None or self.splits > 1 or not self.on_device():
             return self._forward(q, k, v, extras, seed)  # the general path (and the first launch)
@@ -517,21 +524,22 @@ class Plan:
         stream = current_stream(self.device)
         for launch in launches:
             launch(slots, stream)
-        return out, lse
+        return out, lse, slots[_KEY_SPANS_SLOT]
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple,
-                 seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if not self.on_device():
             with torch.cuda.device(self.device):
                 return self._forward(q, k, v, extras, seed)
         config = self.config
         out, lse = self.allocate_forward()
+        slots = self.slots(q, k, v, out, lse, extras, seed)
         try:
-            self.run_forward(self.slots(q, k, v, out, lse, extras, seed))
+            self.run_forward(slots)
         except KernelBuildError as error:
             self.fall_back(error, config, q, k, v)
             return self._forward(q, k, v, extras, seed)
-        return out, lse
+        return out, lse, slots[_KEY_SPANS_SLOT]
 
     def fall_back(self, error: KernelBuildError, failed: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> None:
@@ -653,33 +661,39 @@ class Plan:
 
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, extras: tuple = NO_EXTRAS,
-                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seed: torch.Tensor | None = None, key_spans: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dQ, dK, dV. `key_spans`: the forward's of the same call (forward_with_spans), or None: made again."""
         if not self.on_device():
             with torch.cuda.device(self.device):
-                return self.backward(grad_out, q, k, v, out, lse, extras, seed)
+                return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
         if slice_offset(grad_out.shape, grad_out.stride(), 0 if self.packed else 2) > MAX_SLICE_OFFSET:
             # its rows lie too far apart for the kernels' int32 offsets: a copy in the output's layout, which fits
             grad_out = new_buffer(*self.out_layout, self.dtype, self.device).copy_(grad_out)
         atomic = self.adds_dq_atomically()
         launches = self.bwd_launches(grad_out, atomic)
         buffers = self.allocate_backward(atomic)
-        slots = self.slots(q, k, v, out, lse, extras, seed, backward=True) + (grad_out, *buffers)
+        slots = self.slots(q, k, v, out, lse, extras, seed, backward=True, key_spans=key_spans) + (grad_out, *buffers)
         config = self.config
         try:
             self.run_backward(slots, launches, self.beside())
         except KernelBuildError as error:  # O and LSE stand: any backward config takes them
             self.fall_back(error, config, q, k, v)
-            return self.backward(grad_out, q, k, v, out, lse, extras, seed)
+            return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
         return buffers[1:4]
 
     # -- arguments ---------------------------------------------------------------------------
 
-    def slots(self, q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None, backward: bool = False) -> tuple:
+    def slots(self, q, k, v, out, lse, extras: tuple, seed: torch.Tensor | None, backward: bool = False,
+              key_spans: torch.Tensor | None = None) -> tuple:
         """The forward slots (SLOTS up to SPLIT_COUNT; run_forward fills split-KV's); tensors the kernels
-        do not read are None. A mask's spans: the keys' for the forward, the queries' too for `backward`."""
+        do not read are None. A mask's spans: the keys' for the forward, the queries' too for `backward`
+        (`key_spans`: the forward's of the same call, else made here)."""
         if extras is NO_EXTRAS:
             return (q, k, v, out, lse, None, None, None, None, None, None, seed, None, None, None, None, None)
-        key_spans = query_spans = None
-        if extras[0] is not None:  # a mask tensor: the tiles its kernels skip (fatune.mask_spans), made per call
-            key_spans, query_spans = mask_spans(extras[0], self.problem.attn_mask.shape, backward)
+        query_spans = None
+        if extras[0] is None:
+            key_spans = None
+        else:  # a mask tensor: the tiles its kernels skip (fatune.mask_spans), made per call
+            key_spans, query_spans = mask_spans(extras[0], self.problem.attn_mask.shape, backward, key_spans)
         return (q, k, v, out, lse, *extras, seed, key_spans, query_spans, None, None, None)

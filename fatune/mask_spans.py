@@ -9,16 +9,16 @@ bounds the grains holding everything the index sees; [full_first, full_end) is a
 the one that ends at its last grain that sees something, or just before it (boolean masks only; a grain past
 the sequence's end counts its columns inside it only). Both end at the length at most. An index that sees
 nothing gets [NO_SPAN, 0) for both. A tile loop runs over the union of its rows' [first, end) only: every
-tile it skips holds masked scores alone (weight exp(-inf) = 0), so the results are the dense loop's; tiles inside every
-row's full run skip the boolean mask's load too, as Flex's full blocks skip its mask_mod. A
+tile it skips holds masked scores alone (weight exp(-inf) = 0), so the results are the dense loop's; tiles
+inside every row's full run skip the boolean mask's load too, as Flex's full blocks skip its mask_mod. A
 prefix-LM or document mask given as a tensor so runs what is_causal or cu_seqlens would.
 
 A Triton kernel makes them in one pass over the mask per direction (spans_kernel; where a mask has few
 rows to summarise, each row's scan is cut into pieces that run in parallel and are then joined), on the mask's
-device, in every call that runs kernels (the forward's key spans; the backward's key and query
-spans): a mask's memory can change without torch knowing (a compiled graph reuses a dead mask's
-buffer for the next one, numpy or another kernel writes it, a CUDA graph replays), so spans made
-for one call are never trusted in another.
+device, in every call that runs kernels (the forward's key spans, which its backward takes over; the
+backward's query spans): a mask's memory can change without torch knowing (a compiled graph reuses a
+dead mask's buffer for the next one, numpy or another kernel writes it, a CUDA graph replays), so spans
+made for one call are never trusted in another.
 """
 
 from __future__ import annotations
@@ -227,12 +227,14 @@ def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = No
     return out
 
 
-def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool = True,
+               key_spans: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(KEY_SPANS, QUERY_SPANS) of a call's attn_mask (bool or additive, broadcastable to `shape`, the call's
     (B, H, L_q, L_k)); QUERY_SPANS None unless `want_queries`. Each is contiguous (B', H', L', SPAN), B', H',
-    L' the mask's own sizes (1 where it broadcasts)."""
+    L' the mask's own sizes (1 where it broadcasts). `key_spans`: made earlier in the same call (the forward's,
+    for its backward), taken as they are."""
     distinct = compact(mask)
-    key_spans = spans(distinct, 2, shape[3])
+    if key_spans is None:
+        key_spans = spans(distinct, 2, shape[3])
     query_spans = spans(distinct, 3, shape[2]) if want_queries else None
     return key_spans, query_spans

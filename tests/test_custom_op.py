@@ -95,6 +95,12 @@ def test_custom_op_passes_torch_library_checks():
                 config)
         torch.library.opcheck(torch.ops.fatune.attention_forward.default, args,
                               test_utils=("test_schema", "test_faketensor"))
+    # mask tensors: the key spans the op returns for the backward, shaped by the mask's distinct rows (fake too)
+    for mask in (torch.rand(1, 1, 24, 24, device=DEVICE) < 0.7,
+                 (torch.rand(24, device=DEVICE) < 0.7).expand(1, 2, 24, 24), torch.randn(1, 2, 24, 24, device=DEVICE)):
+        args = (q, k, v, mask, None, None, None, None, None, 0.0, False, 0.25, False, -1, -1, "", None, None, None, [])
+        torch.library.opcheck(torch.ops.fatune.attention_forward.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
     # a paged cache: k and v as 3 pages of 16 keys, the block table naming two of them per sequence
     pages, table = torch.randn(3, 2, 16, 16, dtype=torch.float16, device=DEVICE), torch.tensor(
         [[2, 0]], dtype=torch.int32, device=DEVICE)

@@ -140,10 +140,11 @@ def _runs_mask(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 @pytest.mark.parametrize("pieces", [2, 3, 7])
-def test_spans_scanned_in_pieces_match_one_scan(pieces, kind):
+def test_spans_scanned_in_pieces_match_one_scan(pieces, kind, monkeypatch):
     """A row's scan cut into pieces (a mask with few rows to summarise on a large GPU) gives the spans of one scan:
     the join takes the last visible index from the last piece that sees one, and the last hidden one before it from
     that piece or any earlier one."""
+    monkeypatch.setitem(fatune.mask_spans.TILES, "rows", (16, 64, 4))  # as many pieces as asked, along 900 keys
     generator = torch.Generator().manual_seed(stable_seed(pieces, kind))
     keep = _runs_mask(70, 900, generator)
     mask = keep if kind == "bool" else torch.randn(keep.shape, generator=generator).masked_fill(~keep, float("-inf"))
@@ -166,6 +167,33 @@ def test_a_mask_in_either_memory_order_gets_the_same_spans(kind):
     for row_dim, length in ((2, 300), (3, 70)):
         assert torch.equal(spans(transposed, row_dim, length), spans(mask[None, None], row_dim, length))
         assert torch.equal(spans(transposed, row_dim, length, pieces=3), spans(mask[None, None], row_dim, length))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_backward_takes_the_forwards_key_spans(compiled, monkeypatch):
+    """A training step scans the mask once per direction: the backward reuses the key spans its forward made
+    and scans only for the query spans (eagerly and through the custom ops torch.compile traces), and its
+    gradients are the ones of a backward that makes its own."""
+    scans = []
+    real = fatune.mask_spans.spans
+    monkeypatch.setattr(fatune.mask_spans, "spans", lambda mask, row_dim, *rest, **kw: (
+        scans.append(row_dim), real(mask, row_dim, *rest, **kw))[1])
+    keep = prefix_lm(2, 40, 40, [9, 20])
+    q, k, v = (t.requires_grad_() for t in _qkv(lq=40, lk=40))
+    grad_out = torch.randn_like(q)
+    step = torch.compile(fatune.attention, fullgraph=True, backend="aot_eager") if compiled else fatune.attention
+    step(q, k, v, attn_mask=keep).backward(grad_out)
+    assert sorted(scans) == [2, 3]
+    reused = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    made_again = launch.mask_spans
+    monkeypatch.setattr(launch, "mask_spans", lambda mask, shape, want_queries=True, key_spans=None:
+                        made_again(mask, shape, want_queries))  # every scan made where it is used
+    scans.clear()
+    fatune.attention(q, k, v, attn_mask=keep).backward(grad_out)
+    assert sorted(scans) == [2, 2, 3]
+    assert all(torch.equal(a, t.grad) for a, t in zip(reused, (q, k, v)))
 
 
 def test_a_piece_count_below_one_is_refused_by_name():
@@ -258,10 +286,12 @@ def test_a_call_whose_spans_are_scanned_in_pieces(kind, poison_outputs, monkeypa
     """A whole call (forward and backward) with both directions' scans cut into pieces and joined, as a large GPU cuts
     them for a mask with few rows to summarise (pieces of one column tile here, to keep the interpreter quick)."""
     monkeypatch.setattr(fatune.mask_spans, "MIN_PIECE_TILES", 1)
+    monkeypatch.setitem(fatune.mask_spans.TILES, "rows", (16, 64, 4))  # tiles short enough to cut 300 keys
     keep = prefix_lm(1, 150, 300, [70])
     sms = fatune.mask_spans._multiprocessors(keep.device)
-    assert fatune.mask_spans.scan_pieces(triton.cdiv(150, 32), 300, 128, sms) > 1  # key spans: rows of 300 keys
-    assert fatune.mask_spans.scan_pieces(triton.cdiv(300, 128), 150, 32, sms) > 1  # query spans: keys of 150 rows
+    rows, columns = fatune.mask_spans.TILES["rows"], fatune.mask_spans.TILES["columns"]
+    assert fatune.mask_spans.scan_pieces(triton.cdiv(150, rows[0]), 300, rows[1], sms) > 1  # key spans: 300 keys
+    assert fatune.mask_spans.scan_pieces(triton.cdiv(300, columns[0]), 150, GRAIN, sms) > 1  # query spans: 150 rows
     q, k, v = _qkv(lq=150, lk=300, seed=stable_seed("pieces", kind))
     mask = keep if kind == "bool" else torch.randn(keep.shape, device=DEVICE).masked_fill(~keep, float("-inf"))
     run_and_compare(q, k, v, attn_mask=mask)
