@@ -2,8 +2,8 @@
 
 `fatune::attention_forward` returns (out, lse, a mask tensor's key spans: int32, empty without
 one, handed to the backward so that it does not scan the mask for them again) and
-`fatune::attention_backward` the three gradients; both have fake (meta) implementations, and the backward is registered as the
-forward's autograd formula. Nothing is decided while tracing: the ops' real
+`fatune::attention_backward` the three gradients; both have fake (meta) implementations, and
+the backward is registered as the forward's autograd formula. Nothing is decided while tracing: the ops' real
 implementations prepare their plan (checks, dispatch, kernel arguments; fatune.plans)
 when they run, so a compiled graph picks its configs per call shape, and `dynamic=True`
 does not recompile for a new sequence length. Eager calls do not come here: their
@@ -88,8 +88,8 @@ def _(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, s
 
 @torch.library.custom_op("fatune::attention_backward", mutates_args=())
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       key_spans: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor], seqlens_k: Optional[Tensor],
-                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seed: Optional[Tensor],
+                       key_spans: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                       seqlens_k: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seed: Optional[Tensor],
                        dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, window_left: int,
                        window_right: int, causal_alignment: str, max_seqlen_q: Optional[int],
                        max_seqlen_k: Optional[int], block_table: Optional[Tensor],
