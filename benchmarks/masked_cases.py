@@ -1,7 +1,7 @@
 """Masked, GQA and packed-sequence attention: fatune vs FlexAttention vs torch SDPA, one run (issue 12).
 
     python benchmarks/masked_cases.py OUT.json [--lengths 8192] [--head-dim 128] [--quick] [--profile] [--only TEXT]
-        [--causal-config]
+        [--causal-config] [--mask-configs "fwd F, dkdv K, dq Q; ..."]
 
 bf16, D = 128 (--head-dim), H = 2048 / D. Cases: causal sliding windows (256, 1024, 4096 keys), GQA
 causal (H / 8 K/V heads), key padding (seqlens_k = L/2 and L/4), boolean attn_mask tensors (a
@@ -132,6 +132,16 @@ def step_once(run, leaves, grad_out) -> None:
     run(*leaves).backward(grad_out)
 
 
+def mask_configs(text: str) -> list[fatune.AttentionConfig]:
+    """'fwd 64x64/w4/s2/t, dkdv 64x64/w8/s2/t, dq 128x64/w8/s3; ...' -> the AttentionConfigs."""
+    from fatune.spec import LaunchConfig
+    configs = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kernels = dict(field.split() for field in item.split(","))
+        configs.append(fatune.AttentionConfig(**{name: LaunchConfig.parse(value) for name, value in kernels.items()}))
+    return configs
+
+
 def main() -> None:
     from torch.nn.attention import SDPBackend
 
@@ -143,6 +153,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also GPU time per kernel of fatune's and Flex's steps")
     parser.add_argument("--causal-config", action="store_true",
                         help="mask-tensor cases also at the launch config that is_causal gets (fatune-causal-config)")
+    parser.add_argument("--mask-configs", default="", type=mask_configs,
+                        help="mask-tensor cases also at these launch configs (fatune@fwd/dkdv/dq): '; '-separated, "
+                             "each 'fwd F, dkdv K, dq Q' in LaunchConfig's text form")
     parser.add_argument("--only", default="", help="the cases whose name contains one of these (comma-separated) texts")
     args = parser.parse_args()
     D = args.head_dim
@@ -179,6 +192,9 @@ def main() -> None:
                 row["causal_config"] = str(borrowed)
                 runners["fatune-causal-config"] = functools.partial(fatune.attention, config=borrowed,
                                                                     **case["fatune"])
+            for config in args.mask_configs if "attn_mask" in case["fatune"] else ():
+                runners[f"fatune@{config.fwd}|{config.dkdv}|{config.dq}"] = functools.partial(
+                    fatune.attention, config=config, **case["fatune"])
             runners["flex"] = flex_runner(case["flex"], length, length, hkv != H, b)
             if case["sdpa"] is not None:
                 backends = case.get("sdpa_backends", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
