@@ -4,8 +4,9 @@ The GPU measurement is `fatune bench --overhead`; this script isolates what fatu
 costs on the host, on any machine: plans are built by the real code (in interpreter mode, so
 that CPU tensors get a kernel plan), then every `KernelLaunch` calls a no-op instead of Triton's C launcher. What is left
 is the Python path of a call: `attention()`, the plan lookup, the autograd.Function, the
-output allocations. The same loops with torch SDPA on tiny CPU tensors (its autograd node is
-C++) and with an empty autograd.Function give the baselines.
+output allocations; with a mask tensor, the Python of its spans (their scans' launches are no-ops too).
+The same loops with torch SDPA on tiny CPU tensors (its autograd node is C++) and with an empty
+autograd.Function give the baselines.
 
     PYTHONPATH=. python benchmarks/host_cost.py              # table: us per call, median of rounds
     PYTHONPATH=. python benchmarks/host_cost.py --profile    # + cProfile of the fatune step
@@ -31,7 +32,7 @@ if "--gpu-parts" not in sys.argv:
 import torch
 
 import fatune
-from fatune import launch
+from fatune import launch, mask_spans
 
 
 def _no_kernel(*args):
@@ -39,6 +40,17 @@ def _no_kernel(*args):
 
 
 _real_call = launch.KernelLaunch.__call__
+
+
+class _NoScan:
+    """fatune.mask_spans' jitted scan with a launch that does nothing (Triton's own launch path, not timed here)."""
+
+    def __getitem__(self, grid):
+        return _no_kernel_kwargs
+
+
+def _no_kernel_kwargs(*args, **kwargs):
+    return None
 
 
 def _launch_nothing(self, slots, stream):
@@ -70,6 +82,8 @@ def workloads(shape: tuple[int, int, int, int], sdpa_shape: tuple[int, int, int,
 
     (q, k, v), do = inputs(shape, True)
     plain = [t.detach() for t in (q, k, v)]
+    causal = torch.ones(shape[2], shape[2], dtype=torch.bool).tril().expand(shape[0], 1, shape[2], shape[2])
+    sdpa_causal = torch.ones(sdpa_shape[2], sdpa_shape[2], dtype=torch.bool).tril()
     (sq, sk, sv), sdo = inputs(sdpa_shape, True)
     splain = [t.detach() for t in (sq, sk, sv)]
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -86,6 +100,8 @@ def workloads(shape: tuple[int, int, int, int], sdpa_shape: tuple[int, int, int,
         "sdpa forward": lambda: sdpa(*splain, is_causal=True),
         "fatune step": step(lambda a, b, c: fatune.attention(a, b, c, is_causal=True), (q, k, v), do),
         "sdpa step": step(lambda a, b, c: sdpa(a, b, c, is_causal=True), (sq, sk, sv), sdo),
+        "fatune step, bool mask": step(lambda a, b, c: fatune.attention(a, b, c, attn_mask=causal), (q, k, v), do),
+        "sdpa step, bool mask": step(lambda a, b, c: sdpa(a, b, c, attn_mask=sdpa_causal), (sq, sk, sv), sdo),
         "empty Function step": step(_Empty.apply, (q, k, v), do),
     }
 
@@ -212,6 +228,7 @@ def main() -> None:
             print(f"{name:36} {value:7.2f} us")
         return
     launch.KernelLaunch.__call__ = _launch_nothing
+    mask_spans._jitted = lambda interpret: _NoScan()
     sdpa_shape = tuple(int(x) for x in args.sdpa_shape.split(","))
     torch.set_num_threads(1)
     if args.parts:
@@ -222,9 +239,9 @@ def main() -> None:
     times = measure(runs, args.calls, args.rounds)
     print(f"host cost per call, us (CPU, launches are no-ops; {args.rounds} rounds x {args.calls} calls; "
           f"the minimum is the least disturbed by other processes):")
-    print(f"  {'':22} {'min':>7} {'median':>7}")
+    print(f"  {'':24} {'min':>7} {'median':>7}")
     for name, values in times.items():
-        print(f"  {name:22} {min(values):7.2f} {statistics.median(values):7.2f}")
+        print(f"  {name:24} {min(values):7.2f} {statistics.median(values):7.2f}")
     best = {name: min(values) for name, values in times.items()}
     print(f"  fatune - sdpa (min): step {best['fatune step'] - best['sdpa step']:.2f} us, "
           f"forward {best['fatune forward'] - best['sdpa forward']:.2f} us; "

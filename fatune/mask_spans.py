@@ -36,9 +36,13 @@ NO_SPAN = 1 << 30  # an empty span's first index: past any sequence (kernel indi
 def compact(mask: torch.Tensor) -> torch.Tensor:
     """A call's attn_mask as 4 dims (leading ones added), each stride-0 dim narrowed to size 1: its distinct
     elements, which broadcast to the call's (B, H, L_q, L_k)."""
-    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    index = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.stride())
-    return mask[index]
+    if mask.dim() < 4:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    strides = mask.stride()
+    if 0 not in strides:
+        return mask
+    sizes = tuple(1 if stride == 0 else size for size, stride in zip(mask.shape, strides))
+    return mask.as_strided(sizes, strides)
 
 
 SPAN = 4  # int32 per index: first, end (any visible), full_first, full_end (all visible)
@@ -178,6 +182,11 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints (triton.cdiv is a constexpr function: ~2 us a call on the host, 9 calls a masked step)."""
+    return -(-a // b)
+
+
 def scan_pieces(programs: int, length: int, block_c: int, sms: int) -> int:
     """Pieces to cut each row's scan of `length` columns into, so that `programs` row blocks give `sms`
     multiprocessors PROGRAMS_PER_SM programs each where the columns allow (a mask broadcast over heads, or one
@@ -203,13 +212,13 @@ def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = No
     columnwise = abs(stride_c) > abs(mask.stride(row_dim)) if mask.shape[row_dim] > 1 else False
     block_r, block_c, warps = TILES["columns" if columnwise else "rows"]
     block_c = GRAIN if columnwise else block_c
-    row_blocks = triton.cdiv(rows, block_r)
+    row_blocks = _cdiv(rows, block_r)
     if pieces is not None and pieces < 1:
         raise ValueError(f"pieces: expected a positive count or None (chosen by scan_pieces), got {pieces!r}")
     if pieces is None:
         pieces = scan_pieces(batch * heads * row_blocks, length, block_c, _multiprocessors(mask.device))
-    piece = triton.cdiv(triton.cdiv(length, pieces), block_c) * block_c
-    pieces = triton.cdiv(length, piece) if length else 1
+    piece = _cdiv(_cdiv(length, pieces), block_c) * block_c
+    pieces = _cdiv(length, piece) if length else 1
     kernel = _jitted(os.environ.get("TRITON_INTERPRET", "0") == "1")
     partial = pieces > 1
     target = torch.empty(batch, heads, rows, pieces, SPAN, dtype=torch.int32, device=mask.device) if partial else out
@@ -220,7 +229,7 @@ def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = No
         ADDITIVE=additive, FULL=not additive, JOIN=False, PARTIAL=partial, NONE=NO_SPAN, GRAIN=GRAIN,
         COLUMNWISE=columnwise, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     if partial:  # the pieces' states joined, row by row
-        kernel[(batch * heads, triton.cdiv(rows, JOIN_ROWS), 1)](
+        kernel[(batch * heads, _cdiv(rows, JOIN_ROWS), 1)](
             target, out, rows, pieces, length, heads, pieces, *target.stride()[:4], *out.stride()[:3], 0,
             ADDITIVE=False, FULL=not additive, JOIN=True, PARTIAL=False, NONE=NO_SPAN, GRAIN=GRAIN,
             COLUMNWISE=False, BLOCK_R=JOIN_ROWS, BLOCK_C=1)

@@ -17,7 +17,7 @@ import fatune
 import fatune.mask_spans
 from fatune import launch
 from fatune.heuristics import INTERPRETER_CONFIG
-from fatune.mask_spans import GRAIN, NO_SPAN, PROGRAMS_PER_SM, SPAN, layout, mask_spans, scan_pieces, spans
+from fatune.mask_spans import GRAIN, NO_SPAN, PROGRAMS_PER_SM, SPAN, compact, layout, mask_spans, scan_pieces, spans
 from tests.conftest import DEVICE, HAS_GPU
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
@@ -194,6 +194,30 @@ def test_the_backward_takes_the_forwards_key_spans(compiled, monkeypatch):
     fatune.attention(q, k, v, attn_mask=keep).backward(grad_out)
     assert sorted(scans) == [2, 2, 3]
     assert all(torch.equal(a, t.grad) for a, t in zip(reused, (q, k, v)))
+
+
+_BASE = torch.arange(2 * 3 * 5 * 7).reshape(2, 3, 5, 7) % 3 == 0
+
+
+@pytest.mark.parametrize("mask, sizes", [
+    (_BASE, (2, 3, 5, 7)),                                        # no broadcast: the tensor itself
+    (_BASE[:, :1].expand(2, 3, 5, 7), (2, 1, 5, 7)),              # over heads
+    (_BASE[:1, :, :1].expand(2, 3, 5, 7), (1, 3, 1, 7)),          # over batch and queries (key padding)
+    (_BASE[0, 0], (1, 1, 5, 7)),                                  # 2-d
+    (_BASE[1], (1, 3, 5, 7)),                                     # 3-d, a storage offset
+    (_BASE[1, 2, :, 3:].expand(4, 2, 5, 4), (1, 1, 5, 4)),       # a sliced view broadcast over (B, H)
+    (_BASE.transpose(2, 3), (2, 3, 7, 5)),                        # keys before queries in memory
+    (_BASE[:, :, :0], (2, 3, 0, 7)),                              # empty
+], ids=["plain", "heads", "batch-queries", "2d", "3d-offset", "sliced-view", "transposed", "empty"])
+def test_compact_keeps_one_copy_of_each_distinct_element(mask, sizes):
+    """compact(): 4 dims, each broadcast (stride-0) dim narrowed to 1, the same storage, the same values."""
+    distinct = compact(mask)
+    assert tuple(distinct.shape) == sizes
+    assert 0 not in [stride for stride, size in zip(distinct.stride(), distinct.shape) if size > 1]
+    if mask.numel():
+        assert distinct.data_ptr() == mask.data_ptr()
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    assert torch.equal(distinct.expand(shape), mask.reshape(shape))
 
 
 def test_a_piece_count_below_one_is_refused_by_name():
