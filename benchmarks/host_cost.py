@@ -192,9 +192,24 @@ def gpu_parts(shape: tuple[int, int, int, int]) -> dict[str, float]:
             fn(q, k, v, is_causal=True).backward(do)
         return run
 
+    causal = torch.ones(shape[2], shape[2], dtype=torch.bool, device="cuda").tril().expand(shape[0], 1, shape[2],
+                                                                                         shape[2])
+    config = fatune.explain(q, k, v, attn_mask=causal).decision.config
+
+    def masked_step(**kwargs):
+        def run():
+            q.grad = k.grad = v.grad = None
+            fatune.attention(q, k, v, attn_mask=causal, **kwargs).backward(do)
+        return run
+
+    for _ in range(3):
+        masked_step()()
     pieces = {
         "fatune step": step(fatune.attention),
         "sdpa step": step(sdpa),
+        "fatune step, bool mask": masked_step(),
+        "fatune step, bool mask, config=": masked_step(config=config),
+        "  mask spans (both directions)": lambda: mask_spans.mask_spans(causal, (*shape[:3], shape[2])),
         "fatune forward (grad)": lambda: fatune.attention(q, k, v, is_causal=True),
         "sdpa forward (grad)": lambda: sdpa(q, k, v, is_causal=True),
         "  Plan.forward": lambda: plan.forward(q, k, v),
