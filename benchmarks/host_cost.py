@@ -35,7 +35,7 @@ import fatune
 from fatune import launch, mask_spans
 
 
-def _no_kernel(*args):
+def _no_kernel(*args, **kwargs):
     return None
 
 
@@ -46,11 +46,7 @@ class _NoScan:
     """fatune.mask_spans' jitted scan with a launch that does nothing (Triton's own launch path, not timed here)."""
 
     def __getitem__(self, grid):
-        return _no_kernel_kwargs
-
-
-def _no_kernel_kwargs(*args, **kwargs):
-    return None
+        return _no_kernel
 
 
 def _launch_nothing(self, slots, stream):

@@ -134,11 +134,10 @@ def step_once(run, leaves, grad_out) -> None:
 
 def mask_configs(text: str) -> list[fatune.AttentionConfig]:
     """'fwd 64x64/w4/s2/t, dkdv 64x64/w8/s2/t, dq 128x64/w8/s3; ...' -> the AttentionConfigs."""
-    from fatune.spec import LaunchConfig
     configs = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kernels = dict(field.split() for field in item.split(","))
-        configs.append(fatune.AttentionConfig(**{name: LaunchConfig.parse(value) for name, value in kernels.items()}))
+        configs.append(fatune.AttentionConfig(**{name: fatune.LaunchConfig.parse(value) for name, value in kernels.items()}))
     return configs
 
 
