@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, is_decode, label, problem_key
-from fatune.heuristics import Arch, decode_shares_sms, default_config
+from fatune.heuristics import Arch, decode_shares_sms, default_config, unpipelined
 from fatune.inputs import AttentionProblem
 from fatune.spec import AttentionConfig
 
@@ -47,9 +47,10 @@ class Decision:
     db_path: str | None = None
     entry: dict | None = field(default=None, hash=False, compare=False)
     skipped: tuple[str, ...] = ()  # entries passed over, and why
-    # a tuned entry's decision: the heuristic's config, which runs instead if the entry's kernels cannot be built
-    # on this GPU (fatune.launch.KernelBuildError: an untrusted DB costs speed, never the call)
-    heuristic: AttentionConfig | None = field(default=None, compare=False)
+    # the config that runs instead if this one's kernels cannot be built on this GPU (fatune.launch.KernelBuildError:
+    # an untrusted DB costs speed, never the call): a tuned entry's, the heuristic's; the heuristic's, its
+    # tiles unpipelined (heuristics.unpipelined); None where there is none
+    fallback: AttentionConfig | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         lines = [f"layer: {self.layer}", f"reason: {self.reason}"]
@@ -169,8 +170,9 @@ class Dispatcher:
                     entry, reason = found
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
                                      tuple(skipped), heuristic), skipped[0] if skipped else None)
+        last = unpipelined(heuristic)
         return (Decision(heuristic, "heuristic", f"no tuned entry matched; built-in heuristic for sm {arch}", None,
-                         None, tuple(skipped)), skipped[0] if skipped else None)
+                         None, tuple(skipped), None if last == heuristic else last), skipped[0] if skipped else None)
 
     def _layers(self, report) -> list[tuple[str, list[Path]]]:
         user = self.user_db

@@ -124,6 +124,15 @@ def concurrent_dq(spec: KernelSpec, arch: Arch, block_d: int, group: int) -> boo
     return arch[0] == 9 and plain_causal and group > 1 and 64 < block_d <= 128 and spec.dtype != "float32"
 
 
+def unpipelined(config: AttentionConfig) -> AttentionConfig:
+    """`config`'s tiles and structure, every kernel at one stage without a register cap: the last fallback
+    when the heuristic's own kernels cannot be built. Software pipelining and register caps are where the
+    compilers have crashed (ptxas 13 with SIGSEGV on dQ's pipelined key loop once Triton specialised
+    L_K = 1, at head dims 16-32 in fp16, session 21)."""
+    return config.replace(**{kernel: dataclasses.replace(getattr(config, kernel), num_stages=1, maxnreg=0)
+                             for kernel in ("fwd", "dkdv", "dq")})
+
+
 def default_config(spec: KernelSpec, arch: Arch | None, decode: bool = False,
                    shares_sms: bool = False, group: int = 1) -> AttentionConfig:
     """Heuristic config for `spec` on a GPU of compute capability `arch` (None: interpreter);

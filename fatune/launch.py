@@ -29,7 +29,7 @@ from triton.compiler import CompiledKernel
 
 from fatune import codegen, signature
 from fatune.dispatch import _warn, device_arch, sm_count
-from fatune.heuristics import default_config
+from fatune.heuristics import default_config, unpipelined
 from fatune.inputs import MAX_SLICE_OFFSET, AttentionProblem, slice_offset
 from fatune.mask_spans import layout as spans_layout
 from fatune.mask_spans import mask_spans
@@ -262,7 +262,8 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     partial results' int32 offsets can address: 1 past 2^30 output elements), TMA only on GPUs that
     have it and for tensors it can read (dK/dV's: the query's, and with the head-dim split K's and V's), and
     the backward's structure as it runs (fatune.spec.runnable_backward: atomic dQ of a kind that runs, TMA
-    reductions only on GPUs with TMA; the head-dim split only where its halves fill a tensor-core operand)."""
+    reductions only on GPUs with TMA; the head-dim split only where its halves fill a tensor-core operand), and
+    one stage for a kernel whose streamed loop runs once."""
     config = runnable_backward(config, problem.spec, tma_available(device))
     fwd = config.fwd
     pack = fwd.pack_gqa if problem.group_size > 1 else 0
@@ -284,7 +285,18 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     if config.dkdv.split_d == 2:  # the split also reads its resident K and V tiles through TMA
         dkdv_tma = dkdv_tma and all(tma_readable(t, seq_dim) for t in tensors[1:3])
     dkdv = dataclasses.replace(config.dkdv, tma=int(dkdv_tma))
-    return config if (resolved, dkdv) == (fwd, config.dkdv) else config.replace(fwd=resolved, dkdv=dkdv)
+    dq = config.dq
+    # a loop that runs once has nothing to pipeline (and ptxas 13 crashed compiling dQ's pipelined key loop
+    # once Triton had specialised L_K = 1): the forward and dQ stream key tiles, dK/dV query tiles
+    if problem.max_seqlen_k <= resolved.block_n:
+        resolved = dataclasses.replace(resolved, num_stages=1)
+    if problem.max_seqlen_k <= dq.block_n:
+        dq = dataclasses.replace(dq, num_stages=1)
+    if problem.max_seqlen_q <= dkdv.block_m:
+        dkdv = dataclasses.replace(dkdv, num_stages=1)
+    if (resolved, dkdv, dq) == (fwd, config.dkdv, config.dq):
+        return config
+    return config.replace(fwd=resolved, dkdv=dkdv, dq=dq)
 
 
 def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> list[AttentionConfig]:
@@ -545,18 +557,19 @@ class Plan:
                   v: torch.Tensor) -> None:
         """After `error` (the kernels of `failed`, this plan's config when they were launched, cannot be built
         here): switch this plan to its fallback config, said once per process, unless another thread has
-        already; raise `error` if there is none (a config passed by hand, strict mode, the fallback itself)."""
+        already; raise `error` if there is none (a config passed by hand, strict mode, the last fallback). A
+        tuned entry falls back to the heuristic's config, the heuristic's to the same tiles unpipelined."""
         with _FALL_BACK_LOCK:
             if self.config is not failed:
                 return  # switched by another thread meanwhile: the caller retries on the new config
             fallback = self.fallback
             if fallback is None or fallback == self.asked:
                 raise error
-            rebuilt = Plan(self.problem, fallback, self.device, q, k, v)
-            rebuilt.build_failure = (f"the tuned config {failed} cannot be built on this GPU ({error}): the "
-                                     f"heuristic's runs")
-            _warn(f"fatune: the tuned config {failed} cannot be built on this GPU ({error}); running the "
-                  f"heuristic's {fallback} for {self.spec.mask_variant} {self.spec.dtype} d{self.spec.head_dim}")
+            last = unpipelined(fallback)
+            rebuilt = Plan(self.problem, fallback, self.device, q, k, v, fallback=None if last == fallback else last)
+            rebuilt.build_failure = f"the config {failed} cannot be built on this GPU ({error}): {fallback} runs"
+            _warn(f"fatune: the config {failed} cannot be built on this GPU ({error}); running {fallback} for "
+                  f"{self.spec.mask_variant} {self.spec.dtype} d{self.spec.head_dim}")
             self.__dict__.update(rebuilt.__dict__)  # one step under the GIL: other threads see one plan or the other
 
     def run_forward(self, slots: tuple) -> None:

@@ -242,7 +242,7 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
         return Prepared("empty", reason="no keys or no queries", lengths=lengths)
     decision = dispatcher().decide(problem, device, config, strict)
     # strict mode promises the tuned entry or an error: no quiet fallback past it
-    plan = Plan(problem, decision.config, device, query, key, value, fallback=None if strict else decision.heuristic)
+    plan = Plan(problem, decision.config, device, query, key, value, fallback=None if strict else decision.fallback)
     return Prepared("kernels", plan, decision, decision.reason, lengths)
 
 

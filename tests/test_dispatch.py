@@ -3,6 +3,7 @@ and bad DBs: logged once, the next layer answers, strict mode raises."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -276,26 +277,76 @@ def _assert_matches_sdpa(q, k, v, out, grads):
     assert all(torch.allclose(g.double(), e, atol=2e-2) for g, e in zip(grads, expected_grads))
 
 
-@pytest.mark.parametrize("failing", ["attn_fwd", "attn_bwd"])
-def test_a_tuned_config_whose_kernels_cannot_be_built_here_runs_the_heuristic(tmp_path, monkeypatch, caplog, failing):
-    """A valid entry whose kernels Triton cannot build on this GPU (a compiler error, more shared memory than
-    it has: KernelBuildError at their first launch) costs speed: the heuristic's kernels run, said once."""
-    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))  # every kernel at 3 stages
-    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
-    ran = _failing_builds(monkeypatch, failing)
-    q, k, v = (torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+def _two_causal_steps(caplog) -> tuple[torch.Tensor, ...]:
+    """Two causal training steps at L=100 (matching SDPA), the first meeting a build failure: said once."""
+    q, k, v = (torch.randn(1, 4, 100, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
     with caplog.at_level(logging.WARNING, logger="fatune"):
         for _ in range(2):
             out = fatune.attention(q, k, v, is_causal=True)
             grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     _assert_matches_sdpa(q, k, v, out, grads)
-    assert any(name.startswith(failing) and stages == 1 for name, stages in ran)  # the heuristic's ran instead
-    assert any(name.startswith("attn_fwd") and stages == (1 if failing == "attn_fwd" else 3) for name, stages in ran)
     logged = [r.getMessage() for r in caplog.records if "cannot be built" in r.getMessage()]
     assert len(logged) == 1 and "PassManager" in logged[0], logged
+    return q, k, v
+
+
+@pytest.mark.parametrize("failing", ["attn_fwd", "attn_bwd"])
+def test_a_tuned_config_whose_kernels_cannot_be_built_here_runs_the_heuristic(tmp_path, monkeypatch, caplog, failing):
+    """A valid entry whose kernels Triton cannot build on this GPU (a compiler error, more shared memory than
+    it has: KernelBuildError at their first launch) costs speed: the heuristic's kernels run, said once."""
+    # every kernel at 3 stages; 100 rows and keys: more than one tile of each (a loop that runs once is unpipelined)
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=128, seqlen_k_bucket=128))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    ran = _failing_builds(monkeypatch, failing)
+    q, k, v = _two_causal_steps(caplog)
+    assert any(name.startswith(failing) and stages == 1 for name, stages in ran)  # the heuristic's ran instead
+    assert any(name.startswith("attn_fwd") and stages == (1 if failing == "attn_fwd" else 3) for name, stages in ran)
     explanation = fatune.explain(q, k, v, is_causal=True)
     assert explanation.decision.layer == "user-db" and "cannot be built" in explanation.reason
     assert explanation.launched.fwd.num_stages == 1
+
+
+@pytest.mark.parametrize("failing", ["attn_fwd", "attn_bwd_dq"])
+def test_heuristic_kernels_that_cannot_be_built_run_unpipelined(monkeypatch, caplog, failing):
+    """No tuned entry, and the heuristic's own kernels cannot be built here (ptxas crashed on a pipelined
+    dQ, session 21): its tiles run at one stage without a register cap, said once; the call still answers."""
+    from fatune import heuristics
+
+    pipelined = heuristics.INTERPRETER_CONFIG.replace(
+        **{kernel: dataclasses.replace(getattr(heuristics.INTERPRETER_CONFIG, kernel), num_stages=3)
+           for kernel in ("fwd", "dkdv", "dq")})
+    pipelined = pipelined.replace(dq=dataclasses.replace(pipelined.dq, maxnreg=128))
+    monkeypatch.setattr(dispatch, "default_config", lambda *args, **kwargs: pipelined)
+    use_dispatcher(monkeypatch, Dispatcher(user_db=None, shipped=[]))
+    monkeypatch.setattr(dispatch.Dispatcher, "_layers", lambda self, report: [])
+    ran = _failing_builds(monkeypatch, failing)
+    q, k, v = _two_causal_steps(caplog)
+    assert not any(name.startswith(failing) and stages == 3 for name, stages in ran)
+    assert any(name.startswith(failing) and stages == 1 for name, stages in ran)
+    explanation = fatune.explain(q, k, v, is_causal=True)
+    assert explanation.decision.layer == "heuristic" and "cannot be built" in explanation.reason
+    assert explanation.launched == heuristics.unpipelined(explanation.launched)
+    assert explanation.decision.fallback == heuristics.unpipelined(pipelined)
+
+
+def test_a_loop_that_runs_once_is_not_pipelined():
+    """A kernel whose streamed loop has one tile runs at one stage (nothing to overlap, and ptxas crashed on
+    dQ's pipelined single-key loop): the forward and dQ by keys, dK/dV by queries."""
+    from fatune import heuristics, launch
+
+    config = AttentionConfig(LaunchConfig(64, 64, num_stages=3), LaunchConfig(32, 128, num_stages=3),
+                             LaunchConfig(128, 64, num_stages=3, maxnreg=128))
+    cases = [((100, 100), (3, 3, 3)), ((100, 64), (1, 3, 1)), ((1, 1), (1, 1, 1)), ((32, 100), (3, 1, 3)),
+             ((33, 65), (3, 3, 3))]
+    for (seqlen_q, seqlen_k), stages in cases:
+        q = torch.randn(1, 2, seqlen_q, 64, dtype=torch.float16, device=DEVICE)
+        k = torch.randn(1, 2, seqlen_k, 64, dtype=torch.float16, device=DEVICE)
+        problem = fatune.plans.Call().check(q, k, k)
+        resolved = launch.resolve(config, problem, q.device, (q, k, k))
+        got = (resolved.fwd.num_stages, resolved.dkdv.num_stages, resolved.dq.num_stages)
+        assert got == stages, (seqlen_q, seqlen_k, got)
+        assert resolved.dq.maxnreg == 128
+    assert heuristics.unpipelined(config).dq == LaunchConfig(128, 64, num_stages=1)
 
 
 @pytest.mark.gpu
@@ -331,11 +382,11 @@ def test_gpu_a_tuned_config_that_cannot_be_built_runs_the_heuristic(tmp_path, mo
 def test_threads_that_share_a_plan_whose_kernels_cannot_be_built_all_fall_back(tmp_path, monkeypatch):
     """Two threads whose first calls both meet the build failure (one plan, cached): one switches the plan,
     the other sees it switched and runs on it; neither call fails."""
-    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=128, seqlen_k_bucket=128))
     use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
     both_failing = threading.Barrier(2, timeout=30)
     _failing_builds(monkeypatch, "attn_fwd", before_raising=both_failing.wait)
-    q, k, v = (torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, 100, 64, dtype=torch.float16, device=DEVICE) for _ in range(3))
     fatune.explain(q, k, v, is_causal=True)  # the plan, cached before either thread starts
     results, errors = [None, None], []
 
@@ -359,10 +410,10 @@ def test_strict_mode_raises_when_the_tuned_kernels_cannot_be_built(tmp_path, mon
     """strict=True promises the tuned entry or an error: no quiet fallback past it."""
     from fatune import launch
 
-    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))
+    path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=128, seqlen_k_bucket=128))
     use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
     _failing_builds(monkeypatch, "attn_fwd")
-    q = torch.randn(1, 4, 50, 64, dtype=torch.float16, device=DEVICE)
+    q = torch.randn(1, 4, 100, 64, dtype=torch.float16, device=DEVICE)
     with pytest.raises(launch.KernelBuildError, match="PassManager"):
         fatune.attention(q, q, q, is_causal=True, strict=True)
 
