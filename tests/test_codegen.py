@@ -211,8 +211,32 @@ def test_hopper_variants_render(spec, tag):
     fwd = config.fwd
     assert source.count("tl.make_tensor_descriptor(") == (3 - fwd.pack_gqa if fwd.tma else 0)
     assert "        return\n" in source  # the early exit of tiles past the sequence
-    # the left-edge loop: a window, or a boolean mask's tiles that some row does not see in full
-    assert source.count("acc, l_i, m_i = attend_key_tiles(") == 2 + bool(spec.window_left or spec.attn_mask == "bool")
+    # the left-edge loop: a window, or a boolean mask's tiles that some row does not see in full (without a band
+    # or pages, in the same loop as those at the right edge: one copy of the masked code)
+    two_ranges = spec.attn_mask == "bool" and not (spec.causal or spec.window_left or spec.window_right or spec.paged)
+    assert source.count("acc, l_i, m_i = attend_key_tiles(") == (
+        2 + bool(spec.window_left or spec.attn_mask == "bool") - two_ranges)
+    assert ("for tile in range(0, first_tiles + " in source) == two_ranges
+
+
+@pytest.mark.parametrize("spec, loops", [
+    # (dK/dV's query-tile loops, dQ's key-tile loops)
+    (KernelSpec("bfloat16", 128, attn_mask="bool"), (2, 2)),  # masked tiles on both sides of the full ones: one loop
+    (KernelSpec("float16", 40, 24, attn_mask="bool", seqlens="varlen", alibi=True, dropout=True), (2, 2)),
+    (KernelSpec("bfloat16", 128, attn_mask="bool", causal=True), (3, 3)),  # with a band: a loop per edge
+    (KernelSpec("bfloat16", 64, attn_mask="bool", window_left=True, window_right=True), (3, 3)),
+    (KernelSpec("bfloat16", 128, attn_mask="additive"), (1, 2)),  # dQ's last loop: the ragged end of K
+    (KernelSpec("bfloat16", 128, causal=True), (2, 2)),
+], ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else _spec_id(value))
+def test_backward_masked_loops(spec, loops):
+    """dK/dV's query-tile loops and dQ's key-tile loops: a boolean mask without a band runs its masked tiles, on
+    either side of the full ones, in one loop (one copy of the masked code), then the full ones unmasked."""
+    source = codegen.render("bwd", spec, default_config(spec, (9, 0)))
+    kernels = {name: source.split(f"def {name}(")[-1].split("\n@triton.jit")[0] for name in ("attn_bwd_dkdv", "attn_bwd_dq")}
+    assert (kernels["attn_bwd_dkdv"].count("= accumulate_query_tiles("),
+            kernels["attn_bwd_dq"].count("= accumulate_key_tiles(")) == loops
+    two_ranges = spec.attn_mask == "bool" and loops == (2, 2)
+    assert source.count("for tile in range(0, first_tiles + ") == 2 * two_ranges
 
 
 def _compile_variants_for_sm90(cases: list, kernel: str, checks: str, tmp_path) -> None:
