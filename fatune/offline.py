@@ -83,10 +83,12 @@ def _cuobjdump() -> str:
 
 
 def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0),
-                   maxnreg: int | None = None, mask_dtype: str | None = None) -> CompiledKernel:
+                   maxnreg: int | None = None, mask_dtype: str | None = None,
+                   lengths_of_one: tuple[str, ...] = ()) -> CompiledKernel:
     """Compile `kernel` ('fwd', 'dkdv', 'dq', or atomic dQ's 'prep' and 'dq_store') for CUDA compute
     capability `arch`, its registers capped at `maxnreg` per thread if given, an additive mask of Triton type
-    `mask_dtype` ("fp32"; default: the inputs'); raises on failure."""
+    `mask_dtype` ("fp32"; default: the inputs'), the lengths named in `lengths_of_one` ("L_Q", "L_K") equal to
+    1 (Triton then specialises them as constants); raises on failure."""
     if kernel not in _KERNEL_FUNCTIONS:
         raise ValueError(f"kernel: expected one of {sorted(_KERNEL_FUNCTIONS)}, got {kernel!r}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -100,6 +102,11 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     if config.fwd.num_splits == 1:  # no split-KV: its buffers are not passed
         absent |= {"O_PART", "LSE_PART", "SPLIT_COUNT"}
     types, attrs, constexprs = _signature(function_name, spec, absent, mask_dtype)
+    for name in lengths_of_one:
+        if name not in ("L_Q", "L_K"):
+            raise ValueError(f"lengths_of_one: expected names among ('L_Q', 'L_K'), got {name!r}")
+        attrs.pop((list(types).index(name),), None)
+        types[name], constexprs[name] = "constexpr", 1
     source = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
     options = (launch if maxnreg is None else dataclasses.replace(launch, maxnreg=maxnreg)).compile_options

@@ -265,6 +265,26 @@ def test_hopper_variants_compile_for_sm90(tmp_path):
         "    assert info.num_warps == config.fwd.num_warps, (spec, tag, info)\n"), tmp_path)
 
 
+def test_one_query_and_one_key_compile_as_launched_for_sm90(tmp_path):
+    """A length of 1 is a constant to Triton. ptxas (CUDA 13) crashed compiling the heuristic's dQ kernel at fp16
+    d16 with its single-tile key loop pipelined (the random calls, session 21): resolve() launches such a loop
+    unpipelined, and that compiles, as do the forward and dK/dV of the same call."""
+    script = (
+        "import torch\n"
+        "from fatune import launch, offline\n"
+        "from fatune.heuristics import default_config\n"
+        "from fatune.plans import Call\n"
+        "q = torch.empty(3, 9, 1, 16, dtype=torch.float16)\n"
+        "k = torch.empty(3, 3, 1, 16, dtype=torch.float16)\n"
+        "problem = Call(seqlens_k=torch.ones(3, dtype=torch.int32), enable_gqa=True).check(q, k, k)\n"
+        "config = launch.resolve(default_config(problem.spec, (9, 0)), problem, q.device, (q, k, k))\n"
+        "assert config.dq.num_stages == config.dkdv.num_stages == config.fwd.num_stages == 1, config\n"
+        "for kernel in ('fwd', 'dkdv', 'dq'):\n"
+        "    print(kernel, offline.compile_kernel(kernel, problem.spec, config, lengths_of_one=('L_Q', 'L_K')))\n"
+    )
+    assert len(_compile_in_subprocess(script, tmp_path).splitlines()) == 3
+
+
 # backward with dQ added by TMA reductions: (spec, dK/dV config)
 TMA_DQ_COMPILE_CASES = [
     (KernelSpec("bfloat16", 128, causal=True), "64x128/w8/s2/a2"),
