@@ -287,12 +287,15 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     dkdv = dataclasses.replace(config.dkdv, tma=int(dkdv_tma))
     dq = config.dq
     # a loop that runs once has nothing to pipeline (and ptxas 13 crashed compiling dQ's pipelined key loop
-    # once Triton had specialised L_K = 1): the forward and dQ stream key tiles, dK/dV query tiles
-    if problem.max_seqlen_k <= resolved.block_n:
+    # once Triton had specialised L_K = 1): the forward and dQ stream key tiles, dK/dV query tiles. Packed
+    # sequences: max_seqlen_* is the caller's bound, the kernels' L_Q / L_K the total, each sequence within both
+    keys = min(problem.max_seqlen_k, problem.seqlen_k)
+    queries = min(problem.max_seqlen_q, problem.seqlen_q)
+    if keys <= resolved.block_n:
         resolved = dataclasses.replace(resolved, num_stages=1)
-    if problem.max_seqlen_k <= dq.block_n:
+    if keys <= dq.block_n:
         dq = dataclasses.replace(dq, num_stages=1)
-    if problem.max_seqlen_q <= dkdv.block_m:
+    if queries <= dkdv.block_m:
         dkdv = dataclasses.replace(dkdv, num_stages=1)
     if (resolved, dkdv, dq) == (fwd, config.dkdv, config.dq):
         return config
@@ -302,7 +305,8 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
 def resolutions(config: AttentionConfig, spec: KernelSpec, grouped: bool) -> list[AttentionConfig]:
     """Every config `resolve` (and the backward, for its dO) can turn `config` into for calls of `spec` (with
     GQA groups or not), whatever their tensors and GPU: key splits chosen (one, or several) when 0, TMA kept
-    or dropped, atomic dQ as asked or lowered; in a fixed order. (torch's deterministic mode, which swaps
+    or dropped, atomic dQ as asked or lowered; in a fixed order. Not the one-stage kernels of calls whose loops
+    run once: they render the same source but for the config named in its header. (torch's deterministic mode, which swaps
     atomic dQ for the dQ kernel, is the caller's choice, not part of what a tuned config was measured as.)"""
     fwd = config.fwd
     fwds = {dataclasses.replace(fwd, pack_gqa=fwd.pack_gqa if grouped else 0, num_splits=splits, tma=tma)
@@ -563,8 +567,12 @@ class Plan:
             if self.config is not failed:
                 return  # switched by another thread meanwhile: the caller retries on the new config
             fallback = self.fallback
-            if fallback is None or fallback == self.asked:
+            if fallback is None:
                 raise error
+            if fallback == self.asked:  # a tuned entry that is the heuristic's config: the next step
+                fallback = unpipelined(fallback)
+                if fallback == self.asked:
+                    raise error
             last = unpipelined(fallback)
             rebuilt = Plan(self.problem, fallback, self.device, q, k, v, fallback=None if last == fallback else last)
             rebuilt.build_failure = f"the config {failed} cannot be built on this GPU ({error}): {fallback} runs"
