@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, is_decode, label, problem_key
-from fatune.heuristics import Arch, decode_shares_sms, default_config, unpipelined
+from fatune.heuristics import Arch, decode_shares_sms, default_config
 from fatune.inputs import AttentionProblem
 from fatune.spec import AttentionConfig
 
@@ -48,8 +48,8 @@ class Decision:
     entry: dict | None = field(default=None, hash=False, compare=False)
     skipped: tuple[str, ...] = ()  # entries passed over, and why
     # the config that runs instead if this one's kernels cannot be built on this GPU (fatune.launch.KernelBuildError:
-    # an untrusted DB costs speed, never the call): a tuned entry's, the heuristic's; the heuristic's, its
-    # tiles unpipelined (heuristics.unpipelined); None where there is none
+    # an untrusted DB costs speed, never the call): the heuristic's, for a tuned entry and the heuristic alike
+    # (where it is the config that failed, Plan.fall_back runs its tiles unpipelined); None: no fallback
     fallback: AttentionConfig | None = field(default=None, compare=False)
 
     def describe(self) -> str:
@@ -170,9 +170,8 @@ class Dispatcher:
                     entry, reason = found
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
                                      tuple(skipped), heuristic), skipped[0] if skipped else None)
-        last = unpipelined(heuristic)
         return (Decision(heuristic, "heuristic", f"no tuned entry matched; built-in heuristic for sm {arch}", None,
-                         None, tuple(skipped), None if last == heuristic else last), skipped[0] if skipped else None)
+                         None, tuple(skipped), heuristic), skipped[0] if skipped else None)
 
     def _layers(self, report) -> list[tuple[str, list[Path]]]:
         user = self.user_db

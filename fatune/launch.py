@@ -569,7 +569,7 @@ class Plan:
             fallback = self.fallback
             if fallback is None:
                 raise error
-            if fallback == self.asked:  # a tuned entry that is the heuristic's config: the next step
+            if fallback == self.asked:  # the heuristic's config failed (or a tuned entry that is it): its tiles
                 fallback = unpipelined(fallback)
                 if fallback == self.asked:
                     raise error
