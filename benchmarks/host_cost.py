@@ -11,6 +11,7 @@ autograd.Function give the baselines.
     PYTHONPATH=. python benchmarks/host_cost.py              # table: us per call, median of rounds
     PYTHONPATH=. python benchmarks/host_cost.py --profile    # + cProfile of the fatune step
     PYTHONPATH=. python benchmarks/host_cost.py --gpu-parts  # on a GPU: the pieces with real launches
+    PYTHONPATH=. python benchmarks/host_cost.py --gpu-parts --profile  # + cProfile of a bool-mask step there
 
 Not measured here (GPU only): `torch._C._cuda_getDevice()`, the current-stream lookup and
 the C launcher calls; CPU allocations stand in for the CUDA caching allocator's.
@@ -223,6 +224,29 @@ def gpu_parts(shape: tuple[int, int, int, int]) -> dict[str, float]:
     return results
 
 
+def gpu_profile(shape: tuple[int, int, int, int], calls: int) -> None:
+    """cProfile of a training step with a boolean causal mask on a CUDA GPU, real launches (by own time)."""
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    causal = torch.ones(shape[2], shape[2], dtype=torch.bool, device="cuda").tril().expand(shape[0], 1, shape[2],
+                                                                                         shape[2])
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fatune.attention(q, k, v, attn_mask=causal).backward(do)
+
+    for _ in range(200):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=5000)
@@ -237,6 +261,8 @@ def main() -> None:
     if args.gpu_parts:
         for name, value in gpu_parts(shape).items():
             print(f"{name:36} {value:7.2f} us")
+        if args.profile:
+            gpu_profile(shape, min(args.calls, 2000))
         return
     launch.KernelLaunch.__call__ = _launch_nothing
     mask_spans._jitted = lambda interpret: _NoScan()

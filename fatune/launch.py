@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import triton
-from triton import knobs
 from triton.compiler import CompiledKernel
 
 from fatune import codegen, signature
+from fatune.direct_launch import RUNTIME, direct_launcher, hooks_active
 from fatune.dispatch import _warn, device_arch, sm_count
 from fatune.heuristics import default_config, unpipelined
 from fatune.inputs import MAX_SLICE_OFFSET, AttentionProblem, slice_offset
@@ -102,34 +102,6 @@ def bhld_strides(strides: Sequence[int], packed: bool) -> tuple[int, ...]:
     return (0, strides[1], strides[0], strides[2]) if packed else tuple(strides)
 
 
-_RUNTIME = knobs.runtime
-
-
-def _launch_hooks_active() -> bool:
-    return bool(_RUNTIME.launch_enter_hook.calls or _RUNTIME.launch_exit_hook.calls)
-
-
-def _direct_launcher(binary: CompiledKernel) -> tuple[Callable, tuple, int] | None:
-    """Triton's C launch function, the arguments it takes between the stream and the kernel's own,
-    and the global scratch bytes each program needs (0 for most kernels).
-
-    That is what `binary.run(...)` ends in, minus a Python frame that repacks ~50 arguments;
-    only on launchers of that shape (Triton 3.4+ on CUDA) and for kernels without profiler
-    scratch; None otherwise, and the launch goes through `binary.run`. The global scratch
-    (where TMA kernels build their tensor descriptors) sits at index 3 of the middle
-    arguments: KernelLaunch allocates it per launch, as `binary.run` does through Triton's
-    allocator.
-    """
-    launcher = binary.run
-    names = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size",
-             "num_ctas")
-    if not all(hasattr(launcher, name) for name in names) or launcher.profile_scratch_size:
-        return None
-    return launcher.launch, (binary.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                             binary.packed_metadata, None, None, None), \
-        launcher.global_scratch_size * launcher.num_ctas
-
-
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the per-row LSE (log2 units) the forward stores for inputs of `dtype`: float64 for float32
     inputs, float32 otherwise (fatune.spec.lse_dtype_name)."""
@@ -178,8 +150,8 @@ class KernelLaunch:
 
     def __call__(self, slots: tuple, stream: int | None) -> None:
         direct = self.direct
-        if direct is not None and not _compile_only and not (_RUNTIME.launch_enter_hook.calls or
-                                                             _RUNTIME.launch_exit_hook.calls):  # hooks check inlined
+        if direct is not None and not _compile_only and not (RUNTIME.launch_enter_hook.calls or
+                                                            RUNTIME.launch_exit_hook.calls):  # hooks check inlined
             middle = self.middle
             if self.scratch:
                 middle = middle[:3] + (scratch_buffer(self.scratch),) + middle[4:]
@@ -195,7 +167,7 @@ class KernelLaunch:
         if self.tma:
             ensure_triton_allocator()
         binary = self.binary
-        if binary is not None and not _launch_hooks_active():
+        if binary is not None and not hooks_active():
             binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
             return
         if binary is None and not codegen.interpreting():
@@ -203,7 +175,7 @@ class KernelLaunch:
         kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
         if isinstance(kernel, CompiledKernel):  # the interpreter compiles nothing
             self.binary = kernel
-            direct = _direct_launcher(kernel)
+            direct = direct_launcher(kernel)
             if direct is not None:
                 self.direct, self.middle, per_program = direct
                 self.scratch = per_program * self.grid[0] * self.grid[1] * self.grid[2]

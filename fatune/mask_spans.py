@@ -18,7 +18,9 @@ rows to summarise, each row's scan is cut into pieces that run in parallel and a
 device, in every call that runs kernels (the forward's key spans, which its backward takes over; the
 backward's query spans): a mask's memory can change without torch knowing (a compiled graph reuses a
 dead mask's buffer for the next one, numpy or another kernel writes it, a CUDA graph replays), so spans
-made for one call are never trusted in another.
+made for one call are never trusted in another. What a scan launches is worked out once per mask layout
+(_Scan), and its launches then go straight to Triton's C launcher (fatune.direct_launch), as the attention
+kernels' do: a masked call's host cost is the attention kernels' plus a few allocations and launches.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from fatune.direct_launch import CachedJit
 
 NO_SPAN = 1 << 30  # an empty span's first index: past any sequence (kernel indices are int32), and its end is 0
 
@@ -169,6 +173,11 @@ def _jitted(interpret: bool) -> triton.JITFunction:
     return triton.jit(spans_kernel)
 
 
+@functools.cache
+def _direct() -> CachedJit:
+    return CachedJit(_jitted(False))
+
+
 PROGRAMS_PER_SM = 8  # a scan's programs per multiprocessor: each waits on its loads, so many hide each other's
 MIN_PIECE_TILES = 4  # column tiles per piece at least: a piece's state costs a write and a read back
 JOIN_ROWS = 128  # rows per program where the pieces' states are joined
@@ -195,45 +204,94 @@ def scan_pieces(programs: int, length: int, block_c: int, sms: int) -> int:
     return max(1, min(wanted, length // (MIN_PIECE_TILES * block_c)))
 
 
+class _Scan:
+    """What spans() launches for one mask layout (dtype, shape, strides, device), the scanned dim, the length
+    and the pieces, worked out once: the outputs' shapes and each launch's grid and scalar arguments."""
+
+    __slots__ = ("device", "out_shape", "target_shape", "scan", "join")
+
+    def __init__(self, mask: torch.Tensor, row_dim: int, length: int, pieces: int | None):
+        if pieces is not None and pieces < 1:
+            raise ValueError(f"pieces: expected a positive count or None (chosen by scan_pieces), got {pieces!r}")
+        additive = mask.dtype != torch.uint8
+        col_dim = 5 - row_dim
+        batch, heads, rows = mask.shape[0], mask.shape[1], mask.shape[row_dim]
+        self.device = mask.device
+        self.out_shape = (batch, heads, rows, SPAN)
+        stride_c = mask.stride(col_dim) if mask.shape[col_dim] > 1 else 0
+        columnwise = abs(stride_c) > abs(mask.stride(row_dim)) if rows > 1 else False
+        block_r, block_c, warps = TILES["columns" if columnwise else "rows"]
+        block_c = GRAIN if columnwise else block_c
+        row_blocks = _cdiv(rows, block_r)
+        if pieces is None:
+            pieces = scan_pieces(batch * heads * row_blocks, length, block_c, _multiprocessors(mask.device))
+        piece = _cdiv(_cdiv(length, pieces), block_c) * block_c
+        pieces = _cdiv(length, piece) if length else 1
+        partial = pieces > 1
+        self.target_shape = (batch, heads, rows, pieces, SPAN) if partial else None
+        target_strides = _contiguous(self.target_shape or self.out_shape) + (0,) * (not partial)
+        # (batch, head) pairs on the grid's first axis, of 2^31 programs
+        self.scan = ((batch * heads, row_blocks, pieces), warps, (
+            rows, length, length, heads, piece, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
+            *target_strides[:4], additive, not additive, False, partial, NO_SPAN, GRAIN, columnwise, block_r, block_c))
+        self.join = None
+        if partial:  # the pieces' states joined, row by row
+            self.join = ((batch * heads, _cdiv(rows, JOIN_ROWS), 1), 4, (
+                rows, pieces, length, heads, pieces, *target_strides[:4], *_contiguous(self.out_shape)[:3], 0,
+                False, not additive, True, False, NO_SPAN, GRAIN, False, JOIN_ROWS, 1))
+
+    def __call__(self, mask: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.out_shape, dtype=torch.int32, device=self.device)
+        if out.numel() == 0:
+            return out
+        target = out if self.join is None else torch.empty(self.target_shape, dtype=torch.int32, device=self.device)
+        _launch(self.scan, (mask, target))
+        if self.join is not None:
+            _launch(self.join, (target, out))
+        return out
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _launch(launch: tuple, pointers: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One scan launch (grid, warps, spans_kernel's arguments after its two pointers) on the mask's device:
+    directly once compiled for these arguments (fatune.direct_launch), as the attention kernels launch."""
+    grid, warps, tail = launch
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        _jitted(True)[grid](*pointers, *tail, num_warps=warps)
+        return
+    device = pointers[0].device
+    if device.index == torch.cuda.current_device():
+        _direct()(grid, pointers, tail, device, warps)
+        return
+    with torch.cuda.device(device):
+        _direct()(grid, pointers, tail, device, warps)
+
+
+_scans: dict[tuple, _Scan] = {}
+MAX_SCANS = 256  # kept scan plans: a process summarising ever new mask layouts starts afresh past it
+
+
 def spans(mask: torch.Tensor, row_dim: int, length: int, pieces: int | None = None) -> torch.Tensor:
     """int32 (B', H', rows, SPAN) spans of a compacted 4-d mask (compact()) per index of `row_dim` (2: query rows,
     scanning keys; 3: keys, scanning query rows), `length` the scanned dim's size in the call (a broadcast one is
     read at stride 0). Full runs for boolean masks only: an additive mask is added on every tile. `pieces`: how
     many programs share a row block's scan (scan_pieces chooses by default)."""
-    additive = mask.dtype not in (torch.bool, torch.uint8)
-    if not additive:
+    if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)  # any nonzero byte keeps, not only 1 (a uint8 tensor viewed as bool)
-    col_dim = 5 - row_dim
-    batch, heads, rows = mask.shape[0], mask.shape[1], mask.shape[row_dim]
-    out = torch.empty(batch, heads, rows, SPAN, dtype=torch.int32, device=mask.device)
-    if out.numel() == 0:
-        return out
-    stride_c = mask.stride(col_dim) if mask.shape[col_dim] > 1 else 0
-    columnwise = abs(stride_c) > abs(mask.stride(row_dim)) if mask.shape[row_dim] > 1 else False
-    block_r, block_c, warps = TILES["columns" if columnwise else "rows"]
-    block_c = GRAIN if columnwise else block_c
-    row_blocks = _cdiv(rows, block_r)
-    if pieces is not None and pieces < 1:
-        raise ValueError(f"pieces: expected a positive count or None (chosen by scan_pieces), got {pieces!r}")
-    if pieces is None:
-        pieces = scan_pieces(batch * heads * row_blocks, length, block_c, _multiprocessors(mask.device))
-    piece = _cdiv(_cdiv(length, pieces), block_c) * block_c
-    pieces = _cdiv(length, piece) if length else 1
-    kernel = _jitted(os.environ.get("TRITON_INTERPRET", "0") == "1")
-    partial = pieces > 1
-    target = torch.empty(batch, heads, rows, pieces, SPAN, dtype=torch.int32, device=mask.device) if partial else out
-    # (batch, head) pairs on the grid's first axis, of 2^31 programs
-    kernel[(batch * heads, row_blocks, pieces)](
-        mask, target, rows, length, length, heads, piece, mask.stride(0), mask.stride(1), mask.stride(row_dim),
-        stride_c, target.stride(0), target.stride(1), target.stride(2), target.stride(3) if partial else 0,
-        ADDITIVE=additive, FULL=not additive, JOIN=False, PARTIAL=partial, NONE=NO_SPAN, GRAIN=GRAIN,
-        COLUMNWISE=columnwise, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    if partial:  # the pieces' states joined, row by row
-        kernel[(batch * heads, _cdiv(rows, JOIN_ROWS), 1)](
-            target, out, rows, pieces, length, heads, pieces, *target.stride()[:4], *out.stride()[:3], 0,
-            ADDITIVE=False, FULL=not additive, JOIN=True, PARTIAL=False, NONE=NO_SPAN, GRAIN=GRAIN,
-            COLUMNWISE=False, BLOCK_R=JOIN_ROWS, BLOCK_C=1)
-    return out
+    key = (mask.device, mask.dtype, mask.shape, mask.stride(), row_dim, length, pieces)
+    scan = _scans.get(key)
+    if scan is None:
+        if len(_scans) >= MAX_SCANS:
+            _scans.clear()
+        scan = _scans[key] = _Scan(mask, row_dim, length, pieces)
+    return scan(mask)
 
 
 def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool = True,

@@ -96,6 +96,7 @@ SPAN_SHAPES = [(2, 3, 37, 45), (2, 1, 1, 45), (37, 45), (1, 3, 37, 45), (2, 1, 3
 def test_spans_match_a_scan_through_the_kernels_strides(shape, kind, grain, monkeypatch):
     """Grains of GRAIN (as the kernels read spans) and of one index (exact spans: the same scan, finest)."""
     monkeypatch.setattr(fatune.mask_spans, "GRAIN", grain)
+    monkeypatch.setattr(fatune.mask_spans, "_scans", {})  # scan plans made under another grain
     generator = torch.Generator().manual_seed(stable_seed(shape, kind))
     # runs of visible entries over hidden gaps: grains that see all, some, and nothing
     keep = torch.rand(shape, generator=generator) < 0.6
@@ -310,6 +311,7 @@ def test_a_call_whose_spans_are_scanned_in_pieces(kind, poison_outputs, monkeypa
     """A whole call (forward and backward) with both directions' scans cut into pieces and joined, as a large GPU cuts
     them for a mask with few rows to summarise (pieces of one column tile here, to keep the interpreter quick)."""
     monkeypatch.setattr(fatune.mask_spans, "MIN_PIECE_TILES", 1)
+    monkeypatch.setattr(fatune.mask_spans, "_scans", {})  # scan plans made under another piece size
     monkeypatch.setitem(fatune.mask_spans.TILES, "rows", (16, 64, 4))  # tiles short enough to cut 300 keys
     keep = prefix_lm(1, 150, 300, [70])
     sms = fatune.mask_spans._multiprocessors(keep.device)
@@ -440,6 +442,38 @@ def test_gpu_masks_with_many_empty_tiles(name, dtype, kind, poison_outputs, reco
     mask = keep if kind == "bool" else torch.randn(keep.shape, device="cuda", dtype=dtype).masked_fill(
         ~keep, float("-inf"))
     record_gpu_errors(run_and_compare(q, k, v, attn_mask=mask, enable_gqa=hkv != h))
+
+
+# (mask shape, element offset into its storage, transposed): row-major and key-major layouts, masks whose
+# first element is not 16-byte aligned (Triton specialises on it), and few long rows (scanned in pieces, then joined)
+DIRECT_SCANS = [((2, 3, 37, 45), 0, False), ((2, 3, 37, 45), 1, False), ((2, 3, 45, 37), 0, True),
+                ((1, 1, 4, 3000), 0, False), ((1, 1, 4, 3000), 3, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_gpu_scans_launched_directly_match_a_brute_scan(kind):
+    """The scans go through Triton once per specialisation, then straight to its C launcher
+    (fatune.direct_launch): every call's spans must still be the brute scan's, at every alignment and layout."""
+    direct = fatune.mask_spans._direct()
+    generator = torch.Generator().manual_seed(stable_seed("direct-scans", kind))
+    for shape, offset, transposed in DIRECT_SCANS:
+        for repeat in range(3):  # the first launch of a specialisation compiles; the later ones are direct
+            keep = torch.rand(shape, generator=generator) < 0.6
+            keep |= torch.rand(shape[:-1] + (1,), generator=generator) < 0.3
+            values = keep if kind == "bool" else torch.randn(shape, generator=generator).half().masked_fill(
+                ~keep, float("-inf"))
+            storage = torch.empty(values.numel() + offset, dtype=values.dtype, device="cuda")
+            mask = storage[offset:].view(shape)
+            mask.copy_(values)
+            if transposed:
+                mask, keep = mask.transpose(2, 3), keep.transpose(2, 3)
+            problem = tuple(mask.shape)
+            key_spans, query_spans = mask_spans(mask, problem)
+            expected_rows, expected_cols = brute_spans(keep, full=kind == "bool")
+            assert torch.equal(key_spans.cpu().long(), expected_rows), (shape, offset, repeat)
+            assert torch.equal(query_spans.cpu().long(), expected_cols), (shape, offset, repeat)
+    assert any(entry is not None for entry in direct.binaries.values())
 
 
 # ------------------------------------------------------------------ the kernels' tile ranges
