@@ -34,7 +34,7 @@ for stage in "$@"; do
     overhead)  # host cost per call: forward and training step, fatune vs SDPA
       python3 -m fatune.cli bench --overhead 2>&1 | tee "$OUT/overhead.txt" ;;
     host-parts)  # the pieces of a training step's host cost, real launches (tensor vs integer pointers); HP_ARGS=--profile
-      # adds a cProfile of a bool-mask step
+      # adds cProfiles of causal steps (is_causal, then a bool mask)
       python3 benchmarks/host_cost.py --gpu-parts ${HP_ARGS:-} 2>&1 | tee "$OUT/host-parts.txt" ;;
     compile)  # torch.compile modes from fresh processes, CUDA-graph capture
       python3 -m pytest tests/test_custom_op.py -m gpu -n 6 -q -p no:cacheprovider > "$OUT/compile.log" 2>&1; tail -n 30 "$OUT/compile.log" ;;

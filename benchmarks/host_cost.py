@@ -11,7 +11,7 @@ autograd.Function give the baselines.
     PYTHONPATH=. python benchmarks/host_cost.py              # table: us per call, median of rounds
     PYTHONPATH=. python benchmarks/host_cost.py --profile    # + cProfile of the fatune step
     PYTHONPATH=. python benchmarks/host_cost.py --gpu-parts  # on a GPU: the pieces with real launches
-    PYTHONPATH=. python benchmarks/host_cost.py --gpu-parts --profile  # + cProfile of a bool-mask step there
+    PYTHONPATH=. python benchmarks/host_cost.py --gpu-parts --profile  # + cProfile of causal steps there (is_causal, bool mask)
 
 Not measured here (GPU only): `torch._C._cuda_getDevice()`, the current-stream lookup and
 the C launcher calls; CPU allocations stand in for the CUDA caching allocator's.
@@ -225,26 +225,28 @@ def gpu_parts(shape: tuple[int, int, int, int]) -> dict[str, float]:
 
 
 def gpu_profile(shape: tuple[int, int, int, int], calls: int) -> None:
-    """cProfile of a training step with a boolean causal mask on a CUDA GPU, real launches (by own time)."""
+    """cProfile of a causal training step on a CUDA GPU, real launches (by own time): with `is_causal`, then with
+    the same mask as a boolean tensor (the difference is the mask tensor's host cost)."""
     q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
     do = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
     causal = torch.ones(shape[2], shape[2], dtype=torch.bool, device="cuda").tril().expand(shape[0], 1, shape[2],
                                                                                          shape[2])
+    for name, kwargs in (("is_causal", {"is_causal": True}), ("bool mask", {"attn_mask": causal})):
+        def step():
+            q.grad = k.grad = v.grad = None
+            fatune.attention(q, k, v, **kwargs).backward(do)
 
-    def step():
-        q.grad = k.grad = v.grad = None
-        fatune.attention(q, k, v, attn_mask=causal).backward(do)
-
-    for _ in range(200):
-        step()
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        step()
-    profiler.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        for _ in range(200):
+            step()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            step()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print(f"--- cProfile, {calls} causal steps with {name}")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def main() -> None:

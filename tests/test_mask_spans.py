@@ -8,6 +8,8 @@ and the per-plan reuse of spans, by writing into a mask between calls.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton
@@ -420,6 +422,95 @@ def test_plan_launches_take_the_span_pointers():
     assert launch.SLOTS.index("KEY_SPANS") < launch.SLOTS.index("O_PART")
 
 
+# ------------------------------------------------------------------ prepared masks (fatune.prepare_mask)
+
+
+@pytest.fixture
+def scans(monkeypatch) -> list[int]:
+    """Each scan of a mask (fatune.mask_spans.spans), by the dim it summarises."""
+    made: list[int] = []
+    real = fatune.mask_spans.spans
+
+    def counted(mask, row_dim, *rest, **kwargs):
+        made.append(row_dim)
+        return real(mask, row_dim, *rest, **kwargs)
+
+    monkeypatch.setattr(fatune.mask_spans, "spans", counted)
+    return made
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("name", ["prefix-lm", "sink-window", "key-padding-tiles", "per-head-bands"])
+def test_a_prepared_mask_is_scanned_once_for_every_call(name, kind, scans, poison_outputs):
+    """Forward and backward of several calls take the spans prepare_mask made, and stay exact."""
+    q, k, v = _qkv(seed=21)
+    keep = MASKS[name]()
+    mask = keep if kind == "bool" else torch.randn(keep.shape, device=DEVICE).masked_fill(~keep, float("-inf"))
+    prepared = fatune.prepare_mask(mask, (2, 2, 150, 150))
+    assert scans == [2, 3] and torch.equal(prepared, mask) and prepared.stride() == mask.stride()
+    for _ in range(2):
+        q.grad = k.grad = v.grad = None
+        run_and_compare(q, k, v, attn_mask=prepared, config=INTERPRETER_CONFIG)
+    assert scans == [2, 3]
+
+
+def test_a_prepared_mask_changed_in_place_is_scanned_again(scans, poison_outputs):
+    q, k, v = _qkv(lq=80, lk=80, seed=22)
+    prepared = fatune.prepare_mask(prefix_lm(2, 80, 80, [10, 60]), (2, 2, 80, 80))
+    prepared.copy_(prefix_lm(2, 80, 80, [70, 3]))  # other tiles are visible now
+    run_and_compare(q, k, v, attn_mask=prepared, config=INTERPRETER_CONFIG)
+    assert len(scans) > 2
+
+
+def test_a_prepared_mask_at_other_lengths_is_scanned_as_any_mask(scans, poison_outputs):
+    """Spans along a broadcast dim depend on the call's length: a key-padding mask prepared for 40 queries,
+    called with 72."""
+    q, k, v = _qkv(lq=72, lk=96, seed=23)
+    keep = (torch.arange(96, device=DEVICE) < torch.tensor([17, 90], device=DEVICE)[:, None])[:, None, None, :]
+    prepared = fatune.prepare_mask(keep, (2, 2, 40, 96))
+    run_and_compare(q, k, v, attn_mask=prepared, config=INTERPRETER_CONFIG)
+    assert len(scans) > 2
+
+
+def test_a_prepared_mask_keeps_its_distinct_elements_only_and_is_forgotten_with_it():
+    import gc
+
+    causal = torch.ones(64, 64, dtype=torch.bool, device=DEVICE).tril()
+    prepared = fatune.prepare_mask(causal.expand(4, 8, 64, 64), (4, 8, 64, 64))
+    assert prepared.untyped_storage().nbytes() == 64 * 64 and prepared.data_ptr() != causal.data_ptr()
+    assert len(fatune.mask_spans._prepared) == 1
+    del prepared
+    gc.collect()
+    assert not fatune.mask_spans._prepared
+
+
+def test_a_mask_prepared_under_inference_mode(scans):
+    q, k, v = (t.detach() for t in _qkv(lq=40, lk=40, seed=24))
+    with torch.inference_mode():
+        prepared = fatune.prepare_mask(prefix_lm(2, 40, 40, [5, 30]), (2, 2, 40, 40))
+        out = fatune.attention(q, k, v, attn_mask=prepared, config=INTERPRETER_CONFIG)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                attn_mask=prepared)
+    torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=0)
+    assert scans == [2, 3] and not prepared.is_inference()
+
+
+@pytest.mark.parametrize("mask, shape, error", [
+    ([[True]], (1, 1, 1, 1), "attn_mask: expected a bool or float tensor"),
+    (torch.ones(4, 4, dtype=torch.int32), (1, 1, 4, 4), "attn_mask: expected a bool or float tensor"),
+    (torch.ones(4, 4, dtype=torch.uint8), (1, 1, 4, 4), "attn_mask: expected a bool or float tensor"),
+    (torch.ones(4, 4, dtype=torch.bool), (1, 1, 4), "shape: expected the calls' (B, H, L_q, L_k)"),
+    (torch.ones(4, 4, dtype=torch.bool), (1, 1, 4, 0), "shape: expected the calls' (B, H, L_q, L_k)"),
+    (torch.ones(4, 4, dtype=torch.bool), "1144", "shape: expected the calls' (B, H, L_q, L_k)"),
+    (torch.ones(4, 5, dtype=torch.bool), (1, 1, 4, 4), "attn_mask: expected a mask broadcastable to shape"),
+    (torch.ones(2, 1, 4, 4, dtype=torch.bool), (1, 1, 4, 4), "attn_mask: expected a mask broadcastable to shape"),
+    (torch.zeros(4, 4, requires_grad=True), (1, 1, 4, 4), "attn_mask: gradients"),
+])
+def test_prepare_mask_refuses_by_name(mask, shape, error):
+    with pytest.raises((TypeError, ValueError), match=re.escape(error)):
+        fatune.prepare_mask(mask, shape)
+
+
 GPU_SPAN_CASES = {  # (B, H, H_kv, L_q, L_k, head dim) -> mask factory
     "prefix-lm-d128": ((2, 4, 4, 1000, 1000, 128), lambda: prefix_lm(2, 1000, 1000, [313, 77])),
     "prefix-lm-d256": ((2, 4, 4, 700, 700, 256), lambda: prefix_lm(2, 700, 700, [129, 600])),
@@ -474,6 +565,19 @@ def test_gpu_scans_launched_directly_match_a_brute_scan(kind):
             assert torch.equal(key_spans.cpu().long(), expected_rows), (shape, offset, repeat)
             assert torch.equal(query_spans.cpu().long(), expected_cols), (shape, offset, repeat)
     assert any(entry is not None for entry in direct.binaries.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_SPAN_CASES))
+def test_gpu_prepared_masks(name, poison_outputs, record_gpu_errors):
+    """The dispatched kernels with spans made once by prepare_mask, called twice."""
+    (b, h, hkv, lq, lk, d), make = GPU_SPAN_CASES[name]
+    torch.manual_seed(stable_seed("gpu-prepared", name))
+    q, k, v = random_qkv(b, h, hkv, lq, lk, d, d, dtype=torch.bfloat16, device="cuda")
+    prepared = fatune.prepare_mask(make(), (b, h, lq, lk))
+    for _ in range(2):
+        q.grad = k.grad = v.grad = None
+        record_gpu_errors(run_and_compare(q, k, v, attn_mask=prepared, enable_gqa=hkv != h))
 
 
 # ------------------------------------------------------------------ the kernels' tile ranges
