@@ -80,6 +80,7 @@ def workloads(shape: tuple[int, int, int, int], sdpa_shape: tuple[int, int, int,
     (q, k, v), do = inputs(shape, True)
     plain = [t.detach() for t in (q, k, v)]
     causal = torch.ones(shape[2], shape[2], dtype=torch.bool).tril().expand(shape[0], 1, shape[2], shape[2])
+    prepared = fatune.prepare_mask(causal, (*shape[:3], shape[2]))
     sdpa_causal = torch.ones(sdpa_shape[2], sdpa_shape[2], dtype=torch.bool).tril()
     (sq, sk, sv), sdo = inputs(sdpa_shape, True)
     splain = [t.detach() for t in (sq, sk, sv)]
@@ -98,6 +99,8 @@ def workloads(shape: tuple[int, int, int, int], sdpa_shape: tuple[int, int, int,
         "fatune step": step(lambda a, b, c: fatune.attention(a, b, c, is_causal=True), (q, k, v), do),
         "sdpa step": step(lambda a, b, c: sdpa(a, b, c, is_causal=True), (sq, sk, sv), sdo),
         "fatune step, bool mask": step(lambda a, b, c: fatune.attention(a, b, c, attn_mask=causal), (q, k, v), do),
+        "fatune step, prepared mask": step(lambda a, b, c: fatune.attention(a, b, c, attn_mask=prepared), (q, k, v),
+                                           do),
         "sdpa step, bool mask": step(lambda a, b, c: sdpa(a, b, c, attn_mask=sdpa_causal), (sq, sk, sv), sdo),
         "empty Function step": step(_Empty.apply, (q, k, v), do),
     }
@@ -199,13 +202,21 @@ def gpu_parts(shape: tuple[int, int, int, int]) -> dict[str, float]:
             fatune.attention(q, k, v, attn_mask=causal, **kwargs).backward(do)
         return run
 
+    prepared = fatune.prepare_mask(causal, (*shape[:3], shape[2]))
+
+    def prepared_step():
+        q.grad = k.grad = v.grad = None
+        fatune.attention(q, k, v, attn_mask=prepared).backward(do)
+
     for _ in range(3):
         masked_step()()
+        prepared_step()
     pieces = {
         "fatune step": step(fatune.attention),
         "sdpa step": step(sdpa),
         "fatune step, bool mask": masked_step(),
         "fatune step, bool mask, config=": masked_step(config=config),
+        "fatune step, prepared bool mask": prepared_step,
         "  mask spans (both directions)": lambda: mask_spans.mask_spans(causal, (*shape[:3], shape[2])),
         "fatune forward (grad)": lambda: fatune.attention(q, k, v, is_causal=True),
         "sdpa forward (grad)": lambda: sdpa(q, k, v, is_causal=True),
