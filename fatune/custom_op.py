@@ -19,7 +19,7 @@ import torch
 
 from fatune import dropout, plans
 from fatune.launch import layout_like, lse_dtype
-from fatune.mask_spans import SPAN, compact
+from fatune.mask_spans import SPAN, compact, is_prepared
 from fatune.plans import Call
 from fatune.spec import KERNELS, AttentionConfig, LaunchConfig
 
@@ -75,7 +75,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
         lse = q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
         return out, lse, _no_key_spans(q, attn_mask)
     out, lse, key_spans = prepared.plan.forward_with_spans(q, k, v, call.extras, seed)
-    return out, lse, _no_key_spans(q, attn_mask) if key_spans is None else key_spans
+    if key_spans is None:
+        return out, lse, _no_key_spans(q, attn_mask)
+    return out, lse, key_spans.clone() if is_prepared(key_spans) else key_spans  # an output of its own
 
 
 @attention_forward.register_fake

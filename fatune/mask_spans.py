@@ -233,7 +233,8 @@ class _Scan:
         pieces = _cdiv(length, piece) if length else 1
         partial = pieces > 1
         self.target_shape = (batch, heads, rows, pieces, SPAN) if partial else None
-        target_strides = _contiguous(self.target_shape or self.out_shape) + (0,) * (not partial)
+        # a whole scan writes the spans themselves: no piece stride
+        target_strides = _contiguous(self.target_shape) if partial else _contiguous(self.out_shape)[:3] + (0,)
         # (batch, head) pairs on the grid's first axis, of 2^31 programs
         self.scan = ((batch * heads, row_blocks, pieces), warps, (
             rows, length, length, heads, piece, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
@@ -304,12 +305,24 @@ class _Prepared:
 
     mask: weakref.ref
     version: int
+    layout: tuple  # data_ptr, shape, strides: `.data = other` swaps them without a version bump
     lengths: tuple[int, int]  # the calls' (L_q, L_k): the scans' lengths along broadcast dims
     key_spans: torch.Tensor
     query_spans: torch.Tensor
 
+    def serves(self, mask: torch.Tensor, shape: Sequence[int]) -> bool:
+        """Whether these spans are `mask`'s in a call of `shape`: the same tensor, unchanged as far as torch can
+        tell, at the same lengths, and not inside a CUDA graph's capture (a replay would not see later changes)."""
+        return (self.mask() is mask and self.version == mask._version and self.lengths == (shape[2], shape[3])
+                and self.layout == _layout(mask) and not (mask.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _layout(mask: torch.Tensor) -> tuple:
+    return mask.data_ptr(), mask.shape, mask.stride()
+
 
 _prepared: dict[int, _Prepared] = {}  # by id() of the prepared tensor; dropped when it dies
+MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 
 
 def prepare_mask(attn_mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -318,17 +331,20 @@ def prepare_mask(attn_mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
     As FlexAttention's block mask is made once per batch for every layer, so is this: per layer and step it saves
     two passes over the mask (at L = 8192 about 0.2 ms on an H200). The copy holds the mask's distinct elements only
-    (a mask broadcast over batch or heads stays so) and is laid out like `attn_mask`. Treat it as read-only: an
-    in-place torch op on it is noticed (its spans are made again, per call), a write by other means (another
-    kernel, a CUDA graph's replay, a pointer) is not. Calls of other lengths scan it as any mask."""
+    (a mask broadcast over batch or heads stays so), in `attn_mask`'s dim order where its distinct elements are
+    dense. Treat it as read-only: an in-place torch op on it is noticed (its spans are made again, per call), writes
+    torch does not count (through `.data`, another kernel, a collective, a pointer) are not. Its spans are made on
+    the current stream: calls on another one must be ordered after it, as for the mask itself. Calls of other
+    lengths, and calls inside a CUDA graph's capture (whose replays must see later changes), scan it as any mask;
+    so does every call where it was prepared during a capture or on the CPU without Triton's interpreter."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
-    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-        raise TypeError(f"attn_mask: expected a bool or float tensor, got dtype {attn_mask.dtype}")
+    if attn_mask.dtype not in MASK_DTYPES:
+        raise TypeError(f"attn_mask: expected dtype bool, float16, bfloat16 or float32, got {attn_mask.dtype}")
     if attn_mask.requires_grad:
         raise ValueError("attn_mask: gradients w.r.t. an additive mask are not computed; pass attn_mask.detach()")
     try:
-        shape = tuple(operator.index(size) for size in shape)
+        shape = tuple(operator.index(size) for size in shape if not isinstance(size, bool))
     except TypeError:
         shape = ()
     if len(shape) != 4 or min(shape) < 1:
@@ -341,13 +357,20 @@ def prepare_mask(attn_mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         raise ValueError(f"attn_mask: expected a mask broadcastable to shape {shape} (B, H, L_q, L_k), "
                          f"got {tuple(attn_mask.shape)}")
     with torch.inference_mode(False):  # a normal tensor, whose in-place changes its version counter records
-        distinct = compact(attn_mask).clone(memory_format=torch.contiguous_format)
+        distinct = compact(attn_mask).clone()
         own = distinct.expand((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).view(attn_mask.shape)
-    key_spans, query_spans = mask_spans(own, shape)
-    key = id(own)
-    _prepared[key] = _Prepared(weakref.ref(own, lambda _: _prepared.pop(key, None)), own._version,
-                               (shape[2], shape[3]), key_spans, query_spans)
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if (own.is_cuda and not torch.cuda.is_current_stream_capturing()) or (interpreted and own.device.type == "cpu"):
+        key_spans, query_spans = mask_spans(own, shape)
+        key = id(own)
+        _prepared[key] = _Prepared(weakref.ref(own, lambda _: _prepared.pop(key, None)), own._version, _layout(own),
+                                   (shape[2], shape[3]), key_spans, query_spans)
     return own
+
+
+def is_prepared(key_spans: torch.Tensor) -> bool:
+    """Whether `key_spans` are a prepared mask's (shared by its calls: a torch op must not return them as its own)."""
+    return any(prepared.key_spans is key_spans for prepared in _prepared.values())
 
 
 def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_queries: bool = True,
@@ -358,8 +381,7 @@ def mask_spans(mask: torch.Tensor, shape: tuple[int, int, int, int], want_querie
     for its backward), taken as they are. A mask from prepare_mask, unchanged, at its lengths: its spans."""
     if _prepared:
         prepared = _prepared.get(id(mask))
-        if prepared is not None and prepared.mask() is mask and prepared.version == mask._version \
-                and prepared.lengths == (shape[2], shape[3]):
+        if prepared is not None and prepared.serves(mask, shape):
             return prepared.key_spans, prepared.query_spans if want_queries else None
     distinct = compact(mask)
     if key_spans is None:

@@ -148,6 +148,7 @@ def test_spans_scanned_in_pieces_match_one_scan(pieces, kind, monkeypatch):
     the join takes the last visible index from the last piece that sees one, and the last hidden one before it from
     that piece or any earlier one."""
     monkeypatch.setitem(fatune.mask_spans.TILES, "rows", (16, 64, 4))  # as many pieces as asked, along 900 keys
+    monkeypatch.setattr(fatune.mask_spans, "_scans", {})  # scan plans made under these tiles stay here
     generator = torch.Generator().manual_seed(stable_seed(pieces, kind))
     keep = _runs_mask(70, 900, generator)
     mask = keep if kind == "bool" else torch.randn(keep.shape, generator=generator).masked_fill(~keep, float("-inf"))
@@ -454,10 +455,36 @@ def test_a_prepared_mask_is_scanned_once_for_every_call(name, kind, scans, poiso
     assert scans == [2, 3]
 
 
+def test_a_prepared_mask_through_torch_compile(scans, poison_outputs):
+    """The custom ops torch.compile traces take a prepared mask's spans too, and return the forward's as an output
+    of their own (a copy: the prepared ones are shared by every call)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(lq=40, lk=40, seed=26))
+    grad_out = torch.randn_like(q)
+    prepared = fatune.prepare_mask(prefix_lm(2, 40, 40, [9, 20]), (2, 2, 40, 40))
+    step = torch.compile(fatune.attention, fullgraph=True, backend="aot_eager")
+    out = step(q, k, v, attn_mask=prepared)
+    out.backward(grad_out)
+    compiled = [out.detach()] + [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = fatune.attention(q, k, v, attn_mask=prepared.clone())
+    out.backward(grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, [out.detach()] + [t.grad for t in (q, k, v)]))
+
+
 def test_a_prepared_mask_changed_in_place_is_scanned_again(scans, poison_outputs):
     q, k, v = _qkv(lq=80, lk=80, seed=22)
     prepared = fatune.prepare_mask(prefix_lm(2, 80, 80, [10, 60]), (2, 2, 80, 80))
     prepared.copy_(prefix_lm(2, 80, 80, [70, 3]))  # other tiles are visible now
+    run_and_compare(q, k, v, attn_mask=prepared, config=INTERPRETER_CONFIG)
+    assert len(scans) > 2
+
+
+def test_a_prepared_mask_given_other_data_is_scanned_again(scans, poison_outputs):
+    """`.data = other` swaps a tensor's memory without a version bump: its pointer tells."""
+    q, k, v = _qkv(lq=80, lk=80, seed=25)
+    prepared = fatune.prepare_mask(prefix_lm(2, 80, 80, [10, 60]), (2, 2, 80, 80))
+    prepared.data = prefix_lm(2, 80, 80, [70, 3])
     run_and_compare(q, k, v, attn_mask=prepared, config=INTERPRETER_CONFIG)
     assert len(scans) > 2
 
@@ -478,6 +505,7 @@ def test_a_prepared_mask_keeps_its_distinct_elements_only_and_is_forgotten_with_
     causal = torch.ones(64, 64, dtype=torch.bool, device=DEVICE).tril()
     prepared = fatune.prepare_mask(causal.expand(4, 8, 64, 64), (4, 8, 64, 64))
     assert prepared.untyped_storage().nbytes() == 64 * 64 and prepared.data_ptr() != causal.data_ptr()
+    assert fatune.prepare_mask(causal.t(), (1, 1, 64, 64)).stride() == (1, 64)  # the mask's dim order
     assert len(fatune.mask_spans._prepared) == 1
     del prepared
     gc.collect()
@@ -497,8 +525,10 @@ def test_a_mask_prepared_under_inference_mode(scans):
 
 @pytest.mark.parametrize("mask, shape, error", [
     ([[True]], (1, 1, 1, 1), "attn_mask: expected a bool or float tensor"),
-    (torch.ones(4, 4, dtype=torch.int32), (1, 1, 4, 4), "attn_mask: expected a bool or float tensor"),
-    (torch.ones(4, 4, dtype=torch.uint8), (1, 1, 4, 4), "attn_mask: expected a bool or float tensor"),
+    (torch.ones(4, 4, dtype=torch.int32), (1, 1, 4, 4), "attn_mask: expected dtype bool, float16"),
+    (torch.ones(4, 4, dtype=torch.uint8), (1, 1, 4, 4), "attn_mask: expected dtype bool, float16"),
+    (torch.ones(4, 4, dtype=torch.float64), (1, 1, 4, 4), "attn_mask: expected dtype bool, float16"),
+    (torch.ones(4, 4, dtype=torch.bool), (1, 1, 4, True), "shape: expected the calls' (B, H, L_q, L_k)"),
     (torch.ones(4, 4, dtype=torch.bool), (1, 1, 4), "shape: expected the calls' (B, H, L_q, L_k)"),
     (torch.ones(4, 4, dtype=torch.bool), (1, 1, 4, 0), "shape: expected the calls' (B, H, L_q, L_k)"),
     (torch.ones(4, 4, dtype=torch.bool), "1144", "shape: expected the calls' (B, H, L_q, L_k)"),
@@ -578,6 +608,24 @@ def test_gpu_prepared_masks(name, poison_outputs, record_gpu_errors):
     for _ in range(2):
         q.grad = k.grad = v.grad = None
         record_gpu_errors(run_and_compare(q, k, v, attn_mask=prepared, enable_gqa=hkv != h))
+
+
+@pytest.mark.gpu
+def test_gpu_a_prepared_mask_changed_between_cuda_graph_replays(poison_outputs):
+    """Inside a capture a prepared mask is scanned as any mask: the graph's replays see its later contents."""
+    torch.manual_seed(stable_seed("gpu-prepared-graph"))
+    q, k, v = (t.detach() for t in random_qkv(2, 4, 4, 300, 300, 64, 64, dtype=torch.bfloat16, device="cuda"))
+    rows = torch.arange(300, device="cuda")
+    prepared = fatune.prepare_mask((rows[None, :] <= rows[:, None]).expand(2, 1, 300, 300), (2, 4, 300, 300))
+    fatune.attention(q, k, v, attn_mask=prepared)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fatune.attention(q, k, v, attn_mask=prepared)
+    prepared.copy_(rows[None, :] >= rows[:, None])  # anti-causal: other tiles
+    graph.replay()
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=prepared)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
 
 
 # ------------------------------------------------------------------ the kernels' tile ranges
