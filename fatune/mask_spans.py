@@ -234,7 +234,7 @@ class _Scan:
         partial = pieces > 1
         self.target_shape = (batch, heads, rows, pieces, SPAN) if partial else None
         # a whole scan writes the spans themselves: no piece stride
-        target_strides = _contiguous(self.target_shape) if partial else _contiguous(self.out_shape)[:3] + (0,)
+        target_strides = _strides(self.target_shape) if partial else _strides(self.out_shape)[:3] + (0,)
         # (batch, head) pairs on the grid's first axis, of 2^31 programs
         self.scan = ((batch * heads, row_blocks, pieces), warps, (
             rows, length, length, heads, piece, mask.stride(0), mask.stride(1), mask.stride(row_dim), stride_c,
@@ -242,7 +242,7 @@ class _Scan:
         self.join = None
         if partial:  # the pieces' states joined, row by row
             self.join = ((batch * heads, _cdiv(rows, JOIN_ROWS), 1), 4, (
-                rows, pieces, length, heads, pieces, *target_strides[:4], *_contiguous(self.out_shape)[:3], 0,
+                rows, pieces, length, heads, pieces, *target_strides[:4], *_strides(self.out_shape)[:3], 0,
                 False, not additive, True, False, NO_SPAN, GRAIN, False, JOIN_ROWS, 1))
 
     def __call__(self, mask: torch.Tensor) -> torch.Tensor:
@@ -256,12 +256,9 @@ class _Scan:
         return out
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch.empty gives `shape` (the spans' buffers are allocated so in each call)."""
+    return torch.empty(shape, device="meta").stride()
 
 
 def _launch(launch: tuple, pointers: tuple[torch.Tensor, torch.Tensor]) -> None:
