@@ -622,7 +622,7 @@ def test_gpu_a_prepared_mask_changed_between_cuda_graph_replays(poison_outputs):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fatune.attention(q, k, v, attn_mask=prepared)
-    prepared.copy_(rows[None, :] >= rows[:, None])  # anti-causal: other tiles
+    prepared[0, 0].copy_(rows[None, :] >= rows[:, None])  # anti-causal: other tiles (the batch shares its elements)
     graph.replay()
     expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=prepared)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
