@@ -116,7 +116,7 @@ def exhaustive(bench: Bench, kernel: str, pool: CompilePool) -> dict:
 def best_after(study, n: int) -> LaunchConfig | None:
     """The best complete trial among the study's first n finished trials (trial number order)."""
     finished = [t for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
-                if t.state in search.FINISHED][:n]
+                if search.counts(t)][:n]
     complete = [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE]
     return LaunchConfig.from_dict(min(complete, key=lambda t: t.value).params) if complete else None
 

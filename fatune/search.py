@@ -10,8 +10,11 @@ forward alone and stored with the heuristic's backward configs (bwd_ms and fwd_b
 not timed). A training step's forward+backward time is measured again end
 to end with the winners before anything is stored.
 
-A trial is rejected before compiling when its tiles cannot fit (shared-memory estimate,
-too many warps for the tile); a compile error or OutOfResources prunes it; its output is
+Every trial tries a config no other trial of its study has tried: a draw whose tiles cannot
+fit (shared-memory estimate, too many warps for the tile) is rejected before compiling and
+drawn again, as is one that repeats a tried config, and neither counts as a trial (both cost
+no compile nor GPU time; when the sampler keeps drawing them, an untried feasible config is
+taken at random: KernelSearch.ask). A compile error or OutOfResources prunes a trial; its output is
 checked against torch before its time counts (a fast wrong kernel never wins); a trial
 whose quick timing is far behind the best so far is pruned before the full timing, and only
 one close to the best is timed in full (the others cannot win; their quick time counts).
@@ -22,7 +25,8 @@ configs slower than the heuristic before this; BENCHMARKS.md).
 Studies live in Optuna storage (fatune.storage) under a name that encodes the whole
 tuned-DB key, so any number of processes, on any number of hosts, work on the same studies
 and an interrupted search resumes where it stopped. `--trials` is the total of finished
-trials (complete or pruned) per study: a process starts a trial only while the finished
+trials (complete or pruned, draws rejected before compiling aside) per study, or every feasible
+config of a smaller space (trial_budget): a process starts a trial only while the finished
 ones plus those that live processes hold are fewer, so the studies end with at most one
 extra trial per process that raced for the last one. Trials of dead processes (no
 heartbeat) are failed, do not count, and are queued again; so is the heuristic's trial if
@@ -42,10 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import math
 import os
+import random
 import socket
 import statistics
 import time
@@ -97,6 +103,11 @@ QUICK_CALLS = 3  # a call this many times longer than the quick budget's: the me
 # training step alone (not its forward too), on a shorter budget (the default's 3 x 2 timings took 1.4 s a shape)
 SDPA_BENCH = (5, 40)
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+# A draw the resource model rejects (nothing compiled or timed) or that repeats a config already tried or in flight
+# costs no trial: the sampler draws again, up to this many times; then an untried feasible config is queued instead
+# (a TPE that has converged on a categorical space keeps drawing its best; measured on the H200, a third to a half
+# of 30 draws were such, session 24)
+FREE_DRAWS = 8
 RUNNING, WAITING = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING
 SPLIT_WAVES = 4  # a forward whose fewest programs fill this many waves of the GPU gains nothing from split-KV
 # the dQ kernel's register cap is searched up to this many lanes: there its registers, not its shared memory,
@@ -108,6 +119,12 @@ POLL_S = 0.5  # how often a process waiting for others' trials of a shape looks 
 # study (tell); per shape, the fixed costs.
 TRIAL_PHASES = ("ask", "compile_wait", "build", "check", "quick", "full", "tell")
 SHAPE_PHASES = ("studies", "inputs", "reference", *TRIAL_PHASES, "census", "wait", "progress", "sdpa", "retime", "db")
+
+
+def counts(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether `trial` is one of the study's trials (its budget, its checkpoints): a finished config that was
+    compiled or timed, not a draw the resource model rejected before compiling (nor a repeated one: FAIL)."""
+    return trial.state in FINISHED and trial.user_attrs.get("rejected") != "infeasible"
 
 
 def forward_only(shape: Shape) -> bool:
@@ -179,6 +196,12 @@ class SearchSpace:
     def grid(self, kernel: str, shape: Shape, sms: int | None = None) -> list[LaunchConfig]:
         axes = self.axes(kernel, shape, sms)
         return [LaunchConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+
+    def feasible(self, kernel: str, shape: Shape, target: Target) -> list[LaunchConfig]:
+        """The grid's configs that the resource model lets run on `target` (infeasible): the points a search
+        may try, and so the most trials it can run."""
+        return [config for config in self.grid(kernel, shape, target.sms)
+                if infeasible(kernel, shape.spec, config, target.shared_limit, target.arch) is None]
 
 
 GPU_SPACE = SearchSpace()
@@ -378,6 +401,19 @@ def default_space(target: Target) -> SearchSpace:
     return INTERPRETER_SPACE if target.interpret else GPU_SPACE
 
 
+@functools.lru_cache(maxsize=4096)
+def _feasible_count(space: SearchSpace, kernel: str, shape: Shape, sms: int | None, shared_limit: int | None,
+                    arch: tuple[int, int]) -> int:
+    return sum(infeasible(kernel, shape.spec, config, shared_limit, arch) is None for config in space.grid(kernel, shape, sms))
+
+
+def trial_budget(space: SearchSpace | None, target: Target, shape: Shape, kernel: str, trials: int) -> int:
+    """The trials a study of `kernel` runs for `--trials trials`: as many, or every feasible point of a smaller
+    space (SearchSpace.feasible)."""
+    space = space or default_space(target)
+    return min(trials, _feasible_count(space, kernel, shape, target.sms, target.shared_limit, target.arch))
+
+
 def axes_digest(space: SearchSpace, target: Target, shape: Shape, kernel: str) -> str:
     """A short hash of the axes `space` searches for `kernel` on `shape`: changes whenever an axis or a value
     joins or leaves them."""
@@ -499,8 +535,11 @@ class KernelSearch:
                  storage: optuna.storages.RDBStorage, seed: int, trials: int, deadline: float,
                  warm: tuple[AttentionConfig, ...] = ()):
         self.target, self.shape, self.kernel, self.space = target, shape, kernel, space
-        self.storage, self.trials, self.deadline = storage, trials, deadline
+        self.storage, self.seed, self.deadline = storage, seed, deadline
         self.axes = space.axes(kernel, shape, target.sms)
+        self.points = frozenset(space.feasible(kernel, shape, target))
+        self.trials = trial_budget(space, target, shape, kernel, trials)
+        self.exhausted = False  # every feasible point tried or held, as the last ask found
         self.spec = shape.spec
         self.start = heuristic_params(heuristic, kernel, shape.spec, self.axes)
         # what this process knows of the study without asking the storage again: the best trial as of its last
@@ -561,14 +600,16 @@ class KernelSearch:
             self._stale_checked = now
             with _quiet_optuna():
                 optuna.storages.fail_stale_trials(self.study)
-        finished = running = 0
+        finished = running = waiting = 0
         heuristic_waits = False
         for trial in self.study.get_trials(deepcopy=False, states=(*FINISHED, WAITING, RUNNING)):
-            finished += trial.state in FINISHED
+            finished += counts(trial)
             running += trial.state == RUNNING
+            waiting += trial.state == WAITING
             heuristic_waits |= trial.state == WAITING and self._holds_heuristic(trial)
             if trial.state == optuna.trial.TrialState.COMPLETE:
                 self._note_best(trial.value, trial.params)
+        self.exhausted &= not waiting  # a queued trial (a dead one's retry, a warm start) is still to run
         self._full_until = -math.inf  # fresh news: wants_trial decides again
         return finished, running, heuristic_waits
 
@@ -586,7 +627,8 @@ class KernelSearch:
         if time.monotonic() < self._full_until:
             return False  # full at the last census, under POLL_S ago
         finished, running, heuristic_waits = self.census()
-        wants = heuristic_waits or (time.time() < self.deadline and finished + running < self.trials)
+        wants = heuristic_waits or (time.time() < self.deadline and finished + running < self.trials
+                                    and not self.exhausted)
         if not wants:
             self._full_until = time.monotonic() + POLL_S
         return wants
@@ -608,24 +650,56 @@ class KernelSearch:
 
     def ask(self, base: AttentionConfig, heartbeat: Heartbeat, pool: CompilePool | None,
             clock: Stopwatch | None = None) -> Candidate | None:
-        """Start a trial and its compile in `pool`; None if it was rejected at once (infeasible)."""
-        start = time.perf_counter()
-        with _quiet_optuna():
-            trial = self.study.ask()
-        try:
-            heartbeat.hold(trial)
-            trial.set_user_attr("worker", _worker_name())
-            config = self.suggest(trial)
-            reason = infeasible(self.kernel, self.spec, config, self.target.shared_limit, self.target.arch)
-        except BaseException:
-            self._tell(trial, heartbeat, None, clock=clock)
-            raise
-        seconds = {"ask": time.perf_counter() - start}
-        if reason:
-            self._tell(trial, heartbeat, lambda: self._reject(trial, "infeasible", reason), seconds, clock)
-            return None
-        compiled = pool.submit(self.shape, base.replace(**{self.kernel: config}), self.kernel) if pool else None
-        return Candidate(self, trial, config, compiled, seconds)
+        """Start a trial of a feasible config not tried yet, and its compile in `pool`; None if no such config
+        is left (`exhausted`). A draw the resource model rejects (told pruned: the sampler learns to avoid it)
+        or one that repeats a config (told failed: the sampler learns nothing) is drawn again; from the
+        FREE_DRAWS-th draw on, an untried feasible config is queued first, which the next ask takes."""
+        for draw in itertools.count():
+            if draw >= FREE_DRAWS and not self._queue_untried():
+                self.exhausted = True
+                return None
+            start = time.perf_counter()
+            with _quiet_optuna():
+                trial = self.study.ask()
+            try:
+                heartbeat.hold(trial)
+                trial.set_user_attr("worker", _worker_name())
+                config = self.suggest(trial)
+                reason = infeasible(self.kernel, self.spec, config, self.target.shared_limit, self.target.arch)
+                repeated = reason is None and config in self._held_or_tried(trial.number)
+            except BaseException:
+                self._tell(trial, heartbeat, None, clock=clock)
+                raise
+            seconds = {"ask": time.perf_counter() - start}
+            if reason:
+                self._tell(trial, heartbeat, lambda: self._reject(trial, "infeasible", reason), seconds, clock)
+            elif repeated:
+                trial.set_user_attr("rejected", "repeated")
+                self._tell(trial, heartbeat, None, seconds, clock)
+            else:
+                compiled = pool.submit(self.shape, base.replace(**{self.kernel: config}), self.kernel) if pool else None
+                return Candidate(self, trial, config, compiled, seconds)
+        raise AssertionError("unreachable")
+
+    def _held_or_tried(self, number: int | None = None) -> set[LaunchConfig]:
+        """The configs of the study's trials that finished (infeasible draws aside), run or wait in its queue,
+        but trial `number` (the one being asked)."""
+        held = set()
+        for trial in self.study.get_trials(deepcopy=False, states=(*FINISHED, RUNNING, WAITING)):
+            params = trial.params or trial.system_attrs.get("fixed_params") or {}
+            if trial.number != number and trial.user_attrs.get("rejected") != "infeasible" and set(self.axes) <= set(params):
+                held.add(LaunchConfig.from_dict({axis: params[axis] for axis in self.axes}))
+        return held
+
+    def _queue_untried(self) -> bool:
+        """Queue a feasible config no trial holds, drawn from (seed, the study's trial count); False if none is left."""
+        with storage_lock(self.storage.url):
+            untried = sorted(self.points - self._held_or_tried(), key=str)
+            if not untried:
+                return False
+            pick = random.Random(self.seed * 1_000_003 + len(self.study.get_trials(deepcopy=False))).choice(untried)
+            self.study.enqueue_trial({axis: getattr(pick, axis) for axis in self.axes}, user_attrs={"untried": True})
+        return True
 
     def finish(self, candidate: Candidate, base: AttentionConfig, inputs: dict[str, torch.Tensor], checker: Checker,
                heartbeat: Heartbeat, clock: Stopwatch | None = None) -> None:
@@ -722,7 +796,7 @@ class KernelSearch:
         raise optuna.TrialPruned(reason)
 
     def finished(self) -> int:
-        return len(self.study.get_trials(deepcopy=False, states=FINISHED))
+        return sum(counts(trial) for trial in self.study.get_trials(deepcopy=False, states=FINISHED))
 
     def rejected(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -1105,8 +1179,9 @@ def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: o
     total = 0
     for shape in shapes:
         kernels = shape_kernels(shape)
+        budget = sum(trial_budget(space, target, shape, kernel, trials) for kernel in kernels)
         if done is not None and shape in done:
-            total += trials * len(kernels)
+            total += budget
             continue
         counted = 0
         for kernel in kernels:
@@ -1114,8 +1189,9 @@ def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: o
                 study_id = storage.get_study_id_from_name(study_name(target, shape, kernel, space))
             except KeyError:  # not created yet
                 continue
-            counted += min(trials, storage.get_n_trials(study_id, state=FINISHED))
-        if done is not None and counted == trials * len(kernels):
+            finished = storage.get_all_trials(study_id, deepcopy=False, states=FINISHED)
+            counted += min(trial_budget(space, target, shape, kernel, trials), sum(map(counts, finished)))
+        if done is not None and counted == budget:
             done.add(shape)
         total += counted
     return total

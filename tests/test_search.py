@@ -146,10 +146,28 @@ def test_trials_in_flight_are_all_told_and_the_budget_holds(tmp_path):
     assert result.trials == 12 and result.trials_per_s > 0
     for summary in optuna.get_all_study_summaries(storage):
         trials = optuna.load_study(study_name=summary.study_name, storage=storage).trials
-        assert [t.state in search.FINISHED for t in trials] == [True] * 4
-        assert any(later.datetime_start < earlier.datetime_complete for earlier, later in zip(trials, trials[1:]))
-        assert all("compile_wait" in t.user_attrs["seconds"] for t in trials
-                   if t.user_attrs.get("rejected") != "infeasible")
+        counted = [t for t in trials if search.counts(t)]
+        assert len(counted) == 4 and len({tuple(sorted(t.params.items())) for t in counted}) == 4
+        assert all(t.user_attrs.get("rejected") in ("infeasible", "repeated") for t in trials if not search.counts(t))
+        assert any(later.datetime_start < earlier.datetime_complete for earlier, later in zip(counted, counted[1:]))
+        assert all("compile_wait" in t.user_attrs["seconds"] for t in counted)
+
+
+def test_a_space_smaller_than_the_budget_is_searched_whole_each_config_once(tmp_path):
+    """Four feasible configs per kernel and --trials 10: each study tries every one exactly once (repeated
+    draws and infeasible ones are drawn again without counting) and ends; progress counts 4 per kernel."""
+    space = SearchSpace(block_m=(16, 32), block_n=(16, 32, 128), num_warps=(1,), num_stages=(1,), num_splits=(0,),
+                        tma=(0,), atomic_dq=(0,), maxnreg=(0,), concurrent=(0,))
+    target = interpreter_target(shared_limit=8 * 1024)  # the 128-key tiles do not fit
+    storage = f"sqlite:///{tmp_path / 's.sqlite'}"
+    assert [search.trial_budget(space, target, TINY, kernel, 10) for kernel in search.KERNELS] == [4, 4, 4]
+    result = search_shape(TINY, target, trials=10, seconds=600, storage=storage, seed=2, space=space)
+    assert result.trials == 12 and search.finished_trials([TINY], target, 10, search.open_storage(storage),
+                                                          space=space) == 12
+    for summary in optuna.get_all_study_summaries(storage):
+        trials = optuna.load_study(study_name=summary.study_name, storage=storage).trials
+        tried = sorted((t.params["block_m"], t.params["block_n"]) for t in trials if search.counts(t))
+        assert tried == [(16, 16), (16, 32), (32, 16), (32, 32)], summary.study_name
 
 
 def test_the_candidate_timed_next_is_the_first_asked_whose_compile_is_done():

@@ -193,7 +193,8 @@ def _search(job, target, storage, database, pool) -> list:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a Ctrl-C'd trial's traceback is not the user's business
     shapes = list(job.shapes)
     results = []
-    total = sum(len(tuner.shape_kernels(shape)) for shape in shapes) * job.trials
+    total = sum(tuner.trial_budget(job.space, target, shape, kernel, job.trials)
+                for shape in shapes for kernel in tuner.shape_kernels(shape))
     with click.progressbar(length=total, label="search", file=sys.stderr, show_pos=True,
                            show_eta=True) as bar:
         refreshed = [0.0]
