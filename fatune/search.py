@@ -197,11 +197,10 @@ class SearchSpace:
         axes = self.axes(kernel, shape, sms)
         return [LaunchConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
 
-    def feasible(self, kernel: str, shape: Shape, target: Target) -> list[LaunchConfig]:
-        """The grid's configs that the resource model lets run on `target` (infeasible): the points a search
+    def feasible(self, kernel: str, shape: Shape, target: Target) -> frozenset[LaunchConfig]:
+        """The grid's configs that the resource model (infeasible) lets run on `target`: the points a search
         may try, and so the most trials it can run."""
-        return [config for config in self.grid(kernel, shape, target.sms)
-                if infeasible(kernel, shape.spec, config, target.shared_limit, target.arch) is None]
+        return _feasible(self, kernel, shape, target.sms, target.shared_limit, target.arch)
 
 
 GPU_SPACE = SearchSpace()
@@ -401,17 +400,18 @@ def default_space(target: Target) -> SearchSpace:
     return INTERPRETER_SPACE if target.interpret else GPU_SPACE
 
 
-@functools.lru_cache(maxsize=4096)
-def _feasible_count(space: SearchSpace, kernel: str, shape: Shape, sms: int | None, shared_limit: int | None,
-                    arch: tuple[int, int]) -> int:
-    return sum(infeasible(kernel, shape.spec, config, shared_limit, arch) is None for config in space.grid(kernel, shape, sms))
+@functools.lru_cache(maxsize=1024)
+def _feasible(space: SearchSpace, kernel: str, shape: Shape, sms: int | None, shared_limit: int | None,
+              arch: tuple[int, int]) -> frozenset[LaunchConfig]:
+    return frozenset(config for config in space.grid(kernel, shape, sms)
+                     if infeasible(kernel, shape.spec, config, shared_limit, arch) is None)
 
 
 def trial_budget(space: SearchSpace | None, target: Target, shape: Shape, kernel: str, trials: int) -> int:
     """The trials a study of `kernel` runs for `--trials trials`: as many, or every feasible point of a smaller
     space (SearchSpace.feasible)."""
     space = space or default_space(target)
-    return min(trials, _feasible_count(space, kernel, shape, target.sms, target.shared_limit, target.arch))
+    return min(trials, len(space.feasible(kernel, shape, target)))
 
 
 def axes_digest(space: SearchSpace, target: Target, shape: Shape, kernel: str) -> str:
@@ -537,7 +537,7 @@ class KernelSearch:
         self.target, self.shape, self.kernel, self.space = target, shape, kernel, space
         self.storage, self.seed, self.deadline = storage, seed, deadline
         self.axes = space.axes(kernel, shape, target.sms)
-        self.points = frozenset(space.feasible(kernel, shape, target))
+        self.points = space.feasible(kernel, shape, target)
         self.trials = trial_budget(space, target, shape, kernel, trials)
         self.exhausted = False  # every feasible point tried or held, as the last ask found
         self.spec = shape.spec
