@@ -303,6 +303,20 @@ GRID
           grep -E "^\| |geometric" "$OUT/$dir/bench.md" | head -12
         done
       done ;;
+    flex-anatomy)  # Flex's compiled kernels beside fatune's on issue 12's cases (FA_CASES; FA_LENGTH; FA_CONFIGS: fatune configs
+      # to time too): step kernels' GPU time, tiles, warps, stages, registers, spills; Flex's sources kept
+      for case in ${FA_CASES:-window1024}; do
+        python3 benchmarks/flex_anatomy.py "$OUT/anatomy-$case" --case "$case" --length "${FA_LENGTH:-8192}" \
+          --configs "${FA_CONFIGS:-}" > "$OUT/anatomy-$case.log" 2>&1
+        rm -rf "$OUT/anatomy-$case/triton-cache" "$OUT/anatomy-$case/inductor-cache"
+        tail -n 40 "$OUT/anatomy-$case.log"
+      done ;;
+    template-variants)  # template folders timed against each other on issue 12's cases (TV_VARIANTS: "name=dir ...",
+      # TV_ARGS: e.g. --only window --configs "...")
+      python3 benchmarks/template_variants.py "$OUT/template-variants.json" \
+        $(for item in ${TV_VARIANTS:-current=templates}; do echo "--variant=$item"; done) ${TV_ARGS:-} \
+        > "$OUT/template-variants.log" 2>&1
+      tail -n 40 "$OUT/template-variants.log" ;;
     search-quality)  # issue 14's search-quality figure, resumable across runs (SQ_ARGS: --part grid|search|retime
       # [--shapes 0,1] [--seeds 0,1,2]; SQ_FROM: an earlier run's JSON to extend)
       [ -n "${SQ_FROM:-}" ] && cp "$SQ_FROM" "$OUT/search-quality.json"
