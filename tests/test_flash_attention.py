@@ -55,6 +55,22 @@ def test_tile_shapes(seqlens, config, causal, poison_outputs):
     run_and_compare(q, k, v, is_causal=causal, config=config)
 
 
+# A band's masked tiles split dS into hi + lo only where some row sees at most EXACT_DELTA_KEYS keys (spec's
+# SPLIT_DS_COUNTED): here rows see up to 330 keys, so diagonal and left-edge tiles past the first rows keep one product.
+@pytest.mark.parametrize("lengths, mask, atomic", [
+    ((300, 300), {"is_causal": True}, 0),
+    ((300, 300), {"window_size": (150, 0)}, 1),
+    ((170, 330), {"window_size": (150, 40)}, 0),
+    ((330, 170), {"is_causal": True}, 1),
+], ids=["causal", "window-atomic-dq", "window-both-sides", "causal-more-queries-atomic-dq"])
+def test_band_rows_that_see_many_keys(lengths, mask, atomic, poison_outputs):
+    torch.manual_seed(stable_seed(lengths, atomic))
+    q, k, v = random_qkv(1, 2, 2, *lengths, 64, 64, dtype=torch.float16, device=DEVICE)
+    tile = LaunchConfig(32, 32, 4, 1)
+    config = AttentionConfig(fwd=tile, dkdv=LaunchConfig(32, 32, 4, 1, atomic_dq=atomic), dq=tile)
+    run_and_compare(q, k, v, config=config, **mask)
+
+
 @pytest.mark.parametrize("layout", ["blhd", "strided"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_any_strides(layout, causal, poison_outputs):
