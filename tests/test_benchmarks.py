@@ -36,7 +36,7 @@ def test_search_quality_grid_then_search(tmp_path):
     assert entry["grid"] == next(iter(grid.values()))["grid"], "a part already in the file is not run again"
     for kernel in ("fwd", "dkdv", "dq"):
         assert entry["search"]["0"][kernel]["10"]["config"] is not None
-    assert table.count("| float16 b1 h2 lq40 lk40 d16 |") == 3
+    assert table.count("| float16 b1 h1 lq40 lk40 d16 |") == 3
     table = run("search_quality.py", out, "--part", "retime", "--shapes", "0")
     (entry,) = json.loads(out.read_text()).values()
     retimed_entry = entry

@@ -30,7 +30,7 @@ from fatune.spec import KernelSpec, LaunchConfig
 from fatune.storage import default_storage_url
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only")
-TINY = Shape(batch=2, heads=2, seqlen_q=48, seqlen_k=48, head_dim=16, dtype="float16", causal=True)
+TINY = Shape(batch=1, heads=2, seqlen_q=48, seqlen_k=48, head_dim=16, dtype="float16", causal=True)
 
 
 def interpreter_target(shared_limit=None) -> Target:
@@ -413,7 +413,7 @@ def test_a_decode_search_is_forward_only_and_its_entry_is_picked_for_decode_call
     (row,) = json.loads(result.output[result.output.index("["):])
     # the backward is not timed: null, not 0 or NaN; TFLOP/s of the forward
     assert row["forward_only"] and row["bwd_ms"] is None and row["fwd_bwd_ms"] is None and row["fwd_ms"] > 0
-    assert row["tflops"] > 0 and " b4 " in row["shape"]  # B * L_k = the interpreter's 256 tokens
+    assert row["tflops"] > 0 and " b1 " in row["shape"]  # B * L_k = the interpreter's 64 tokens
     with TunedDB(db_path, readonly=True) as db:
         (entry,) = db.entries()
     assert entry.forward_only and entry.trials == 3 and entry.fwd_ms > 0
@@ -426,13 +426,13 @@ def test_a_decode_search_is_forward_only_and_its_entry_is_picked_for_decode_call
     assert len(study.trials) == 3
     config = entry.attention_config()
     assert config.fwd == LaunchConfig.from_dict(study.best_trial.params)
-    heuristic = default_config(Shape(batch=4, heads=4, kv_heads=2, seqlen_q=1, seqlen_k=64, head_dim=16,
+    heuristic = default_config(Shape(batch=1, heads=4, kv_heads=2, seqlen_q=1, seqlen_k=64, head_dim=16,
                                      dtype="float16").spec, None, decode=True)
     assert (config.dkdv, config.dq) == (heuristic.dkdv, heuristic.dq)
     # again, as a table (the studies are done: only the re-timing runs): the backward is marked not timed
     table = CliRunner().invoke(cli, [*DECODE_SEARCH, "--db", str(db_path)])
     assert table.exit_code == 0, table.output
-    line = next(line for line in table.output.splitlines() if line.startswith("float16 b4 h4 hkv2 lq1 lk64"))
+    line = next(line for line in table.output.splitlines() if line.startswith("float16 b1 h4 hkv2 lq1 lk64"))
     assert line.split()[8:10] == ["–", "–"] and "nan" not in line.lower()
     # `fatune db which` (the dispatcher) picks it for a matching decode call
     which = CliRunner().invoke(cli, ["db", "which", "--db", str(db_path), "--head-dim", "16", "--dtype", "fp16",
@@ -451,7 +451,7 @@ def test_a_packed_documents_search_stores_a_varlen_entry_that_packed_calls_use(t
                                       "--db", str(db_path), "--json"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output[result.output.index("["):])
-    assert [row["shape"] for row in rows] == ["float16 b2 h4 lq24 lk24 d16 docs3", "float16 b2 h4 lq24 lk24 d16 causal docs3"]
+    assert [row["shape"] for row in rows] == ["float16 b2 h2 lq24 lk24 d16 docs3", "float16 b2 h2 lq24 lk24 d16 causal docs3"]
     shape = Shape(batch=2, heads=4, seqlen_q=24, seqlen_k=24, head_dim=16, dtype="float16", causal=True, documents=3)
     assert sum(shape.document_lengths()) == 48 and len(set(shape.document_lengths())) > 1
     with TunedDB(db_path, readonly=True) as db:

@@ -112,7 +112,7 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     lengths = lengths_q or lengths_old or list(DEFAULT_LENGTHS if not interpret else (64, 128))
     if len(lengths_k or lengths) != len(lengths):
         raise click.BadParameter("give as many key lengths as query lengths", param_hint="--lengths-k")
-    tokens, model_dim = (256, 64) if interpret else (16384, 2048)
+    tokens, model_dim = (64, 32) if interpret else (16384, 2048)
     heads = heads or max(1, model_dim // head_dim)
     if heads % (kv_heads or heads):
         raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}", param_hint="--kv-heads")
