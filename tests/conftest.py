@@ -42,6 +42,16 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 OVERFLOW_CHECKED = {"tests.test_flash_attention", "tests.test_random_calls"}
 
 
+# The same for a test's fresh Python process (a benchmark script, a compile from scratch): lines to run first in
+# the subprocesses of modules not in OVERFLOW_CHECKED, whose kernels are interpreted there.
+UNCHECKED_PRELUDE = """
+import dataclasses
+from triton.runtime import interpreter
+interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
+                                                              sanitize_overflow=False)
+"""
+
+
 @pytest.fixture(autouse=True)
 def interpreter_overflow_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton's interpreter checks int32 overflow only in OVERFLOW_CHECKED's tests."""

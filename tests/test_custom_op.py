@@ -16,7 +16,7 @@ import torch
 import fatune
 from fatune.custom_op import config_from_list, config_to_list
 from fatune.heuristics import INTERPRETER_CONFIG
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, UNCHECKED_PRELUDE
 
 # A fresh process: compile first, then compare forward and gradients with eager.
 COMPILE_SCRIPT = """
@@ -70,7 +70,8 @@ if DYNAMIC:
 
 def run_compile_script(device: str, dtype: str, backend: str, mode: str = "default", dynamic: str = "none"):
     env = dict(os.environ)
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, device, dtype, backend, mode, dynamic],
+    script = (UNCHECKED_PRELUDE if device == "cpu" else "") + COMPILE_SCRIPT  # conftest.OVERFLOW_CHECKED's policy
+    result = subprocess.run([sys.executable, "-c", script, device, dtype, backend, mode, dynamic],
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     assert "OK" in result.stdout
