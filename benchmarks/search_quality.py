@@ -2,6 +2,7 @@
 
     python benchmarks/search_quality.py OUT.json --part grid [--shapes 0,1] [--kernels fwd] [--regrid]   # exhaustive
     python benchmarks/search_quality.py OUT.json --part search [--seeds 0,1,2] [--trials 50] [--sampler random]
+        [--checkpoints 10,20,30,50]
     python benchmarks/search_quality.py OUT.json --part retime                   # the compared configs, alike
     python benchmarks/search_quality.py OUT.json --part table                    # the markdown table
     TRITON_INTERPRET=1 python benchmarks/search_quality.py OUT.json --part grid --interpret   # CPU smoke run
@@ -57,7 +58,7 @@ GPU_SHAPES = [
     Shape(2, 16, 8192, 8192, 128, "bfloat16", causal=True, window=1024),
     Shape(2, 16, 8192, 8192, 128, "bfloat16", causal=True, kv_heads=2),
 ]
-INTERPRETER_SHAPES = [Shape(1, 1, 40, 40, 16, "float16"), Shape(1, 4, 33, 33, 16, "float16", causal=True, kv_heads=2)]
+INTERPRETER_SHAPES = [Shape(1, 1, 24, 24, 16, "float16"), Shape(1, 4, 33, 33, 16, "float16", causal=True, kv_heads=2)]
 KERNELS = ("fwd", "dkdv", "dq")
 CHECKPOINTS = (10, 20, 30, 50)
 FULL_TIMED = 5  # the fastest this many by quick timing are timed in full
@@ -238,6 +239,8 @@ def add_options(parser) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--sampler", default=search.SAMPLERS[0], choices=search.SAMPLERS,
                         help="for --part search: how the trials are drawn (fatune.search.SAMPLERS)")
+    parser.add_argument("--checkpoints", default=",".join(map(str, CHECKPOINTS)),
+                        help="the trial counts after which each study's best is re-timed (a smoke run: fewer)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help="for --part grid: the kernels to time "
                         "(the forward's grid is the largest: 330-660 configs on the H200 shapes)")
     parser.add_argument("--regrid", action="store_true", help="for --part grid: time the kernels' grids again "
@@ -247,6 +250,8 @@ def add_options(parser) -> None:
 
 def main() -> None:
     args = resumable.arguments(__doc__, ("grid", "search", "retime"), trials=50, extra=add_options)
+    global CHECKPOINTS
+    CHECKPOINTS = tuple(int(n) for n in args.checkpoints.split(","))
     results = resumable.load(args.out)
     if args.part == "table":
         print(table(results))
