@@ -30,7 +30,7 @@ from fatune.spec import KernelSpec, LaunchConfig
 from fatune.storage import default_storage_url
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only")
-TINY = Shape(batch=1, heads=2, seqlen_q=48, seqlen_k=48, head_dim=16, dtype="float16", causal=True)
+TINY = Shape(batch=1, heads=1, seqlen_q=32, seqlen_k=32, head_dim=16, dtype="float16", causal=True)
 
 
 def interpreter_target(shared_limit=None) -> Target:
@@ -41,7 +41,7 @@ def test_cli_search_creates_the_default_dbs_folder(tmp_path, monkeypatch):
     """On a new machine ~/.cache/fatune does not exist yet: the DB and its Optuna storage beside it go there."""
     monkeypatch.setenv("FATUNE_DB", str(tmp_path / "new" / "folders" / "tuned.sqlite"))
     result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths",
-                                      "24", "--mask", "none", "--trials", "1"])
+                                      "24", "--batch", "1", "--heads", "1", "--mask", "none", "--trials", "1"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "new" / "folders" / "tuned.sqlite").is_file()
     assert (tmp_path / "new" / "folders" / "tuned.optuna.sqlite").is_file()
@@ -50,14 +50,15 @@ def test_cli_search_creates_the_default_dbs_folder(tmp_path, monkeypatch):
 def test_cli_search_writes_db_rows_with_the_right_keys(tmp_path):
     db_path = tmp_path / "tuned.sqlite"
     result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths",
-                                      "40", "--mask", "causal", "--trials", "3", "--db", str(db_path), "--json"])
+                                      "24", "--heads", "1", "--mask", "causal", "--trials", "3", "--db", str(db_path),
+                                      "--json"])
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.output[result.output.index("["):])
     assert row["interpreted"] and row["fwd_bwd_ms"] > 0 and set(row["config"]) == {"fwd", "dkdv", "dq"}
     with TunedDB(db_path, readonly=True) as db:
         (entry,) = db.entries()
     assert (entry.gpu, entry.dtype, entry.head_dim, entry.mask_variant, entry.seqlen_q_bucket) == \
-        ("triton-interpreter", "float16", 16, "causal", 64)
+        ("triton-interpreter", "float16", 16, "causal", 32)
     assert entry.template_hash == entry.kernel_hash() and entry.interpreted and entry.trials == 9
     assert entry.attention_config().to_dict() == row["config"]
     # where the wall time went: every phase, none negative, and all of them make up the shape's wall time
@@ -94,7 +95,7 @@ def test_impossible_configs_are_pruned_before_compiling(tmp_path):
     wide = KernelSpec("bfloat16", 256)
     assert infeasible("dkdv", wide, LaunchConfig(32, 128, 4, 1), 227 * 1024) is not None
     assert infeasible("dkdv", wide, LaunchConfig(32, 128, 4, 1, split_d=2), 227 * 1024) is None
-    space = SearchSpace(block_m=(32, 128), block_n=(32, 128), num_warps=(4,), num_stages=(1, 4))
+    space = SearchSpace(block_m=(32, 128), block_n=(32, 128), num_warps=(4,), num_stages=(1, 4), num_splits=(0, 2))
     result = search_shape(TINY, interpreter_target(shared_limit=24 * 1024), trials=8, seconds=600,
                           storage=f"sqlite:///{tmp_path / 's.sqlite'}", seed=1, space=space)
     assert result.rejected.get("infeasible", 0) > 0
@@ -116,7 +117,7 @@ def test_a_wrong_kernel_never_wins(tmp_path, monkeypatch):
     monkeypatch.setattr(codegen, "_modules", {})
     monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"wrong-{kind}-"
                         + hashlib.sha256(config.to_json().encode()).hexdigest()[:20])  # a file name of its own
-    space = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,))
+    space = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2))
     result = search_shape(TINY, interpreter_target(), trials=6, seconds=600,
                           storage=f"sqlite:///{tmp_path / 's.sqlite'}", seed=3, space=space)
     assert result.config.fwd.block_n == 32
@@ -126,7 +127,7 @@ def test_a_wrong_kernel_never_wins(tmp_path, monkeypatch):
 def test_same_seed_same_trial_sequence(tmp_path):
     def params(run: int):
         storage = f"sqlite:///{tmp_path / f'run{run}.sqlite'}"
-        space = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(2, 4), num_stages=(1, 2))
+        space = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(2, 4), num_stages=(1, 2), num_splits=(0, 2))
         search_shape(TINY, interpreter_target(), trials=4, seconds=600, storage=storage, seed=7, space=space)
         studies = sorted(optuna.get_all_study_summaries(storage), key=lambda s: s.study_name)
         return [[t.params for t in optuna.load_study(study_name=s.study_name, storage=storage).trials]
@@ -447,11 +448,11 @@ def test_a_packed_documents_search_stores_a_varlen_entry_that_packed_calls_use(t
     the varlen kernel and the longest document, and a packed call with such documents dispatches to it."""
     db_path = tmp_path / "tuned.sqlite"
     result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths", "24",
-                                      "--batch", "2", "--mask", "packed", "--documents", "3", "--trials", "2",
-                                      "--db", str(db_path), "--json"])
+                                      "--batch", "2", "--heads", "1", "--mask", "packed", "--documents", "3",
+                                      "--trials", "2", "--db", str(db_path), "--json"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output[result.output.index("["):])
-    assert [row["shape"] for row in rows] == ["float16 b2 h2 lq24 lk24 d16 docs3", "float16 b2 h2 lq24 lk24 d16 causal docs3"]
+    assert [row["shape"] for row in rows] == ["float16 b2 h1 lq24 lk24 d16 docs3", "float16 b2 h1 lq24 lk24 d16 causal docs3"]
     shape = Shape(batch=2, heads=4, seqlen_q=24, seqlen_k=24, head_dim=16, dtype="float16", causal=True, documents=3)
     assert sum(shape.document_lengths()) == 48 and len(set(shape.document_lengths())) > 1
     with TunedDB(db_path, readonly=True) as db:
