@@ -17,6 +17,47 @@ os.environ.setdefault("FATUNE_CACHE_DIR", tempfile.mkdtemp(prefix="fatune-test-c
 DEVICE = "cuda" if HAS_GPU else "cpu"
 
 
+def patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language (inspect.getmembers over its modules) at every launch, and again
+    at every call of a @triton.jit helper inside the running kernel: a quarter of a small kernel's interpreted time.
+    Inside a launch that patched every language module a helper sees, the helper runs without patching again;
+    elsewhere (a helper of a module the kernel does not import) as Triton does it."""
+    import functools
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    launch, helper = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    patched: list[frozenset[int]] = []  # per running launch: the language modules it patched
+
+    @functools.cache
+    def languages(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
+
+    def counted_launch(self, *args, **kwargs):
+        patched.append(languages(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def helper_call(self, *args, **kwargs):
+        if not patched or not languages(self.fn) <= patched[-1]:
+            return helper(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:  # as InterpretedFunction.__call__ reports it
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__ = counted_launch, helper_call
+
+
+if not HAS_GPU:
+    patch_the_language_once_per_launch()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
