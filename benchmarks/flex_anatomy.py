@@ -1,10 +1,10 @@
 """What FlexAttention's kernels are, beside fatune's, on one masked case (issue 12): per-kernel GPU time of a
 training step, and every compiled kernel's tiles, warps, stages, shared memory, registers and spills.
 
-    python benchmarks/flex_anatomy.py OUT_DIR [--case window1024|docs2|padding] [--length 8192]
-        [--configs "fwd F, dkdv K, dq Q; ..."]
+    python benchmarks/flex_anatomy.py OUT_DIR [--case window1024|docs2|padding|causal] [--length 8192]
+        [--batch 2] [--configs "fwd F, dkdv K, dq Q; ..."]
 
-bf16, D = 128, H = 16, causal. Flex compiles with Inductor's defaults (its block mask made outside the step);
+bf16, D = 128, H = 16, causal (`causal`: no other mask, as a window wider than L leaves it). Flex compiles with Inductor's defaults (its block mask made outside the step);
 fatune runs its dispatcher's pick and each config of --configs (e.g. Flex's own tiles). Both compile into fresh
 Triton and Inductor caches under OUT_DIR, so the table covers exactly this run's kernels; Flex's generated
 sources (Inductor's output code) are copied to OUT_DIR/flex-sources for reading and offline compiling.
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--case", default="window1024")
     parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=2, help="B (docs2: always one pack)")
     parser.add_argument("--configs", default="")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
@@ -45,13 +46,18 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from masked_cases import mask_configs, step_once
 
-    L, B, H, D = args.length, 2, 16, 128
+    L, B, H, D = args.length, args.batch, 16, 128
     torch.manual_seed(0)
     if args.case == "window1024":
         kwargs = {"window_size": (1024, 0)}
 
         def keep(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (kv_idx >= q_idx - 1024)
+    elif args.case == "causal":
+        kwargs = {"is_causal": True}
+
+        def keep(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
     elif args.case == "padding":
         lengths = torch.tensor([L // 2, L // 4], dtype=torch.int32, device="cuda")
         kwargs = {"is_causal": True, "seqlens_k": lengths}
@@ -69,7 +75,7 @@ def main() -> None:
         def keep(b, h, q_idx, kv_idx):
             return (doc_id[q_idx] == doc_id[kv_idx]) & (kv_idx <= q_idx)
     else:
-        raise SystemExit(f"--case: expected window1024, padding or docs2, got {args.case!r}")
+        raise SystemExit(f"--case: expected window1024, padding, docs2 or causal, got {args.case!r}")
 
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)

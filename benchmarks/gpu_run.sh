@@ -303,10 +303,10 @@ GRID
           grep -E "^\| |geometric" "$OUT/$dir/bench.md" | head -12
         done
       done ;;
-    flex-anatomy)  # Flex's compiled kernels beside fatune's on issue 12's cases (FA_CASES; FA_LENGTH; FA_CONFIGS: fatune configs
+    flex-anatomy)  # Flex's compiled kernels beside fatune's on issue 12's cases (FA_CASES; FA_LENGTH; FA_BATCH; FA_CONFIGS: fatune configs
       # to time too): step kernels' GPU time, tiles, warps, stages, registers, spills; Flex's sources kept
       for case in ${FA_CASES:-window1024}; do
-        python3 benchmarks/flex_anatomy.py "$OUT/anatomy-$case" --case "$case" --length "${FA_LENGTH:-8192}" \
+        python3 benchmarks/flex_anatomy.py "$OUT/anatomy-$case" --case "$case" --length "${FA_LENGTH:-8192}" --batch "${FA_BATCH:-2}" \
           --configs "${FA_CONFIGS:-}" > "$OUT/anatomy-$case.log" 2>&1
         rm -rf "$OUT/anatomy-$case/triton-cache" "$OUT/anatomy-$case/inductor-cache"
         tail -n 40 "$OUT/anatomy-$case.log"
