@@ -314,6 +314,10 @@ def check_inputs(
     reach = seqlen_q + seqlen_k
     left = -1 if left >= reach else left
     right = -1 if right >= reach else right
+    if left == -1 and (right == -1 or is_causal) and seqlen_q == seqlen_k and not packed and seqlens_k is None:
+        # both alignments give the same mask (offset L_k - L_q = 0): take the kernel and tuned entries of the plain
+        # call, not those of a window searched at longer lengths (a window covering every key is no window)
+        causal_alignment = "top_left"
 
     mask_kind = "none"
     mask_view = None

@@ -288,6 +288,42 @@ def _count_builds(monkeypatch) -> list:
     return builds
 
 
+# Calls whose causal alignment cannot change the mask: (case id, (L_q, L_k), kwargs, kwargs of the plain call
+# they become, or None where the alignment stays bottom-right)
+ALIGNMENT_CASES = [
+    ("causal-window-covering-every-key", (40, 40), {"is_causal": True, "window_size": (80, 0)}, {"is_causal": True}),
+    ("bottom-right-asked", (40, 40), {"is_causal": True, "causal_alignment": "bottom_right"}, {"is_causal": True}),
+    ("band-covering-every-key", (40, 40), {"window_size": (80, 80)}, {}),
+    ("window-kept", (40, 40), {"is_causal": True, "window_size": (8, 0)}, None),
+    ("other-lengths", (30, 40), {"is_causal": True, "window_size": (80, 0)}, None),
+    ("key-padding", (40, 40), {"is_causal": True, "causal_alignment": "bottom_right", "seqlens_k": [40, 27]}, None),
+]
+
+
+@pytest.mark.parametrize("lengths, kwargs, plain", [case[1:] for case in ALIGNMENT_CASES],
+                         ids=[case[0] for case in ALIGNMENT_CASES])
+def test_an_alignment_that_cannot_change_the_mask_takes_the_plain_calls_kernel(lengths, kwargs, plain):
+    """With L_q = L_k, no key padding and no window left, bottom-right is top-left: such a call runs (and looks up
+    tuned entries) as the plain call does. Elsewhere bottom-right stays: it is another mask."""
+    from fatune.inputs import check_inputs
+
+    torch.manual_seed(3)
+    q, k, v = qkv(lq=lengths[0], lk=lengths[1], d=16, dv=16)
+    if "seqlens_k" in kwargs:
+        kwargs = {**kwargs, "seqlens_k": i32(kwargs["seqlens_k"])}
+    spec = check_inputs(q, k, v, **kwargs).spec
+    if plain is None:
+        assert spec.bottom_right
+        return
+    assert spec == check_inputs(q, k, v, **plain).spec and not spec.bottom_right
+    out = fatune.attention(q, k, v, **kwargs)
+    torch.testing.assert_close(out, fatune.attention(q, k, v, **plain), rtol=0, atol=0)
+    # and it is the mask asked for: bottom-right causal at equal lengths is the lower triangle
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                is_causal=plain.get("is_causal", False))
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+
+
 def _step(q, k, v, **kwargs):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = fatune.attention(q, k, v, **kwargs)
