@@ -78,10 +78,15 @@ def entry_shape(entry: Entry) -> Shape | None:
         windows.append(entry.seqlen_q + entry.seqlen_k)
     kept = PADDED_KEYS if "seqlens-k" in parts else (1.0,)
     documents = PACKED_DOCUMENTS if "varlen" in parts else (0,)
+    lengths = [(entry.seqlen_q, entry.seqlen_k)]
+    if entry.seqlen_q == entry.seqlen_k > 1:
+        # a bottom-right key timed at equal lengths (before they took the plain call's key, which is the same
+        # mask there): one query fewer keeps the alignment, and the bucket or no shape is found
+        lengths.append((entry.seqlen_q - 1, entry.seqlen_k))
     key = entry_key(entry)
-    for window, valid_keys, count in itertools.product(windows, kept, documents):
+    for (seqlen_q, seqlen_k), window, valid_keys, count in itertools.product(lengths, windows, kept, documents):
         try:
-            shape = Shape(entry.batch, entry.heads, entry.seqlen_q, entry.seqlen_k, entry.head_dim, entry.dtype,
+            shape = Shape(entry.batch, entry.heads, seqlen_q, seqlen_k, entry.head_dim, entry.dtype,
                           causal=causal, kv_heads=entry.heads // entry.group_size, head_dim_v=entry.head_dim_v,
                           window=window, valid_keys=valid_keys, documents=count)
             if shape_key(shape) == key and max(math.prod(size) for size in shape.input_sizes().values()) \

@@ -42,7 +42,7 @@ SHAPES = [  # what `fatune search` searches: each mask variant, GQA, L_q != L_k,
     Shape(2, 32, 8192, 8192, 64, "bfloat16", causal=True, kv_heads=4),
     Shape(8, 16, 2048, 2048, 128, "float16", causal=True, window=256),
     Shape(1, 16, 32768, 32768, 128, "bfloat16", causal=True, window=1024),
-    Shape(32, 16, 512, 512, 128, "bfloat16", causal=True, window=1024),  # wider than the keys: alignment only
+    Shape(32, 16, 511, 512, 128, "bfloat16", causal=True, window=1023),  # wider than the keys: alignment only
     Shape(8, 16, 2048, 2048, 128, "bfloat16", valid_keys=0.25),
     Shape(8, 16, 2048, 2048, 64, "bfloat16", causal=True, valid_keys=0.25),
     Shape(2, 16, 8192, 8192, 128, "bfloat16", causal=True, documents=5),
@@ -59,6 +59,16 @@ def test_an_entrys_problem_is_rebuilt_with_its_key_and_sizes(shape):
     rebuilt = entry_shape(entry)
     assert rebuilt is not None and shape_key(rebuilt) == entry_key(entry)
     assert rebuilt == shape  # searched at the search's default sizes: the very problem, window and documents too
+
+
+def test_a_bottom_right_entry_timed_at_equal_lengths_is_rebuilt_one_query_shorter():
+    """Such entries predate equal lengths taking the plain call's key (a window wider than the keys at L_q = L_k
+    is plain causal now); the shipped DB holds some. Their problem keeps its alignment with one query fewer."""
+    wide = Shape(32, 16, 512, 512, 128, "bfloat16", causal=True, window=1024)
+    assert shape_key(wide) == shape_key(wide.with_(window=-1))
+    old = entry_for(wide.with_(seqlen_q=511, window=1023), seqlen_q=512)
+    rebuilt = entry_shape(old)
+    assert rebuilt is not None and shape_key(rebuilt) == entry_key(old) and (rebuilt.seqlen_q, rebuilt.seqlen_k) == (511, 512)
 
 
 def test_a_window_is_rebuilt_narrower_than_its_keys():
