@@ -2,12 +2,14 @@
 training step, and every compiled kernel's tiles, warps, stages, shared memory, registers and spills.
 
     python benchmarks/flex_anatomy.py OUT_DIR [--case window1024|docs2|padding|causal] [--length 8192]
-        [--batch 2] [--configs "fwd F, dkdv K, dq Q; ..."]
+        [--batch 2] [--configs "fwd F, dkdv K, dq Q; ..."] [--profile]
 
 bf16, D = 128, H = 16, causal (`causal`: no other mask, as a window wider than L leaves it). Flex compiles with Inductor's defaults (its block mask made outside the step);
 fatune runs its dispatcher's pick and each config of --configs (e.g. Flex's own tiles). Both compile into fresh
 Triton and Inductor caches under OUT_DIR, so the table covers exactly this run's kernels; Flex's generated
 sources (Inductor's output code) are copied to OUT_DIR/flex-sources for reading and offline compiling.
+--profile: no timing; each implementation's warm training step runs once between cudaProfilerStart and Stop, for
+`ncu --profile-from-start off` (gpu_run.sh's `ncu` stage) to read every kernel of those steps.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=2, help="B (docs2: always one pack)")
     parser.add_argument("--configs", default="")
+    parser.add_argument("--profile", action="store_true", help="one warm step each, between profiler start/stop")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -106,6 +109,15 @@ def main() -> None:
             if o.dim() == 3:
                 o = o.transpose(0, 1)[None]
         reference = o if reference is None else reference
+        if args.profile:
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            print(f"{name}: profiled one step, diff {float((o - reference).abs().max()):.2e}", flush=True)
+            continue
         row = {"fwd_bwd_ms": bench(step, grad_to_none=leaves),
                "max_abs_diff_vs_flex": float((o - reference).abs().max()),
                "step_kernels_us": kernel_times(step)}

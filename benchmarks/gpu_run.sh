@@ -311,6 +311,20 @@ GRID
         rm -rf "$OUT/anatomy-$case/triton-cache" "$OUT/anatomy-$case/inductor-cache"
         tail -n 40 "$OUT/anatomy-$case.log"
       done ;;
+    ncu)  # Nsight Compute's counters (stall reasons, pipes, shared-memory conflicts, per-instruction SASS samples) for
+      # every kernel of one warm training step of fatune and of Flex (NCU_CASE, NCU_LENGTH, NCU_BATCH, NCU_CONFIGS as
+      # flex-anatomy's; NCU_KERNELS: a regex of kernel names); the clocks are left alone
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+      rep=/tmp/ncu-${NCU_CASE:-causal}
+      "$ncu_bin" --clock-control none --profile-from-start off --set full --import-source yes -f -o "$rep" \
+        -k "regex:${NCU_KERNELS:-.}" python3 benchmarks/flex_anatomy.py /tmp/ncu-anatomy --case "${NCU_CASE:-causal}" \
+        --length "${NCU_LENGTH:-2048}" --batch "${NCU_BATCH:-16}" --configs "${NCU_CONFIGS:-}" --profile \
+        > "$OUT/ncu.log" 2>&1
+      "$ncu_bin" -i "$rep.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
+      "$ncu_bin" -i "$rep.ncu-rep" --page raw --csv > /tmp/ncu-raw.csv 2>&1 && gzip -c /tmp/ncu-raw.csv > "$OUT/ncu-raw.csv.gz"
+      "$ncu_bin" -i "$rep.ncu-rep" --page source --csv --print-source sass > /tmp/ncu-sass.csv 2>&1
+      gzip -c /tmp/ncu-sass.csv > "$OUT/ncu-sass.csv.gz"
+      tail -n 5 "$OUT/ncu.log"; grep -E "^  [a-z_]|Duration|Registers Per|Achieved Occ|Stall|Issue Slots Busy|Pipe" "$OUT/ncu-details.txt" | head -n 80 ;;
     template-variants)  # template folders timed against each other on issue 12's cases (TV_VARIANTS: "name=dir ...",
       # TV_ARGS: e.g. --only window --configs "...")
       python3 benchmarks/template_variants.py "$OUT/template-variants.json" \
