@@ -82,15 +82,16 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0),
-                   maxnreg: int | None = None, mask_dtype: str | None = None,
-                   lengths_of_one: tuple[str, ...] = ()) -> CompiledKernel:
-    """Compile `kernel` ('fwd', 'dkdv', 'dq', or atomic dQ's 'prep' and 'dq_store') for CUDA compute
-    capability `arch`, its registers capped at `maxnreg` per thread if given, an additive mask of Triton type
-    `mask_dtype` ("fp32"; default: the inputs'), the lengths named in `lengths_of_one` ("L_Q", "L_K") equal to
-    1 (Triton then specialises them as constants); raises on failure."""
+def _compile(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int],
+             maxnreg: int | None, mask_dtype: str | None, lengths_of_one: tuple[str, ...], group: int | None):
+    """Triton's compiled `kernel` (its PTX and cubin) for `arch`: compile_kernel's arguments."""
     if kernel not in _KERNEL_FUNCTIONS:
         raise ValueError(f"kernel: expected one of {sorted(_KERNEL_FUNCTIONS)}, got {kernel!r}")
+    for name in lengths_of_one:
+        if name not in ("L_Q", "L_K"):
+            raise ValueError(f"lengths_of_one: expected names among ('L_Q', 'L_K'), got {name!r}")
+    if group not in (None, 1):
+        raise ValueError(f"group: expected None (any group) or 1, got {group!r}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_kernel needs compiled (not interpreted) kernels: unset TRITON_INTERPRET")
     # as fatune.launch.resolve does
@@ -102,15 +103,24 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
     if config.fwd.num_splits == 1:  # no split-KV: its buffers are not passed
         absent |= {"O_PART", "LSE_PART", "SPLIT_COUNT"}
     types, attrs, constexprs = _signature(function_name, spec, absent, mask_dtype)
-    for name in lengths_of_one:
-        if name not in ("L_Q", "L_K"):
-            raise ValueError(f"lengths_of_one: expected names among ('L_Q', 'L_K'), got {name!r}")
+    for name in [*lengths_of_one, *(["GROUP"] if group == 1 and "GROUP" in types else [])]:
         attrs.pop((list(types).index(name),), None)
         types[name], constexprs[name] = "constexpr", 1
     source = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
     options = (launch if maxnreg is None else dataclasses.replace(launch, maxnreg=maxnreg)).compile_options
-    compiled = triton.compile(source, target=target, options=options)
+    return triton.compile(source, target=target, options=options)
+
+
+def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch: tuple[int, int] = (9, 0),
+                   maxnreg: int | None = None, mask_dtype: str | None = None,
+                   lengths_of_one: tuple[str, ...] = (), group: int | None = None) -> CompiledKernel:
+    """Compile `kernel` ('fwd', 'dkdv', 'dq', or atomic dQ's 'prep' and 'dq_store') for CUDA compute
+    capability `arch`, its registers capped at `maxnreg` per thread if given, an additive mask of Triton type
+    `mask_dtype` ("fp32"; default: the inputs'), the lengths named in `lengths_of_one` ("L_Q", "L_K") equal to
+    1 (Triton then specialises them as constants), and with `group=1` the query heads per K/V head a constant
+    1, as every launch without GQA has it (None: any group); raises on failure."""
+    compiled = _compile(kernel, spec, config, arch, maxnreg, mask_dtype, lengths_of_one, group)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -128,6 +138,22 @@ def compile_kernel(kernel: str, spec: KernelSpec, config: AttentionConfig, arch:
         wgmma_in_flight=wgmma_in_flight(compiled.asm["ptx"]),
         exp2_under_wgmma=exp2_under_wgmma(compiled.asm["ptx"]),
     )
+
+
+def wgmma_serialization(kernel: str, spec: KernelSpec, config: AttentionConfig, group: int | None = 1) -> str:
+    """ptxas's note when it waits for each of `kernel`'s wgmma instructions on its own ("wgmma.mma_async
+    instructions are serialized due to ..."), compiled for sm_90a as a launch with `group` query heads per K/V head
+    specialises it; "" when the products stay pipelined. A serialized kernel loses its tensor cores' overlap
+    with everything else: session 28 found fatune's causal dK/dV kernel so, 12-16% slower on an H200."""
+    compiled = _compile(kernel, spec, config, (9, 0), None, None, (), group)
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as file:
+            file.write(compiled.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(_cuobjdump()), "ptxas")
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(folder, "kernel.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    return "\n".join(line.split(":", 1)[-1].strip() for line in log.splitlines() if "are serialized" in line)
 
 
 def wgmma_in_flight(ptx: str) -> int:
