@@ -311,6 +311,12 @@ GRID
         rm -rf "$OUT/anatomy-$case/triton-cache" "$OUT/anatomy-$case/inductor-cache"
         tail -n 40 "$OUT/anatomy-$case.log"
       done ;;
+    sanitize)  # one pytest selection under compute-sanitizer's memcheck (Firecracker machines only), e.g. a random call
+      # that faulted: SAN_SEED (FATUNE_RANDOM_SEED), SAN_TESTS (pytest args; default the GPU random calls), SAN_K (-k)
+      sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+      env ${SAN_SEED:+FATUNE_RANDOM_SEED=$SAN_SEED} "$sanitizer" --tool memcheck --print-limit 20 python3 -m pytest \
+        ${SAN_TESTS:-tests/test_random_calls.py} -m gpu -k "${SAN_K:-}" -x -q -p no:cacheprovider > "$OUT/sanitize.log" 2>&1
+      grep -E "Invalid|ERROR SUMMARY|at 0x|passed|failed|by thread" "$OUT/sanitize.log" | head -n 40 ;;
     ncu)  # Nsight Compute's counters (stall reasons, pipes, shared-memory conflicts, per-instruction SASS samples) for
       # every kernel of one warm training step of fatune and of Flex (NCU_CASE, NCU_LENGTH, NCU_BATCH, NCU_CONFIGS as
       # flex-anatomy's; NCU_KERNELS: a regex of kernel names); the clocks are left alone
