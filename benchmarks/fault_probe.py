@@ -4,7 +4,8 @@
     python3 benchmarks/fault_probe.py B,H,HKV,LQ,LK,D,DV VARIANT   # random float16 inputs of that shape instead
 
 VARIANT: "dispatched" (the dispatcher's config as is) or "name=value,..." overrides of the dispatched config's
-kernels, e.g. "dkdv.split_d=1", "fwd.pack_gqa=0". Each launch is synchronised (CUDA_LAUNCH_BLOCKING=1), so the
+kernels, e.g. "dkdv.split_d=1", "fwd.pack_gqa=0", whole kernels ("dkdv=64x64/w4/s1/a2/d2") or call arguments
+("kw.dropout_p=0.3", "kw.is_causal=1"). Each launch is synchronised (CUDA_LAUNCH_BLOCKING=1), so the
 traceback names the faulting kernel.
 """
 
@@ -19,6 +20,7 @@ os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
 import torch  # noqa: E402
 
 import fatune  # noqa: E402
+from fatune import LaunchConfig  # noqa: E402
 from fatune.dispatch import choose_config  # noqa: E402
 from fatune.inputs import check_inputs  # noqa: E402
 from tests.test_random_calls import draw  # noqa: E402
@@ -43,8 +45,14 @@ def main() -> None:
     if variant != "dispatched":
         for change in variant.split(","):
             name, value = change.split("=")
-            kernel, field = name.split(".")
-            config = config.replace(**{kernel: dataclasses.replace(getattr(config, kernel), **{field: int(value)})})
+            if name.startswith("kw."):
+                kwargs[name[3:]] = {"True": True, "False": False}.get(value) if value in ("True", "False") else \
+                    float(value) if "." in value else int(value)
+            elif "." not in name:
+                config = config.replace(**{name: LaunchConfig.parse(value)})
+            else:
+                kernel, field = name.split(".")
+                config = config.replace(**{kernel: dataclasses.replace(getattr(config, kernel), **{field: int(value)})})
     print(call, "\n", variant, config, flush=True)
     out = fatune.attention(call.q, call.k, call.v, config=config, **kwargs)
     if call.q.is_cuda:

@@ -234,7 +234,7 @@ def resolve(config: AttentionConfig, problem: AttentionProblem, device: torch.de
     partial results' int32 offsets can address: 1 past 2^30 output elements), TMA only on GPUs that
     have it and for tensors it can read (dK/dV's: the query's, and with the head-dim split K's and V's), and
     the backward's structure as it runs (fatune.spec.runnable_backward: atomic dQ of a kind that runs, TMA
-    reductions only on GPUs with TMA; the head-dim split only where its halves fill a tensor-core operand), and
+    reductions only on GPUs with TMA; the head-dim split only where its halves are 64 lanes or more), and
     one stage for a kernel whose streamed loop runs once."""
     config = runnable_backward(config, problem.spec, tma_available(device))
     fwd = config.fwd

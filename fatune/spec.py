@@ -375,7 +375,11 @@ def with_runnable_atomic_dq(config: AttentionConfig, spec: KernelSpec, tma: bool
     return config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=lower))
 
 
-SPLIT_D_MIN_LANES = 32  # a head-dim half of at least 16 lanes: the smallest tensor-core operand
+# a head-dim half of at least 64 lanes: Triton 3.6 gave wrong dK on an H200 with halves of 32 (d64) and 16 (d20, d32) at
+# 64x64/w4/s1 tiles, every length tried (65-300), and with TMA-reduced dQ read shared memory out of bounds (random call
+# seed 1067163355; benchmarks/split_d_probe.py, session 29). Halves of 64 and 128 ran correctly; the search offers the
+# split from SPLIT_D_LANES only, where it can pay
+SPLIT_D_MIN_LANES = 128
 # the search offers the split from this many lanes (at 128 it lost on every dK/dV tile, L=4096, session 9)
 SPLIT_D_LANES = 256
 
@@ -386,12 +390,10 @@ def split_d_searched(spec: KernelSpec) -> bool:
 
 
 def split_d_runs(spec: KernelSpec) -> bool:
-    """Whether dK/dV's head-dim split can run for `spec`: each half of at least 16 lanes, and the two head dims'
-    halves within 2x of each other. Triton 3.6 miscompiles the split kernel of a 256-lane query head dim with a
-    64-lane value head dim (halves of 128 and 32) under a GQA loop: an illegal address on an H200 at 64x128/w8
-    (benchmarks/fault_probe.py, session 16); halves of 128 and 64, or 64 and 32, ran correctly."""
-    d, dv = lanes(spec.head_dim), lanes(spec.head_dim_v)
-    return min(d, dv) >= SPLIT_D_MIN_LANES and max(d, dv) <= 2 * min(d, dv)
+    """Whether dK/dV's head-dim split can run for `spec`: each half of at least 64 lanes (SPLIT_D_MIN_LANES), so
+    the two head dims' halves are within 2x of each other as well (Triton 3.6 miscompiled halves of 128 and 32
+    under a GQA loop: an illegal address on an H200 at 64x128/w8; benchmarks/fault_probe.py, session 16)."""
+    return min(lanes(spec.head_dim), lanes(spec.head_dim_v)) >= SPLIT_D_MIN_LANES
 
 
 def with_runnable_split_d(config: AttentionConfig, spec: KernelSpec) -> AttentionConfig:

@@ -477,8 +477,24 @@ def _split_d(tma=0, atomic=0):
     return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(16, 32, tma=tma, atomic_dq=atomic, split_d=2))
 
 
+# the split's cases: ATOMIC_DQ_CASES' at head dims whose halves are 64 lanes or more (fatune.spec.split_d_runs)
+SPLIT_D_CASES = [
+    ("plain-ragged", lambda: (*_qkv(lq=37, lk=53, d=72, dv=72, seed=11), {})),
+    ("causal-gqa", lambda: (*_qkv(b=2, h=4, hkv=2, lq=45, lk=45, d=72, dv=72, seed=12),
+                            {"is_causal": True, "enable_gqa": True})),
+    ("window-bottom-right", lambda: (*_qkv(lq=30, lk=61, d=72, dv=72, seed=13), {"window_size": (7, 3)})),
+    ("mask-alibi", lambda: (*_qkv(lq=21, lk=40, d=72, dv=72, seed=14),
+                            {"attn_mask": torch.rand(2, 1, 21, 40, device=DEVICE) < 0.7,
+                             "alibi_slopes": torch.rand(2, device=DEVICE) * 0.3})),
+    ("seqlens-k", lambda: (*_qkv(lq=33, lk=50, d=72, dv=72, seed=15),
+                           {"is_causal": True, "seqlens_k": torch.tensor([50, 9], dtype=torch.int32, device=DEVICE)})),
+    ("odd-head-dims", lambda: (*_qkv(lq=19, lk=35, d=100, dv=140, seed=16), {"is_causal": True})),
+    ("float32", lambda: (*_qkv(lq=25, lk=33, d=72, dv=72, dtype=torch.float32, seed=17), {"is_causal": True})),
+]
+
+
 @pytest.mark.parametrize("tma, atomic", [(0, 0), (0, 1), (1, 2)], ids=["pointers", "atomics", "tma-tma-reduce"])
-@pytest.mark.parametrize("make", [case[1] for case in ATOMIC_DQ_CASES], ids=[case[0] for case in ATOMIC_DQ_CASES])
+@pytest.mark.parametrize("make", [case[1] for case in SPLIT_D_CASES], ids=[case[0] for case in SPLIT_D_CASES])
 def test_split_d(make, tma, atomic, poison_outputs):
     """Two programs per key tile, each owning half of dK's and dV's head dim (and of dQ's, with atomic dQ),
     give the same gradients on every code path of the query loop, padded head dims included."""
@@ -487,12 +503,12 @@ def test_split_d(make, tma, atomic, poison_outputs):
 
 
 def test_split_d_packed_varlen_and_dropout(monkeypatch, poison_outputs):
-    q, k, v, cu_q, cu_k = _packed([1, 16, 7], [40, 21, 3], 4, 2, 32, 32, seed=5)
+    q, k, v, cu_q, cu_k = _packed([1, 16, 7], [40, 21, 3], 4, 2, 72, 72, seed=5)
     run_and_compare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16, max_seqlen_k=40,
                     is_causal=True, enable_gqa=True, config=_split_d(tma=1))
     seed, p = 77, 0.25
     monkeypatch.setattr(dropout, "draw_seed", lambda device: torch.tensor([seed], device=device))
-    q, k, v = _qkv(lq=20, lk=36, seed=19)
+    q, k, v = _qkv(lq=20, lk=36, d=72, dv=72, seed=19)
     keep = dropout.keep_mask(seed, p, 2, 2, 20, 36, DEVICE)
     run_and_compare(q, k, v, dropout_p=p, is_causal=True, dropout_keep=keep, config=_split_d(atomic=1))
 
@@ -501,17 +517,17 @@ def test_split_d_packed_varlen_and_dropout(monkeypatch, poison_outputs):
 def test_split_d_with_an_empty_key_sequence(tma, poison_outputs):
     """A batch element with no keys (seqlens_k 0): its dK/dV programs read no key (a TMA map keeps one row)
     and write zeros."""
-    q, k, v = _qkv(lq=24, lk=40, seed=22)
+    q, k, v = _qkv(lq=24, lk=40, d=72, dv=72, seed=22)
     run_and_compare(q, k, v, seqlens_k=torch.tensor([40, 0], dtype=torch.int32, device=DEVICE),
                     config=_split_d(tma=tma))
 
 
-@pytest.mark.parametrize("head_dim, head_dim_v, kept", [(32, 32, 2), (17, 40, 2), (16, 64, 1), (64, 8, 1),
-                                                       (128, 64, 2), (256, 128, 2), (234, 54, 1), (64, 256, 1)])
-def test_split_d_needs_halves_of_16_lanes_within_2x_of_each_other(head_dim, head_dim_v, kept):
-    """A head-dim half is a tensor-core operand: at least 16 lanes, else the launch runs the unsplit kernel; so
-    it does where one head dim's half is over twice the other's (Triton 3.6 miscompiles 128 and 32 lanes under
-    GQA: an illegal address on an H200)."""
+@pytest.mark.parametrize("head_dim, head_dim_v, kept", [(72, 72, 2), (100, 140, 2), (64, 64, 1), (32, 32, 1),
+                                                       (17, 40, 1), (128, 64, 1), (256, 128, 2), (234, 54, 1),
+                                                       (72, 256, 2)])
+def test_split_d_needs_halves_of_64_lanes(head_dim, head_dim_v, kept):
+    """A head-dim half of at least 64 lanes in both head dims, else the launch runs the unsplit kernel (halves of
+    16 and 32 gave wrong dK on an H200; 128 and 32 lanes under GQA faulted)."""
     from fatune.launch import resolve
     from fatune.plans import Call
 
@@ -949,6 +965,23 @@ def test_gpu_split_d(head_dim, atomic, dtype, poison_outputs, record_gpu_errors)
     config = config.replace(dkdv=fatune.LaunchConfig(64, 64, num_warps=4, num_stages=1, tma=1, atomic_dq=atomic,
                                                      split_d=2))
     record_gpu_errors(run_and_compare(q, k, v, is_causal=True, enable_gqa=True, config=config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, tma", [("bhld", 1), ("strided", 0)])
+@pytest.mark.parametrize("head_dim, length, causal", [(20, 1, False), (32, 100, False), (64, 100, False),
+                                                      (64, 300, True), (72, 100, False), (128, 65, True)])
+def test_gpu_split_d_at_small_head_dims(head_dim, length, causal, layout, tma, poison_outputs, record_gpu_errors):
+    """A forced head-dim split with TMA-reduced dQ at 64x64/w4/s1 dK/dV tiles: halves of 16 and 32 lanes gave wrong
+    dK (and faulted: random call seed 1067163355), so head dims up to 64 run unsplit; halves of 64 split."""
+    torch.manual_seed(stable_seed("narrow-split", head_dim, length, layout))
+    q, k, v = random_qkv(1, 2, 2, length, length, head_dim, head_dim, dtype=torch.float16, device="cuda",
+                         layout=layout)
+    config = fatune.AttentionConfig(fwd=fatune.LaunchConfig(16, 64, num_warps=4, num_stages=1),
+                                    dkdv=fatune.LaunchConfig(64, 64, num_warps=4, num_stages=1, tma=tma, atomic_dq=2,
+                                                             split_d=2),
+                                    dq=fatune.LaunchConfig(64, 32, num_warps=4, num_stages=2))
+    record_gpu_errors(run_and_compare(q, k, v, config=config, is_causal=causal))
 
 
 @pytest.mark.gpu
