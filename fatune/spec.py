@@ -375,10 +375,10 @@ def with_runnable_atomic_dq(config: AttentionConfig, spec: KernelSpec, tma: bool
     return config.replace(dkdv=dataclasses.replace(config.dkdv, atomic_dq=lower))
 
 
-# a head-dim half of at least 64 lanes: Triton 3.6 gave wrong dK on an H200 with halves of 32 (d64) and 16 (d20, d32) at
-# 64x64/w4/s1 tiles, every length tried (65-300), and with TMA-reduced dQ read shared memory out of bounds (random call
-# seed 1067163355; benchmarks/split_d_probe.py, session 29). Halves of 64 and 128 ran correctly; the search offers the
-# split from SPLIT_D_LANES only, where it can pay
+# the split runs on head dims of at least this many lanes (halves of 64): Triton 3.6 gave wrong dK on an H200 with
+# halves of 32 (d64) and 16 (d20, d32) at 64x64/w4/s1 tiles, every length tried (65-300), and with TMA-reduced dQ
+# read shared memory out of bounds (random call seed 1067163355; benchmarks/split_d_probe.py, session 29). Halves of
+# 64 and 128 ran correctly; the search offers the split from SPLIT_D_LANES only, where it can pay
 SPLIT_D_MIN_LANES = 128
 # the search offers the split from this many lanes (at 128 it lost on every dK/dV tile, L=4096, session 9)
 SPLIT_D_LANES = 256
