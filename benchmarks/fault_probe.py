@@ -5,7 +5,7 @@
 
 VARIANT: "dispatched" (the dispatcher's config as is) or "name=value,..." overrides of the dispatched config's
 kernels, e.g. "dkdv.split_d=1", "fwd.pack_gqa=0", whole kernels ("dkdv=64x64/w4/s1/a2/d2") or call arguments
-("kw.dropout_p=0.3", "kw.is_causal=1"). Each launch is synchronised (CUDA_LAUNCH_BLOCKING=1), so the
+("kw.dropout_p=0.3", "kw.is_causal=True"). Each launch is synchronised (CUDA_LAUNCH_BLOCKING=1), so the
 traceback names the faulting kernel.
 """
 
