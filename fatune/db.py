@@ -7,7 +7,8 @@ write runs in an IMMEDIATE transaction. The schema version lives in the `meta` t
 migrated, newer or foreign ones refused.
 
 A tuned DB travels between machines, so it is untrusted input: every entry is validated
-when it is imported, upserted and read (`Entry.check`), and a file is opened for reading
+when it is imported, upserted and read (`Entry.check`: times no GPU can measure included), only
+regular files are opened (a FIFO would block SQLite forever), and a file is opened for reading
 with `mode=ro` (or `immutable=1` where a WAL file's side files cannot be created, as in a
 read-only deployment image). Exports are written in rollback-journal mode so that they can
 be read from a read-only folder. A forward-only entry (an inference search: at most
@@ -28,6 +29,7 @@ import math
 import os
 import re
 import sqlite3
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -47,6 +49,10 @@ TABLE = "entries"
 DB_ENV = "FATUNE_DB"
 MIN_BUCKET, MAX_BUCKET = 16, 1 << 31  # sequence lengths are int32 in the kernels
 MAX_COUNT = 1 << 62  # informational integers (batch, trials, ...) must fit SQLite's int64
+MIN_TIME_MS = 1e-3  # 1 µs: no GPU kernel launch completes sooner, so no stored time can be shorter
+# 10 PFLOP/s: several times the dense 16-bit tensor-core peak of any GPU today (an H100's or H200's is about
+# 1 PFLOP/s); a time implying more on the problem an entry stores was not measured
+MAX_FLOPS_PER_S = 10e15
 
 
 class DBError(Exception):
@@ -308,6 +314,7 @@ class Entry:
         if len(untimed) == 1:
             raise InvalidEntry(f"{untimed[0]}: NaN (not timed) only in a forward-only entry, where bwd_ms and "
                                f"fwd_bwd_ms both are; expected a time")
+        self._check_throughput()
         if not isinstance(self.bwd_config, dict) or set(self.bwd_config) != {"dkdv", "dq"}:
             raise InvalidEntry(f"bwd_config: expected an object with exactly 'dkdv' and 'dq' launch configs, "
                                f"got {self.bwd_config!r:.80}")
@@ -317,6 +324,33 @@ class Entry:
             if misplaced:
                 raise InvalidEntry(f"{name}: {misplaced} do not apply to the {kernel} kernel")
         return self
+
+    def forward_flops(self) -> int | None:
+        """The FLOPs of the forward pass of the problem this entry timed: 2 per multiply-add of Q K^T and P V over
+        the (query, key) pairs its mask keeps, as fatune.measure.Shape.flops counts them. None where the stored
+        sizes do not say (not stored, or a variant with sizes an entry does not store: `sized`)."""
+        sizes = (self.batch, self.heads, self.seqlen_q, self.seqlen_k)
+        if not self.sized or not all(size > 0 for size in sizes):
+            return None
+        fields = variant_fields()[self.mask_variant]
+        lq, lk = self.seqlen_q, self.seqlen_k
+        pairs = _causal_pairs(lq, lk, lk - lq if fields["bottom_right"] else 0) if fields["causal"] else lq * lk
+        return 2 * self.batch * self.heads * pairs * (self.head_dim + self.head_dim_v)
+
+    def _check_throughput(self) -> None:
+        """InvalidEntry naming the time that would put its problem's FLOPs above MAX_FLOPS_PER_S."""
+        forward = self.forward_flops()
+        if forward is None:
+            return
+        passes = {"fwd_ms": 1.0, "bwd_ms": 2.5, "fwd_bwd_ms": 3.5, "sdpa_ms": 1.0 if self.forward_only else 3.5}
+        for name, factor in passes.items():
+            ms, flops = getattr(self, name), forward * factor
+            least = flops / MAX_FLOPS_PER_S * 1e3
+            if not math.isnan(ms) and ms < least:
+                raise InvalidEntry(
+                    f"{name}: {ms:.3g} ms for the {flops:.3g} FLOPs of its problem (batch {self.batch}, heads "
+                    f"{self.heads}, seqlen_q {self.seqlen_q}, seqlen_k {self.seqlen_k}) is {flops / ms / 1e9:.3g} "
+                    f"TFLOP/s, above any GPU's peak; expected a time >= {least:.3g} ms")
 
     def spec(self) -> KernelSpec:
         """The kernel spec this entry was tuned for (its dtype, head dims and mask variant)."""
@@ -381,13 +415,29 @@ def _is_int(value: Any, low: int, high: int) -> bool:
     return type(value) is int and low <= value <= high
 
 
-def _is_time(value: Any, *, zero: bool = False, nan: bool = False) -> bool:
-    """A finite number of milliseconds > 0 (>= 0 with zero; NaN, 'not measured', with nan)."""
+def _is_number(value: Any, low: float, high: float = math.inf, *, above: bool = False, nan: bool = False) -> bool:
+    """A finite int or float in low..high (> low with above); NaN, 'not measured', with nan."""
     if type(value) not in (int, float):
         return False
     if math.isnan(value):
         return nan
-    return math.isfinite(value) and (value >= 0 if zero else value > 0)
+    return math.isfinite(value) and (value > low if above else value >= low) and value <= high
+
+
+def _is_time(value: Any, *, nan: bool = False) -> bool:
+    """A time an entry may store: finite milliseconds >= MIN_TIME_MS (NaN, 'not measured', with nan)."""
+    return _is_number(value, MIN_TIME_MS, nan=nan)
+
+
+def _causal_pairs(lq: int, lk: int, offset: int) -> int:
+    """The (query, key) pairs a causal mask keeps: query row i sees keys 0 .. i + offset (offset 0: top-left,
+    Lk - Lq: bottom-right), that is clamp(i + 1 + offset, 0, Lk) keys."""
+    def upto(n: int) -> int:  # sum of min(a, lk) for a in 1..n
+        if n <= 0:
+            return 0
+        return n * (n + 1) // 2 if n <= lk else lk * (lk + 1) // 2 + (n - lk) * lk
+
+    return upto(lq + offset) - upto(offset)
 
 
 def _is_text(value: Any, pattern: str = r".+") -> bool:
@@ -410,18 +460,36 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                         f"a power of two in {MIN_BUCKET}..{MAX_BUCKET}"),
     "seqlen_k_bucket": (lambda v: _is_int(v, MIN_BUCKET, MAX_BUCKET) and v & (v - 1) == 0,
                         f"a power of two in {MIN_BUCKET}..{MAX_BUCKET}"),
-    "fwd_ms": (_is_time, "a finite time > 0 ms"),
-    "bwd_ms": (lambda v: _is_time(v, zero=True, nan=True), "a finite time >= 0 ms, or NaN (forward-only)"),
-    "fwd_bwd_ms": (lambda v: _is_time(v, nan=True), "a finite time > 0 ms, or NaN (forward-only)"),
-    "tflops": (lambda v: _is_time(v, zero=True, nan=True), "a finite number >= 0, or NaN"),
+    "fwd_ms": (_is_time, f"a finite time >= {MIN_TIME_MS} ms (no kernel runs faster)"),
+    "bwd_ms": (lambda v: _is_time(v, nan=True), f"a finite time >= {MIN_TIME_MS} ms, or NaN (forward-only)"),
+    "fwd_bwd_ms": (lambda v: _is_time(v, nan=True), f"a finite time >= {MIN_TIME_MS} ms, or NaN (forward-only)"),
+    "tflops": (lambda v: _is_number(v, 0, MAX_FLOPS_PER_S / 1e12, nan=True),
+               f"a finite number in 0..{MAX_FLOPS_PER_S / 1e12:.0f} (TFLOP/s), or NaN"),
     "sdpa_backend": (lambda v: isinstance(v, str), "a string"),
-    "sdpa_ms": (lambda v: _is_time(v, nan=True), "a finite time > 0 ms, or NaN"),
-    "speedup": (lambda v: _is_time(v, nan=True), "a finite number > 0, or NaN"),
+    "sdpa_ms": (lambda v: _is_time(v, nan=True), f"a finite time >= {MIN_TIME_MS} ms, or NaN"),
+    "speedup": (lambda v: _is_number(v, 0, above=True, nan=True), "a finite number > 0, or NaN"),
     **{name: (lambda v: _is_int(v, 0, MAX_COUNT), "an int >= 0")
        for name in ("batch", "heads", "seqlen_q", "seqlen_k", "trials")},
     "interpreted": (lambda v: isinstance(v, bool), "true or false"),
-    "created_at": (lambda v: isinstance(v, str), "a string"),
+    "created_at": (lambda v: _is_creation_time(v), "'' or an ISO 8601 time not in the future (a newer entry "
+                                                     "replaces an older one of another problem)"),
 }
+
+
+def _is_creation_time(value: Any) -> bool:
+    """'' (unknown), or an ISO 8601 time at most a day ahead of this machine's clock (clocks drift; a forged
+    future time would win every upsert against entries of other problems)."""
+    if not isinstance(value, str):
+        return False
+    if not value:
+        return True
+    try:
+        when = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when <= datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
 
 
 def _launch_config(name: str, data: Any) -> LaunchConfig:
@@ -454,17 +522,65 @@ MIGRATIONS: dict[int, list[str]] = {}
 
 # -- files -----------------------------------------------------------------------------------
 
-def check_readable(path: Path) -> None:
-    """DBError naming the reason if `path` cannot be read as a file (missing, a folder, no permission)."""
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+# the files SQLite opens beside a database (a rollback journal, a WAL and its shared-memory index)
+SIDE_FILES = ("-journal", "-wal", "-shm")
+
+
+def _not_regular(path: Path, mode: int, side: str = "") -> DBError:
+    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+    if side:
+        return DBError(f"{label(path)}: its SQLite side file {side} is {kind}, not a regular file")
+    return DBError(f"{label(path)}: is {kind}, not a regular file (expected a tuned DB file)")
+
+
+def _mode(name: str) -> int | None:
+    """os.stat(name).st_mode (a symlink followed); None where nothing is there."""
     try:
-        with open(path, "rb"):
-            pass
+        return os.stat(name).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def check_regular(path: Path) -> bool:
+    """Whether a file is at `path`; DBError if it, or a side file SQLite would open beside it, is not a regular
+    file. Checked before any open: SQLite (and open()) would block forever on a FIFO, and a directory, device or
+    socket is no tuned DB. A symlink to a regular file is one."""
+    try:
+        mode = _mode(str(path))
+    except (OSError, ValueError) as error:
+        raise DBError(f"{label(path)}: cannot be read ({getattr(error, 'strerror', None) or error})") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    # beside the name and beside the file a symlink names (SQLite resolves symlinks)
+    sides = dict.fromkeys(f"{base}{suffix}" for base in (path, os.path.realpath(path)) for suffix in SIDE_FILES)
+    for side in sides:
+        try:
+            side_mode = _mode(side)
+        except (OSError, ValueError):
+            continue  # SQLite cannot open it either, and says so itself
+        if side_mode is not None and not stat.S_ISREG(side_mode):
+            raise _not_regular(path, side_mode, side)
+    return mode is not None
+
+
+def check_readable(path: Path) -> None:
+    """DBError naming the reason if `path` cannot be read as a file (missing, not a regular file, no permission)."""
+    if not check_regular(path):
+        raise DBError(f"{label(path)}: no such file")
+    try:  # non-blocking, and checked again once open: it may have been replaced since the stat
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(descriptor).st_mode
+        finally:
+            os.close(descriptor)
     except FileNotFoundError:
         raise DBError(f"{label(path)}: no such file") from None
-    except IsADirectoryError:
-        raise DBError(f"{label(path)}: is a directory, not a tuned DB file") from None
     except OSError as error:
         raise DBError(f"{label(path)}: cannot be read ({error.strerror or error})") from None
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
 
 
 def check_writable(path: Path, *, create: bool = True) -> None:
@@ -473,9 +589,7 @@ def check_writable(path: Path, *, create: bool = True) -> None:
     Checked before any work, so a write command fails at once: SQLite also needs to write
     its journal beside the file, so the folder must be writable too.
     """
-    if path.is_dir():
-        raise DBError(f"{label(path)}: is a directory, not a file")
-    if path.exists():
+    if check_regular(path):
         if not os.access(path, os.R_OK | os.W_OK):
             raise DBError(f"{label(path)}: is read-only (no write permission)")
         folder = path.parent

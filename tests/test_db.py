@@ -11,7 +11,10 @@ import multiprocessing
 import os
 import re
 import shutil
+import socket
 import sqlite3
+import subprocess
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -21,8 +24,8 @@ import torch
 import triton
 
 from fatune import codegen, launch
-from fatune.db import (SCHEMA_VERSION, DBError, Entry, InvalidEntry, TunedDB, export_entries, import_entries,
-                       is_stale, read_entries, seqlen_bucket)
+from fatune.db import (MAX_FLOPS_PER_S, MIN_TIME_MS, SCHEMA_VERSION, CallKey, DBError, Entry, InvalidEntry, TunedDB,
+                       export_entries, import_entries, is_stale, read_entries, seqlen_bucket)
 from fatune.spec import DTYPES, KernelSpec
 
 ASSETS = Path(__file__).parent / "assets"
@@ -326,6 +329,90 @@ def test_a_stored_bad_time_never_wins_against_a_real_one(tmp_path):
         assert db.get(make_entry().key()).fwd_bwd_ms == 9.0
 
 
+# -- times no GPU can measure -------------------------------------------------------------------
+
+PROBLEM = {"batch": 4, "heads": 16, "seqlen_q": 4096, "seqlen_k": 4096}  # make_entry's key: causal, d64
+PROBLEM_FLOPS = 2 * 4 * 16 * (4096 * 4097 // 2) * (64 + 64)  # the forward: (query, key) pairs the mask keeps
+LEAST_FWD_MS = PROBLEM_FLOPS / MAX_FLOPS_PER_S * 1e3  # about 0.11 ms (an H200 takes about 2 ms)
+FORWARD_ONLY = {"bwd_ms": math.nan, "fwd_bwd_ms": math.nan}
+IMPOSSIBLE_TIMES = [  # (changes to make_entry, the field the message must name)
+    ({"fwd_ms": 1e-300}, "fwd_ms"),
+    ({"fwd_ms": 0.9 * MIN_TIME_MS}, "fwd_ms"),
+    ({"bwd_ms": 0.0}, "bwd_ms"),
+    ({"bwd_ms": 1e-6}, "bwd_ms"),
+    ({"fwd_bwd_ms": 1e-300}, "fwd_bwd_ms"),
+    ({"sdpa_ms": 1e-12}, "sdpa_ms"),
+    ({"fwd_ms": 1e-300, **FORWARD_ONLY}, "fwd_ms"),
+    ({"fwd_ms": 1e-300, "interpreted": True}, "fwd_ms"),
+    # a variant whose sizes an entry does not store: the floor still holds
+    ({"fwd_ms": 1e-300, "mask_variant": "causal+window-left+bottom-right"}, "fwd_ms"),
+    ({"fwd_bwd_ms": 1e-300, **PROBLEM, "mask_variant": "causal+seqlens-k"}, "fwd_bwd_ms"),
+    # its stored problem's FLOPs in that time: above any GPU's peak
+    ({**PROBLEM, "fwd_ms": 0.99 * LEAST_FWD_MS}, "fwd_ms"),
+    ({**PROBLEM, "fwd_ms": 0.99 * LEAST_FWD_MS, **FORWARD_ONLY}, "fwd_ms"),
+    ({**PROBLEM, "fwd_ms": 0.01, "interpreted": True}, "fwd_ms"),
+    ({**PROBLEM, "bwd_ms": 2.49 * LEAST_FWD_MS}, "bwd_ms"),
+    ({**PROBLEM, "fwd_bwd_ms": 3.49 * LEAST_FWD_MS}, "fwd_bwd_ms"),
+    ({**PROBLEM, "sdpa_ms": 3.49 * LEAST_FWD_MS}, "sdpa_ms"),
+    ({**PROBLEM, "sdpa_ms": 0.99 * LEAST_FWD_MS, "fwd_ms": 2.0, **FORWARD_ONLY}, "sdpa_ms"),
+    ({**PROBLEM, "mask_variant": "none", "fwd_ms": 1.9 * LEAST_FWD_MS}, "fwd_ms"),  # no mask: twice the pairs
+    ({**PROBLEM, "head_dim": 128, "head_dim_v": 128, "fwd_ms": 1.9 * LEAST_FWD_MS}, "fwd_ms"),
+    # measured, not forged-fast: finite and within reach
+    ({"tflops": 1e6}, "tflops"),
+    ({"tflops": -1.0}, "tflops"),
+    ({"tflops": math.inf}, "tflops"),
+    ({"speedup": -1.0}, "speedup"),
+    ({"speedup": math.inf}, "speedup"),
+    # a creation time ahead of now would replace every entry of another problem (the newer search wins)
+    ({"created_at": "2999-01-01T00:00:00+00:00"}, "created_at"),
+    ({"created_at": "not a time"}, "created_at"),
+]
+POSSIBLE_TIMES = [  # changes to make_entry that real measurements give
+    {**PROBLEM, "fwd_ms": 2.2, "bwd_ms": 6.0, "fwd_bwd_ms": 8.2, "sdpa_ms": 9.0, "tflops": 460.0, "speedup": 1.1},
+    {**PROBLEM, "fwd_ms": 1.01 * LEAST_FWD_MS, "bwd_ms": 2.51 * LEAST_FWD_MS, "fwd_bwd_ms": 3.51 * LEAST_FWD_MS},
+    {**PROBLEM, "fwd_ms": 1.01 * LEAST_FWD_MS, "sdpa_ms": 1.01 * LEAST_FWD_MS, **FORWARD_ONLY},
+    {"fwd_ms": MIN_TIME_MS, "bwd_ms": MIN_TIME_MS, "fwd_bwd_ms": MIN_TIME_MS, "tflops": 0.0},  # sizes not stored
+    {**PROBLEM, "mask_variant": "causal+window-left+bottom-right", "fwd_ms": 0.002, "fwd_bwd_ms": 0.004},
+    # top-left causal, 16 queries: only the first 16 keys of 2**20 are kept (not half of them)
+    {"batch": 1, "heads": 32, "seqlen_q": 16, "seqlen_k": 1 << 20, "fwd_ms": 0.005, "fwd_bwd_ms": 0.012},
+    {**PROBLEM, "interpreted": True, "fwd_ms": 9e5, "bwd_ms": 2e6, "fwd_bwd_ms": 2.9e6},
+]
+
+
+@pytest.mark.parametrize("changes", POSSIBLE_TIMES)
+def test_times_a_gpu_can_measure_are_valid(changes):
+    assert make_entry(**changes).check()
+
+
+@pytest.mark.parametrize("changes, named", IMPOSSIBLE_TIMES,
+                         ids=[",".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items())
+                              for c, _ in IMPOSSIBLE_TIMES])
+def test_impossible_times_are_refused_on_upsert_import_and_read(tmp_path, changes, named):
+    """A forged time would win every upsert (the faster entry stays): refused wherever an entry comes in."""
+    path = tmp_path / "mine.sqlite"
+    forged = make_entry(**changes)
+    real = make_entry(**PROBLEM, mask_variant=forged.mask_variant, head_dim=forged.head_dim,
+                      head_dim_v=forged.head_dim_v, seqlen_q_bucket=2048, seqlen_k_bucket=2048, fwd_ms=2.2)
+    forged = replace(forged, template_hash=real.template_hash)  # current kernels: only its times are wrong
+    db = TunedDB(path)
+    db.upsert(real)
+    before = [asdict(e) for e in db.entries()]
+    with pytest.raises(InvalidEntry, match=f"^{named}: "):
+        db.upsert(forged)
+    export = tmp_path / "forged.json"
+    export.write_text(json.dumps({"fatune_tuned_db": SCHEMA_VERSION, "entries": [asdict(real), asdict(forged)]}))
+    with pytest.raises(InvalidEntry, match=f"{re.escape(str(export))}: entry 1: {named}: "):
+        import_entries(db, export)
+    assert [asdict(e) for e in db.entries()] == before
+    raw_insert(path, **forged.to_row())  # as another tool, or a hand-edited copy, could write it
+    reported = []
+    key = CallKey(**{name: getattr(forged, name) for name in CallKey.__dataclass_fields__})
+    entry, _ = db.match(forged.gpu, forged.capability, key, reported.append)
+    assert asdict(entry) == before[0]  # the real entry of the next bucket, not the forged one of the call's
+    assert len(reported) == 1 and str(path) in reported[0] and f": {named}: " in reported[0], reported
+    db.close()
+
+
 # -- the key -----------------------------------------------------------------------------------
 
 def test_mask_variant_names_every_compile_time_switch():
@@ -455,6 +542,83 @@ def test_writability_is_checked_before_any_work(tmp_path, monkeypatch):
         TunedDB(existing)
     with TunedDB(existing, readonly=True) as db:  # reading needs no write access
         assert db.count() == 1
+
+
+def run_child(code: str, *args, timeout: float = 120) -> list[dict]:
+    """The JSON lines `code` prints, run in a fresh interpreter that is killed if it blocks: a call that
+    hangs fails the test (naming what it printed before) instead of hanging the suite."""
+    try:
+        child = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        printed = error.stdout.decode() if isinstance(error.stdout, bytes) else error.stdout
+        pytest.fail(f"blocked: still running after {timeout} s, having printed {printed!r}")
+    assert child.returncode == 0, child.stderr[-3000:]
+    return [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+
+
+def not_regular_files(tmp_path: Path) -> dict[str, Path]:
+    """A path of each kind that is no regular file (those this system lets a test make)."""
+    paths = {"fifo": tmp_path / "fifo.sqlite", "directory": tmp_path / "folder.sqlite",
+             "symlink to a fifo": tmp_path / "link.sqlite", "side-file fifo": tmp_path / "side.sqlite"}
+    os.mkfifo(paths["fifo"])
+    paths["directory"].mkdir()
+    paths["symlink to a fifo"].symlink_to(paths["fifo"])
+    TunedDB(paths["side-file fifo"], wal=False).close()  # a good DB, its rollback journal a FIFO
+    os.mkfifo(f"{paths['side-file fifo']}-journal")
+    paths["symlink to a DB beside a fifo"] = tmp_path / "side-link.sqlite"  # SQLite opens the target's journal
+    paths["symlink to a DB beside a fifo"].symlink_to(paths["side-file fifo"])
+    for device in ("/dev/null", "/dev/zero"):
+        if os.path.exists(device):
+            paths[f"character device {device}"] = Path(device)
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as server:  # AF_UNIX paths are short
+        server.bind(str(tmp_path / "socket.sqlite"))
+        paths["socket"] = tmp_path / "socket.sqlite"
+    return paths
+
+
+OPEN_CHILD = r"""
+import json, sys
+from fatune.db import DBError, TunedDB, check_readable, read_entries
+
+for path in sys.argv[1:]:
+    for call, open_it in {"read": lambda: TunedDB(path, readonly=True), "write": lambda: TunedDB(path),
+                          "write-existing": lambda: TunedDB(path, create=False), "import": lambda: read_entries(path),
+                          "check": lambda: check_readable(path)}.items():
+        try:
+            open_it()
+            outcome = "opened"
+        except Exception as error:
+            outcome = f"{type(error).__name__}: {error}"
+        print(json.dumps({"path": path, "call": call, "outcome": outcome}), flush=True)
+"""
+
+
+def test_a_path_that_is_no_regular_file_is_refused_without_blocking(tmp_path):
+    """SQLite (and open()) would wait forever for a writer on a FIFO; a directory, device or socket is no DB."""
+    paths = not_regular_files(tmp_path)
+    json_fifo, no_db = tmp_path / "export.json", tmp_path / "none.sqlite"
+    os.mkfifo(json_fifo)
+    os.mkfifo(f"{no_db}-wal")  # SQLite would open it on creating the DB there
+    results = run_child(OPEN_CHILD, *paths.values(), json_fifo, no_db)
+    assert len(results) == 5 * (len(paths) + 2)
+    for result in results:
+        assert result["outcome"].startswith(f"DBError: {result['path']}"), result
+        assert "not a regular file" in result["outcome"], result
+    assert (tmp_path / "folder.sqlite").is_dir() and not list((tmp_path / "folder.sqlite").iterdir())
+
+
+def test_a_symlink_to_a_regular_file_is_a_db(tmp_path):
+    target = tmp_path / "real.sqlite"
+    with TunedDB(target) as db:
+        db.upsert(make_entry())
+    link = tmp_path / "link.sqlite"
+    link.symlink_to(target)
+    with TunedDB(link, readonly=True) as db:
+        assert db.count() == 1
+    with TunedDB(link, create=False) as db:
+        assert db.upsert(make_entry(fwd_bwd_ms=2.0))
+    assert [e.fwd_bwd_ms for e in read_entries(link)] == [2.0]
 
 
 def test_a_read_only_file_fails_when_opened_for_writing(tmp_path):

@@ -246,7 +246,8 @@ def test_a_current_entry_of_the_key_stays_whatever_its_time(tmp_path, monkeypatc
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
 def test_an_entry_that_cannot_be_timed_is_skipped_and_the_run_goes_on(tmp_path, monkeypatch):
-    huge = entry_for(SHAPES[0], batch=10**12)
+    # too big to allocate (its times what such a problem would take: a faster one is refused as forged)
+    huge = entry_for(SHAPES[0], batch=10**12, fwd_ms=1e11, bwd_ms=2e11, fwd_bwd_ms=3e11, sdpa_ms=6e11)
     broken = entry_for(TINY.with_(head_dim=8))
     fine = entry_for(TINY)
     original = refresh.refresh_entry
@@ -362,3 +363,72 @@ def test_a_superseded_row_with_no_creation_time_is_dropped_too(tmp_path, monkeyp
         (result,) = [r for r in refresh_db(db, INTERPRETER) if r.outcome != "current"]
         after = list(db.entries())
     assert result.outcome == "superseded" and after == [searched]
+
+
+def test_cli_refresh_interpret_without_the_variable_set_times_in_the_interpreter(tmp_path):
+    """`--interpret` in a shell where TRITON_INTERPRET is not set: the command starts again with it set, so the
+    interpreter times the entry (the kernels would find no driver otherwise)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(entry_for(Shape(1, 1, 16, 16, 16, "float16")))  # one tile: the interpreter takes a second
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "fatune.cli", "db", "refresh", "--db", str(path), "--interpret",
+                             "--rounds", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] in ("1 tuned", "1 heuristic"), result.stdout
+    with TunedDB(path, readonly=True) as db:
+        (entry,) = db.entries()
+    assert not is_stale(entry) and entry.interpreted
+
+
+BROKEN = entry_for(TINY.with_(head_dim=8))  # its refresh raises (fails_on_head_dim_8)
+REFRESH_EXITS = [  # (id, entries, exit code, the last line of the output)
+    ("every-one-failed", [BROKEN], 1, "Error: re-timed none of the 1 entry to refresh: 1 skipped: RuntimeError: 0 "
+                                      "active drivers ([]). There should only be one."),
+    ("failed-beside-a-current-one", [BROKEN, current_entry(TINY)], 1, "Error: re-timed none of the 1 entry"),
+    ("every-one-of-another-gpu", [entry_for(TINY.with_(head_dim=d), gpu="NVIDIA H200", capability="9.0")
+                                  for d in (16, 32)], 1,
+     "Error: re-timed none of the 2 entries to refresh: 2 skipped: tuned on NVIDIA H200 (sm 9.0); refresh it there"),
+    ("no-problem-to-time", [entry_for(TINY, mask_variant="causal+alibi")], 1,
+     f"Error: re-timed none of the 1 entry to refresh: 1 {refresh.UNBUILT}"),
+    ("one-failed-one-done", [BROKEN, entry_for(TINY)], 0, "1 heuristic, 1 skipped"),
+    ("nothing-stale", [current_entry(TINY), current_entry(TINY, gpu="NVIDIA H200", capability="9.0")], 0,
+     "1 current, 1 skipped"),
+    ("no-entries", [], 0, "no entries"),
+]
+
+
+@pytest.mark.parametrize("entries, code, last", [case[1:] for case in REFRESH_EXITS], ids=[c[0] for c in REFRESH_EXITS])
+def test_cli_refresh_that_re_times_no_entry_it_had_to_fails(tmp_path, monkeypatch, entries, code, last):
+    """A refresh whose entries to re-time (stale ones, any GPU's) were all skipped or failed leaves them stale: exit
+    1 with why; one with nothing stale to re-time succeeds."""
+    original = refresh.refresh_entry
+
+    def fails_on_head_dim_8(entry, *args, **kwargs):
+        if entry.head_dim == 8:
+            raise RuntimeError("0 active drivers ([]). There should only be one.")
+        return original(entry, *args, **kwargs)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # no restart: the kernels are not run here
+    monkeypatch.setattr(refresh, "refresh_entry", fails_on_head_dim_8)
+    monkeypatch.setattr(refresh, "_check", lambda *args: "")
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": 2.0, "heuristic": 1.0}))
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        for entry in entries:
+            db.upsert(entry)
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--rounds", "1"])
+    assert result.exit_code == code and isinstance(result.exception, (SystemExit, type(None))), result.output
+    assert "Traceback" not in result.output and result.output.splitlines()[-1].startswith(last), result.output
+
+
+def test_cli_dry_run_of_entries_it_cannot_time_succeeds(tmp_path):
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(entry_for(TINY, gpu="NVIDIA H200", capability="9.0"))
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--dry-run"])
+    assert result.exit_code == 0 and result.output.splitlines()[-1] == "1 skipped", result.output

@@ -1,6 +1,7 @@
 """A tuned DB is untrusted input: fuzzed exports thrown at `fatune db import` and fuzzed rows and files
-at the dispatcher (none accepted, none crashes a call), and read-only deployments run for real
-in a child process without root's power to ignore file permissions."""
+at the dispatcher (none accepted, none crashes a call), forged times, $FATUNE_DB naming no regular file
+(never waited on), and read-only deployments run for real in a child process without root's power to
+ignore file permissions."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from fatune.db import SCHEMA_VERSION, TunedDB, export_entries
 from fatune.dispatch import Dispatcher
 from fatune.inputs import check_inputs
 from tests.conftest import DEVICE, use_dispatcher
-from tests.test_db import make_entry, raw_insert
+from tests.test_db import make_entry, not_regular_files, raw_insert, run_child
 
 GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
 CASES = 300
@@ -36,8 +37,8 @@ CASES = 300
 WRONG_TYPES = [None, [], {}, True, 1.5, "x", 7]
 NOT_TEXT = [v for v in WRONG_TYPES if not isinstance(v, str)] + [""]
 NOT_COUNT = [-1, 1.5, "3", None, True, 2**70, [], {}]
-NOT_TIME = [0, 0.0, -1.0, -1e-9, math.nan, math.inf, -math.inf, "1.0", None, True, [], {}]
-NOT_OPTIONAL_TIME = [0, -1.0, math.inf, -math.inf, "1.0", None, True, []]
+NOT_TIME = [0, 0.0, -1.0, -1e-9, 1e-300, math.nan, math.inf, -math.inf, "1.0", None, True, [], {}]
+NOT_OPTIONAL_TIME = [0, -1.0, 1e-300, math.inf, -math.inf, "1.0", None, True, []]
 BAD_TILES = [7, 0, -16, 8, 512, 48, 64.0, "64", True, None, []]
 BAD_WARPS = [0, 3, 32, -4, 4.0, "4", True, None]
 BAD_STAGES = [0, 9, -1, 2.0, "2", True, None]
@@ -52,8 +53,8 @@ INVALID = {
     "seqlen_q_bucket": [0, 8, 17, 1000, -16, 2**32, 64.0, "64", True, None],
     "seqlen_k_bucket": [0, 15, 24, 4095, -4096, 2**40, 4096.0, "4096", None],
     "fwd_ms": NOT_TIME, "fwd_bwd_ms": NOT_TIME,
-    "bwd_ms": [-1.0, math.nan, math.inf, "1", None, True, []],
-    "tflops": [-1.0, math.inf, "400", None, True, []],
+    "bwd_ms": [-1.0, 0.0, 1e-300, math.nan, math.inf, "1", None, True, []],
+    "tflops": [-1.0, 1e9, math.inf, "400", None, True, []],
     "sdpa_ms": NOT_OPTIONAL_TIME, "speedup": NOT_OPTIONAL_TIME,
     "sdpa_backend": [5, None, [], True],
     "batch": NOT_COUNT, "heads": NOT_COUNT, "seqlen_q": NOT_COUNT, "seqlen_k": NOT_COUNT, "trials": NOT_COUNT,
@@ -153,8 +154,9 @@ def _call():
 SQLITE_INVALID = {  # values that stay invalid once stored (SQLite's column affinity may convert others), in
     # every column but those a call must match (a row that does not match is never looked at)
     "seqlen_q_bucket": [0, 8, 17, 1000, -16, 2**32, "abc"], "seqlen_k_bucket": [0, 24, 4095, "x"],
-    "fwd_ms": [0.0, -1.0, None, math.inf, "fast"], "fwd_bwd_ms": [0.0, -3.0, None, -math.inf, "x"],
-    "bwd_ms": [-1.0, None, math.inf, "x"], "tflops": [-1.0, math.inf, "x"], "sdpa_ms": [0.0, -1.0, math.inf, "x"],
+    "fwd_ms": [0.0, -1.0, 1e-300, None, math.inf, "fast"], "fwd_bwd_ms": [0.0, -3.0, 1e-7, None, -math.inf, "x"],
+    "bwd_ms": [-1.0, 0.0, None, math.inf, "x"], "tflops": [-1.0, 1e9, math.inf, "x"],
+    "sdpa_ms": [0.0, -1.0, 1e-300, math.inf, "x"],
     "trials": [-1, "x", 2.5], "interpreted": [2, -1, "yes"], "triton_version": [None, ""],
     "template_hash": [None, ""], "torch_version": [None, ""],
 }
@@ -209,6 +211,102 @@ def test_fuzzed_rows_and_files_never_break_a_call(tmp_path, monkeypatch, caplog)
         if case < 4:  # and the call itself still gives the right result
             use_dispatcher(monkeypatch, Dispatcher(user_db=user, shipped=[shipped]))
             assert torch.allclose(fatune.attention(q, q, q), expected, atol=1e-5)
+
+
+def test_a_forged_fast_entry_is_refused_by_db_import_and_skipped_by_the_dispatcher(tmp_path, caplog):
+    """A time no GPU can measure would win every upsert (the faster entry stays), and every call of its key."""
+    target = tmp_path / "mine.sqlite"
+    with TunedDB(target) as db:
+        db.upsert(make_entry(fwd_bwd_ms=50.0))
+        before = [asdict(e) for e in db.entries()]
+    for changes, named in (({"fwd_bwd_ms": 1e-300}, "fwd_bwd_ms"),
+                           ({"batch": 8, "heads": 32, "seqlen_q": 4096, "seqlen_k": 4096, "fwd_ms": 0.01}, "fwd_ms")):
+        source = tmp_path / "forged.json"
+        source.write_text(json.dumps({"fatune_tuned_db": SCHEMA_VERSION, "entries": [asdict(make_entry(**changes))]}))
+        result = CliRunner().invoke(cli, ["db", "import", "--db", str(target), str(source)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert result.output.startswith("Error: ") and f"entry 0: {named}: " in result.output, result.output
+    with TunedDB(target, readonly=True) as db:
+        assert [asdict(e) for e in db.entries()] == before
+    q, problem = _call()
+    match = {"gpu": GPU, "capability": CAPABILITY, "dtype": "float32", "head_dim": 16, "head_dim_v": 16,
+             "mask_variant": "none", "seqlen_q_bucket": 32, "seqlen_k_bucket": 32}
+    tiles = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    shipped = tmp_path / "shipped.sqlite"
+    export_entries([make_entry(**match, fwd_config=tiles, bwd_config={"dkdv": tiles, "dq": tiles})], shipped)
+    current = make_entry(**match).template_hash  # otherwise usable: current, of the call's key
+    sized = {"batch": 1 << 16, "heads": 64, "seqlen_q": 32, "seqlen_k": 32, "fwd_ms": 0.01}  # 27 PFLOP/s
+    for number, changes in enumerate(({"fwd_ms": 1e-300}, sized)):
+        user = tmp_path / f"user-{number}.sqlite"
+        TunedDB(user).close()
+        raw_insert(user, **match, template_hash=current, **changes)
+        with caplog.at_level(logging.WARNING, logger="fatune"):
+            decision = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem, GPU, CAPABILITY, None)
+        assert decision.layer == "shipped-db" and decision.config.fwd.block_m == 16, decision
+        logged = [r.getMessage() for r in caplog.records if str(user) in r.getMessage()]
+        assert len(logged) == 1 and ": fwd_ms: " in logged[0], logged
+
+
+# -- $FATUNE_DB naming no regular file: refused at once, never opened and waited on ------------------
+
+NOT_REGULAR_CHILD = r"""
+import json, logging, os, sys, torch
+import fatune
+from click.testing import CliRunner
+from fatune.cli import cli
+from fatune.dispatch import Dispatcher
+from fatune.inputs import check_inputs
+
+gpu, capability, device, shipped, source, *paths = sys.argv[1:]
+logged = []
+handler = logging.Handler()
+handler.emit = lambda record: logged.append(record.getMessage())
+logging.getLogger("fatune").addHandler(handler)
+q = torch.randn(1, 2, 24, 16, device=device)
+os.environ["FATUNE_DB"] = paths[0]
+right = torch.allclose(fatune.attention(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q), atol=1e-5)
+print(json.dumps({"path": paths[0], "call": "attention", "right": bool(right), "logged": logged[:]}), flush=True)
+for path in paths:
+    os.environ["FATUNE_DB"] = path
+    logged.clear()
+    decision = Dispatcher(shipped=[shipped]).lookup(check_inputs(q, q, q), gpu, capability, None)
+    print(json.dumps({"path": path, "call": "dispatch", "layer": decision.layer, "block_m": decision.config.fwd.block_m,
+                      "skipped": decision.skipped, "logged": logged[:]}), flush=True)
+    for args in (["db", "list"], ["db", "import", source]):
+        result = CliRunner().invoke(cli, args)
+        print(json.dumps({"path": path, "call": " ".join(args[:2]), "exit_code": result.exit_code,
+                          "output": result.output}), flush=True)
+"""
+
+
+def test_a_fatune_db_that_is_no_regular_file_costs_a_log_line_never_a_hang(tmp_path):
+    """A FIFO would block SQLite (and open()) forever, waiting for a writer; a directory, device or socket is
+    no DB either: the dispatcher falls to the next layer with one log line, `fatune db` says so on one line."""
+    paths = not_regular_files(tmp_path)
+    match = {"gpu": GPU, "capability": CAPABILITY, "dtype": "float32", "head_dim": 16, "head_dim_v": 16,
+             "mask_variant": "none", "seqlen_q_bucket": 32, "seqlen_k_bucket": 32}
+    tiles = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    shipped, source = tmp_path / "shipped.sqlite", tmp_path / "source.json"
+    export_entries([make_entry(**match, fwd_config=tiles, bwd_config={"dkdv": tiles, "dq": tiles})], shipped)
+    export_entries([make_entry()], source)
+    results = run_child(NOT_REGULAR_CHILD, GPU, CAPABILITY, DEVICE, shipped, source, *paths.values())
+    assert [r["call"] for r in results] == ["attention"] + ["dispatch", "db list", "db import"] * len(paths)
+    for result in results:
+        named = f"{result['path']} ($FATUNE_DB): "
+        if result["call"] == "attention":  # the user DB fails, the shipped DBs have no entry: the heuristic's
+            assert result["right"], result
+            (line,) = [line for line in result["logged"] if named in line]
+            assert "not a regular file" in line, result
+        elif result["call"] == "dispatch":
+            assert result["layer"] == "shipped-db" and result["block_m"] == 16, result
+            (line,) = result["skipped"]
+            assert named in line and "not a regular file" in line, result
+            # logged once per process: the attention call logged the first path's line
+            assert result["logged"] == ([] if result["path"] == results[0]["path"] else [line]), result
+        else:
+            assert result["exit_code"] == 1 and "Traceback" not in result["output"], result
+            (line,) = result["output"].splitlines()
+            assert line.startswith(f"Error: {named}") and "not a regular file" in line, result
 
 
 # -- read-only deployments, for real: the child runs without root's permission override ----------
