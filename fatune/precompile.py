@@ -11,16 +11,23 @@ written), `prepare()`, then the kernel -- with every `launch.KernelLaunch` call 
 `warmup` of the same function with the same arguments, grid and options.
 
 In Triton's interpreter nothing is compiled; the pool then only renders and imports the modules.
+
+What a compile writes to the pool process's fds 1 and 2 (Triton's C++ side prints there: an MLIR
+pass's failure and its IR dump) is captured and sent back with its result (Compiled), for the
+search to log rather than show.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import signal
+import sys
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from fatune.compile_log import captured, details, error_line
 from fatune.measure import KernelRunner, Shape
 from fatune.spec import DTYPES, AttentionConfig
 
@@ -31,19 +38,46 @@ def stand_in_inputs(shape: Shape, device: torch.device | str) -> dict[str, torch
     return {name: torch.empty(size, dtype=dtype, device=device) for name, size in shape.input_sizes().items()}
 
 
-def compile_trial(shape: Shape, config: AttentionConfig, kernel: str, device: str) -> str | None:
-    """Compile, without launching, what a trial of `kernel` with `config` launches; None, or why it does
-    not compile (the trial is then rejected without compiling it again)."""
+@dataclass(frozen=True)
+class Compiled:
+    """How a pool process's compile of a trial ended: `error`, one line (None: it compiled), `output`, what
+    the compile wrote to fds 1 and 2, and the error's `traceback`."""
+
+    error: str | None
+    output: str = ""
+    traceback: str = ""
+
+
+def _compile(shape: Shape, config: AttentionConfig, kernel: str, device: str) -> None:
     try:
         runner = KernelRunner(shape, config, stand_in_inputs(shape, device))
         runner.prepare()
         runner.run(kernel)()
-    except Exception as error:  # noqa: BLE001 - Triton's compile errors have many types
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()  # the stand-ins' memory goes back to the GPU the timing process uses
+
+
+def compile_trial(shape: Shape, config: AttentionConfig, kernel: str, device: str) -> str | None:
+    """Compile, without launching, what a trial of `kernel` with `config` launches; None, or why it does
+    not compile (the trial is then rejected without compiling it again)."""
+    try:
+        _compile(shape, config, kernel, device)
+    except Exception as error:  # noqa: BLE001 - Triton's compile errors have many types
+        return error_line(error)
     return None
+
+
+def compile_candidate(shape: Shape, config: AttentionConfig, kernel: str, device: str) -> Compiled:
+    """compile_trial, with what the compile writes to fds 1 and 2 captured instead of reaching the
+    terminal (what the pool runs)."""
+    error, traceback = None, ""
+    with captured() as output:
+        try:
+            _compile(shape, config, kernel, device)
+        except Exception as failure:  # noqa: BLE001 - Triton's compile errors have many types
+            error, traceback = error_line(failure), details(failure)
+    return Compiled(error, output.text, traceback)
 
 
 def _start_compiler() -> None:
@@ -82,7 +116,7 @@ class CompilePool:
         if self._executor is None:
             return None
         try:
-            return self._executor.submit(compile_trial, shape, config, kernel, self.device)
+            return self._executor.submit(compile_candidate, shape, config, kernel, self.device)
         except RuntimeError:  # BrokenProcessPool, or shut down
             self._executor = None
             return None
@@ -95,12 +129,23 @@ class CompilePool:
             self._executor.shutdown(wait=exc_type is None, cancel_futures=True)
 
 
-def compile_error(future: Future | None) -> str | None:
-    """What a precompile found (waiting for it): the compile error, or None when it compiled or did not
-    run (a broken pool, a stand-in it could not build: the timing process compiles as usual)."""
+def compiled(future: Future | None) -> Compiled | None:
+    """How a precompile ended (waiting for it); None when it did not run (a broken pool, a stand-in it
+    could not build: the timing process compiles as usual)."""
     if future is None:
         return None
     try:
         return future.result()
     except Exception:  # noqa: BLE001
         return None
+
+
+def compile_error(future: Future | None) -> str | None:
+    """What a precompile found (waiting for it): the compile error, or None when it compiled or did not
+    run. What the compile printed is printed here, as it would have been without the pool's capture."""
+    result = compiled(future)
+    if result is None:
+        return None
+    if result.output:
+        print(result.output, end="" if result.output.endswith("\n") else "\n", file=sys.stderr, flush=True)
+    return result.error

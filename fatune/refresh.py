@@ -10,6 +10,7 @@ best config needs `fatune search`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -246,6 +247,25 @@ def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, c
                 yield Refreshed(entry, "would refresh" if shape else UNBUILT, shape=shape)
             else:
                 yield _refresh_and_write(db, entry, target, rounds, futures.get(id(entry), []))
+
+
+# the outcomes of an entry a refresh dealt with: re-timed, or dropped for a current entry of its key
+DONE = ("tuned", "heuristic", "superseded")
+
+
+def none_refreshed(results: list[Refreshed], current_too: bool = False) -> str:
+    """Why a refresh that had entries to re-time (the stale ones, any GPU's; with `current_too` all) dealt with none
+    of them: each one skipped (tuned on another GPU, no driver, a problem that cannot be rebuilt) or failed, counted
+    by outcome, most first; '' if it dealt with one or had none. Not for a dry run's results."""
+    if any(result.outcome in DONE for result in results):
+        return ""
+    pending = collections.Counter(result.outcome for result in results
+                                  if result.outcome != "current" and (current_too or is_stale(result.old)))
+    if not pending:
+        return ""
+    total = sum(pending.values())
+    return f"re-timed none of the {total} {'entry' if total == 1 else 'entries'} to refresh: " + \
+        " | ".join(f"{count} {outcome}" for outcome, count in pending.most_common())
 
 
 def _refresh_and_write(db: TunedDB, entry: Entry, target, rounds: int, pending: list) -> Refreshed:

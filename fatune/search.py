@@ -14,7 +14,8 @@ Every trial tries a config no other trial of its study has tried: a draw whose t
 fit (shared-memory estimate, too many warps for the tile) is rejected before compiling and
 drawn again, as is one that repeats a tried config, and neither counts as a trial (both cost
 no compile nor GPU time; when the sampler keeps drawing them, an untried feasible config is
-taken at random: KernelSearch.ask). A compile error or OutOfResources prunes a trial; its output is
+taken at random: KernelSearch.ask). A compile error or OutOfResources prunes a trial (the terminal gets
+one line; what the compiler printed goes to the search's log: fatune.compile_log); a trial's output is
 checked against torch before its time counts (a fast wrong kernel never wins); a trial
 whose quick timing is far behind the best so far is pruned before the full timing, and only
 one close to the best is timed in full (the others cannot win; their quick time counts).
@@ -64,6 +65,7 @@ from typing import Callable, Iterator
 import optuna
 import torch
 
+from fatune import compile_log, precompile
 from fatune import storage as storage_module
 from fatune.db import Entry, TunedDB, is_decode, key_columns, seqlen_bucket, shape_key
 from fatune.heuristics import default_config
@@ -78,7 +80,7 @@ from fatune.measure import (
     time_step_only,
     time_training_step,
 )
-from fatune.precompile import CompilePool, compile_error
+from fatune.precompile import CompilePool
 from fatune.resources import MIN_ELEMENTS_PER_THREAD, shared_memory_bytes
 from fatune.spec import (
     KERNELS,
@@ -705,8 +707,13 @@ class KernelSearch:
                heartbeat: Heartbeat, clock: Stopwatch | None = None) -> None:
         """Time the candidate (after its compile) and tell the study how it ended."""
         self._tell(candidate.trial, heartbeat, lambda: self.evaluate(
-            candidate.trial, candidate.config, base, inputs, checker, compile_error(candidate.compiled),
-            candidate.seconds), candidate.seconds, clock)
+            candidate.trial, candidate.config, base, inputs, checker,
+            precompiled(self.describe(candidate.config), candidate.compiled), candidate.seconds),
+            candidate.seconds, clock)
+
+    def describe(self, config: LaunchConfig) -> str:
+        """A candidate as the terminal and the search log name it: shape, kernel, config."""
+        return f"{self.shape.label()} {self.kernel} {config}"
 
     def _tell(self, trial: optuna.Trial, heartbeat: Heartbeat, run: Callable[[], float] | None,
               seconds: dict[str, float] | None = None, clock: Stopwatch | None = None) -> None:
@@ -754,7 +761,8 @@ class KernelSearch:
             return self._reject(trial, kind, compile_failure)
         attention_config = base.replace(**{self.kernel: config})
         try:
-            with clock("build"):
+            # its first launch compiles (unless the pool did): the compiler's output goes to the search log
+            with clock("build"), compile_log.captured() as output:
                 runner = KernelRunner(self.shape, attention_config, inputs)
                 runner.prepare()
                 for name in Checker.KERNEL_OUTPUTS[self.kernel]:
@@ -766,7 +774,10 @@ class KernelSearch:
         except Exception as error:  # compile errors, OutOfResources (as a KernelBuildError's cause), launch failures
             causes = (type(error).__name__, type(error.__cause__).__name__)
             kind = "out_of_resources" if "OutOfResources" in causes else "compile_error"
-            return self._reject(trial, kind, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+            reason = compile_log.error_line(error)
+            compile_log.failed(self.describe(config), reason, output.text + compile_log.details(error))
+            return self._reject(trial, kind, reason)
+        compile_log.write(self.describe(config), output.text)
         with clock("check"):
             error = checker.error(self.kernel, runner)
         if not error <= checker.tolerance:
@@ -806,6 +817,19 @@ class KernelSearch:
             if kind:
                 counts[kind] = counts.get(kind, 0) + 1
         return counts
+
+
+def precompiled(what: str, future: Future | None) -> str | None:
+    """The compile error the pool found for candidate `what` (None: it compiled, or the pool did not run it).
+    What its compile printed goes to the search log; a failure also leaves one line on the terminal."""
+    result = precompile.compiled(future)
+    if result is None:
+        return None
+    if result.error:
+        compile_log.failed(what, result.error, result.output + result.traceback)
+    else:
+        compile_log.write(what, result.output)
+    return result.error
 
 
 def base_config(searches: list[KernelSearch], heuristic: AttentionConfig, kernel: str) -> AttentionConfig:
@@ -1159,11 +1183,15 @@ def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None
     import fatune
 
     with clock("retime"):
-        compile_error(compiled)
+        winners = f"{shape.label()} winners {config}"
+        ahead = precompile.compiled(compiled)  # a failure fails again below, and is reported there
+        if ahead is not None:
+            compile_log.write(winners, ahead.output + ahead.traceback)
         kwargs = shape.attention_kwargs(target.device)
         timer = time_forward if only_forward else time_training_step
-        step = timer(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
-            if not target.interpret else _interpreted_step(shape, config, inputs, backward=not only_forward)
+        with compile_log.logged(winners):  # the winners' combination may be compiled here
+            step = timer(lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs), inputs) \
+                if not target.interpret else _interpreted_step(shape, config, inputs, backward=not only_forward)
     finished = sum(search.finished() for search in searches)
     total = run.seconds + time.perf_counter() - started  # the ledger adds this part to run.seconds when it returns
     breakdown = {phase: clock.seconds.get(phase, 0.0) for phase in SHAPE_PHASES if phase != "db"}

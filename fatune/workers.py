@@ -6,7 +6,8 @@ studies are done (it does not wait for them before starting the next shape's tri
 the winners and stores them in this host's tuned DB. The others
 (helpers) only run trials, shape after shape, while the studies want them, then exit; the
 same command on other hosts joins the same studies through a shared storage. Each worker
-compiles its next candidates in its own pool (fatune.precompile) of the CPU cores left to it.
+compiles its next candidates in its own pool (fatune.precompile) of the CPU cores left to it; what
+their compiles print goes to the search's one log (fatune.compile_log).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from fatune import compile_log
 from fatune.measure import Shape
 from fatune.precompile import CompilePool
 from fatune.search import SearchSpace, Target, help_search_shape
@@ -38,6 +40,7 @@ class Job:
     space: SearchSpace
     interpret: bool
     compile_workers: int
+    log: str = ""  # the search's log of compiler output (default: one of the helper's own)
 
 
 def visible_gpus() -> list[str]:
@@ -86,6 +89,7 @@ def _helper(job: Job, index: int, gpu: str | None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first worker stops the helpers (SIGTERM) on Ctrl-C
     signal.signal(signal.SIGTERM, _interrupt)
+    compile_log.start(job.log or None)
     try:
         import optuna
 

@@ -1,4 +1,5 @@
-"""Test setup: the Triton interpreter on machines without a GPU, a private kernel cache, poisoning."""
+"""Test setup: the Triton interpreter on machines without a GPU, a private kernel cache and log folder,
+poisoning."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ if not HAS_GPU:
     # Must be set before any generated module is imported: @triton.jit reads it at decoration.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("FATUNE_CACHE_DIR", tempfile.mkdtemp(prefix="fatune-test-cache-"))
+os.environ.setdefault("FATUNE_LOG_DIR", tempfile.mkdtemp(prefix="fatune-test-logs-"))  # searches' compiler output
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 

@@ -249,3 +249,88 @@ def test_interpret_reexec_prints_no_warning(tmp_path):
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "not a usable SQLite" in result.stderr  # after the re-exec, at the DB
     assert "Warning" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+# -- launch configs given on the command line: another kernel's structure flag or a bad value is a usage error -----
+
+CONFIG_ERRORS = [  # (id, codegen arguments, the option named, text of the error line)
+    ("fwd-atomic-dq", ["--fwd", "64x64/a"], "--fwd", "/a|/a2 (atomic_dq) belongs to --dkdv"),
+    ("fwd-tma-reduced-dq", ["--fwd", "64x64/w4/s2/a2"], "--fwd", "belongs to --dkdv"),
+    ("fwd-split-d", ["--fwd", "64x64/d2"], "--fwd", "/d2 (split_d) belongs to --dkdv"),
+    ("fwd-concurrent", ["--fwd", "64x64/c2"], "--fwd", "/c|/c2 (concurrent) belongs to --dq"),
+    ("dkdv-pack-gqa", ["--dkdv", "64x64/g"], "--dkdv", "/g (pack_gqa) belongs to --fwd"),
+    ("dkdv-splits", ["--dkdv", "64x64/k4"], "--dkdv", "(num_splits) belongs to --fwd"),
+    ("dkdv-splits-at-launch", ["--dkdv", "64x64/k0"], "--dkdv", "(num_splits) belongs to --fwd"),
+    ("dkdv-concurrent", ["--dkdv", "64x64/t/c"], "--dkdv", "(concurrent) belongs to --dq"),
+    ("dq-atomic-dq", ["--dq", "64x64/a"], "--dq", "(atomic_dq) belongs to --dkdv"),
+    ("dq-tma", ["--dq", "64x64/t"], "--dq", "/t (tma) belongs to --fwd or --dkdv"),
+    ("dq-two", ["--dq", "64x64/g/d2"], "--dq", "(pack_gqa) belongs to --fwd; /d2 (split_d) belongs to --dkdv"),
+    ("fwd-bad-tile", ["--fwd", "48x64"], "--fwd", "block_m"),
+    ("dkdv-bad-tile", ["--dkdv", "64x512"], "--dkdv", "block_n"),
+    ("dq-bad-warps", ["--dq", "64x64/w3"], "--dq", "num_warps"),
+    ("fwd-bad-stages", ["--fwd", "64x64/s9"], "--fwd", "num_stages"),
+    ("fwd-too-many-splits", ["--fwd", "64x64/k999"], "--fwd", "num_splits"),
+    ("dkdv-few-registers", ["--dkdv", "64x64/r8"], "--dkdv", "maxnreg"),
+    ("dq-not-a-config", ["--dq", "64"], "--dq", "expected BLOCK_MxBLOCK_N"),
+    ("fwd-flags-out-of-order", ["--fwd", "64x64/t/g"], "--fwd", "expected BLOCK_MxBLOCK_N"),
+]
+
+
+@pytest.mark.parametrize("args, option, text", [case[1:] for case in CONFIG_ERRORS], ids=[c[0] for c in CONFIG_ERRORS])
+def test_a_launch_config_its_kernel_cannot_take_is_a_usage_error(args, option, text):
+    """Each of --fwd/--dkdv/--dq is refused with its kernel's form named: no traceback when the three configs are
+    combined (an AttentionConfig refuses a structure field in another kernel's config)."""
+    from fatune.cli.options import config_form
+
+    result = CliRunner().invoke(cli, ["codegen", "--head-dim", "64", "--dtype", "fp16", *args])
+    assert_one_line_error(result, 2, f"'{option}'")
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error")]
+    kernel = option.removeprefix("--")
+    assert text in line and f"the {kernel} kernel takes {config_form(kernel)}" in line, line
+
+
+def test_each_kernel_takes_its_own_structure_flags():
+    result = CliRunner().invoke(cli, ["codegen", "--head-dim", "64", "--dtype", "fp16", "--kernel", "fwd",
+                                      "--fwd", "64x64/w4/s2/k2/g/t/r128", "--dkdv", "64x64/w4/s1/t/a2/d2/r64",
+                                      "--dq", "64x64/w4/s2/c2"])
+    assert result.exit_code == 0, result.output
+    assert '"num_splits": 2' in result.output and '"pack_gqa": 1' in result.output
+
+
+# -- --interpret starts the command again with TRITON_INTERPRET=1 (Triton reads it when first imported) ----------
+
+class Restarted(Exception):
+    """What the stand-in for os.execvpe raises: the arguments the command would have started again with."""
+
+
+@pytest.fixture
+def restarts(monkeypatch):
+    """os.execvpe recorded, not run; TRITON_INTERPRET unset, as in a shell where nobody set it."""
+    calls = []
+
+    def execvpe(file, args, env):
+        calls.append((args, env))
+        raise Restarted
+
+    monkeypatch.setattr(os, "execvpe", execvpe)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return calls
+
+
+def test_refresh_interpret_restarts_itself_with_the_interpreter_on(tmp_path, restarts):
+    _fixtures(tmp_path)
+    args = ["db", "refresh", "--db", str(tmp_path / "good.sqlite"), "--interpret", "--rounds", "1"]
+    result = CliRunner().invoke(cli, args)
+    assert isinstance(result.exception, Restarted), result.output
+    ((argv, env),) = restarts
+    assert argv == [sys.executable, "-m", "fatune.cli", *args] and env["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.parametrize("args, code", [(["--dry-run"], 0), (["--db", "{tmp}/missing.sqlite"], 1),
+                                        (["--db", "{tmp}/garbage.sqlite"], 1)], ids=["dry-run", "missing", "corrupt"])
+def test_refresh_interpret_restarts_only_to_time(tmp_path, restarts, args, code):
+    """A dry run times nothing; a DB that cannot be used is named before the restart."""
+    _fixtures(tmp_path)
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(tmp_path / "good.sqlite"), "--interpret",
+                                      *[arg.replace("{tmp}", str(tmp_path)) for arg in args]])
+    assert result.exit_code == code and not restarts, result.output

@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -272,6 +274,76 @@ def test_the_heuristic_config_is_the_first_trial(tmp_path):
         assert first.params == {axis: expected[axis] for axis in INTERPRETER_SPACE.axes(kernel, TINY)}
 
 
+DUMP = b"TritonGPURemoveLayoutConversions: pass failed, reproducer generated at /tmp/repro.mlir\n#blocked = <IR dump>\n"
+
+
+class InProcessPool:
+    """A compile pool that compiles each candidate in this process, as a pool process would (its output
+    captured), so that a test's monkeypatches reach it."""
+
+    processes = 1
+
+    def submit(self, shape, config, kernel):
+        from concurrent.futures import Future
+
+        from fatune import precompile
+
+        future = Future()
+        future.set_result(precompile.compile_candidate(shape, config, kernel, "cpu"))
+        return future
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["compiled-in-the-timing-process", "compiled-in-the-pool"])
+def test_a_compiler_crash_is_one_line_and_its_output_goes_to_the_log(tmp_path, monkeypatch, capfd, pooled):
+    """Triton's C++ side writes a failing pass's reproducer and IR straight to fd 2: a candidate whose compile
+    does that and raises leaves one line on the terminal, naming the log that holds the dump; a candidate
+    that compiles with output of its own leaves it in the log too, never on the terminal."""
+    from fatune import compile_log, precompile
+    from fatune.measure import KernelRunner
+
+    log = tmp_path / "logs" / "search.log"
+    monkeypatch.setattr(compile_log, "_path", log)
+    forwards = []
+
+    class CrashingCompiler(KernelRunner):
+        def run(self, kernel):
+            forwards.append(forwards[0] if forwards else self.config.fwd)  # the heuristic's: its trial is the first
+            if self.config.fwd != forwards[0]:  # every forward candidate but the heuristic
+                os.write(2, DUMP)
+                os.write(1, b"compiler stdout\n")
+                raise RuntimeError("PassManager::run failed\nsecond line of the error")
+            os.write(2, b"a warning from a compile that worked\n")
+            return super().run(kernel)
+
+    monkeypatch.setattr(search, "KernelRunner", CrashingCompiler)
+    monkeypatch.setattr(precompile, "KernelRunner", CrashingCompiler)
+    result = search_shape(TINY, interpreter_target(), trials=2, seconds=600,
+                          storage=f"sqlite:///{tmp_path / 's.sqlite'}", seed=0, space=INTERPRETER_SPACE,
+                          pool=InProcessPool() if pooled else None)
+    assert result.rejected == {"compile_error": 1}  # the forward's second trial
+    out, err = capfd.readouterr()
+    for text in ("reproducer generated", "IR dump", "compiler stdout", "second line", "a warning", "Traceback"):
+        assert text not in out and text not in err
+    (line,) = [line for line in err.splitlines() if "fatune search:" in line]
+    assert f"{TINY.label()} fwd " in line and "failed: RuntimeError: PassManager::run failed" in line
+    assert str(log) in line
+    logged = log.read_text()
+    assert DUMP.decode() in logged and "compiler stdout" in logged and "second line of the error" in logged
+    assert "Traceback" in logged and "a warning from a compile that worked" in logged
+
+
+def test_the_phase_breakdown_is_printed_only_with_profile(tmp_path):
+    args = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths", "24", "--batch", "1",
+            "--heads", "1", "--mask", "none", "--trials", "1", "--db", str(tmp_path / "tuned.sqlite")]
+    breakdown = re.compile(r"seconds per phase|studies +inputs +ref +ask +compile +build")
+    plain = CliRunner().invoke(cli, args)
+    assert plain.exit_code == 0, plain.output
+    assert "1 shapes, 3 trials" in plain.output and not breakdown.search(plain.output)
+    profiled = CliRunner().invoke(cli, [*args, "--profile"])  # the studies are done: the winners are re-timed
+    assert profiled.exit_code == 0, profiled.output
+    assert len(breakdown.findall(profiled.output)) == 2  # its title and its header
+
+
 # -- several searches at once, and resuming after Ctrl-C or a kill (subprocesses) -----------------
 
 CHILD = """
@@ -368,7 +440,7 @@ def test_a_killed_search_resumes_without_counting_dead_trials(tmp_path, signal_n
 def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     folder = tmp_path / "a?b%20c#d"
     folder.mkdir()
-    result = CliRunner().invoke(cli, [*SEARCH, "--trials", "1", "--db", str(folder / "tuned.sqlite")])
+    result = CliRunner().invoke(cli, [*SEARCH, "--trials", "1", "--profile", "--db", str(folder / "tuned.sqlite")])
     assert result.exit_code == 0, result.output
     assert "wall time per shape in this process" in result.output and "  compile " in result.output
     assert {p.name for p in folder.iterdir()} >= {"tuned.sqlite", "tuned.optuna.sqlite"}
@@ -687,7 +759,7 @@ def test_a_shape_starts_from_the_tuned_configs_of_its_relatives(tmp_path, monkey
 
     with TunedDB(tmp_path / "tuned.sqlite") as db:
         for result in (tuned("float16", 256, other), tuned("bfloat16", 64, tile), tuned("float16", 64, own),
-                       tuned("float16", 1024, far, ms=1.0),  # faster, but farther
+                       tuned("float16", 1024, far, ms=1.5),  # faster, but farther
                        tuned("float16", 128, elsewhere, causal=False),  # another mask variant
                        tuned("float16", 128, elsewhere, kv_heads=1)):  # another GQA group
             assert store(db, result, target)

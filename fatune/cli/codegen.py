@@ -35,7 +35,11 @@ def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
     spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
     config = default_config(spec, arch, group=group)
     overrides = {"fwd": fwd_config, "dkdv": dkdv_config, "dq": dq_config}
-    config = config.replace(**{name: value for name, value in overrides.items() if value is not None})
+    try:
+        config = config.replace(**{name: value for name, value in overrides.items() if value is not None})
+    except (ValueError, TypeError) as error:  # configs each valid on their own that cannot run together
+        given = " ".join(f"--{name} {value}" for name, value in overrides.items() if value is not None)
+        raise click.UsageError(f"{given}: {error}") from None
     config = with_runnable_split_d(config, spec)  # as a launch runs it
     kinds = ["fwd", "bwd"] if kernel == "all" else [kernel]
     for kind in kinds:

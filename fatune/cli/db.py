@@ -9,7 +9,7 @@ from typing import Callable
 
 import click
 
-from fatune.cli.options import MAX_LENGTH, parse_capability, parse_dtype
+from fatune.cli.options import MAX_LENGTH, parse_capability, parse_dtype, reexec_interpreted
 
 
 def db_option(fn: Callable) -> Callable:
@@ -186,6 +186,7 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     the faster takes its place under today's versions, unless a current entry of that key is
     already there. Entries of other GPUs are left alone. To find new configs, run `fatune search`.
     With --include-current, current entries are re-timed too, beside today's heuristic (after it changed).
+    A run that had entries to re-time and re-timed none of them (each tuned on another GPU, or failed) exits 1.
 
     Example:
 
@@ -195,7 +196,11 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     """
     import os
 
-    from fatune.refresh import refresh_db
+    if interpret and not dry_run:  # a dry run times nothing
+        with _open(db_path, readonly=False, create=False):  # a DB that cannot be used fails before the restart
+            pass
+        reexec_interpreted(click.get_current_context())
+    from fatune.refresh import none_refreshed, refresh_db
     from fatune.search import Target
 
     try:
@@ -207,6 +212,7 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     if compile_workers is None:
         compile_workers = min(16, max(0, (os.cpu_count() or 1) - 1))
     counts: dict[str, int] = {}
+    results = []
     with _open(db_path, readonly=dry_run, create=False) as database:
         for result in refresh_db(database, target, rounds=rounds, dry_run=dry_run, compile_workers=compile_workers,
                                  on_invalid=lambda message: click.echo(f"warning: {message}", err=True),
@@ -214,8 +220,12 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
                                  mask_variant=mask_variant, group_size=group_size):
             outcome = result.outcome.split(":")[0]
             counts[outcome] = counts.get(outcome, 0) + 1
+            results.append(result)
             click.echo(result.describe())
     click.echo(", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())) or "no entries")
+    failure = "" if dry_run else none_refreshed(results, current_too)
+    if failure:  # the stale entries are all still stale: not a success
+        raise click.ClickException(failure)
 
 
 @db.command()

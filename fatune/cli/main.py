@@ -12,11 +12,17 @@ from fatune import __version__
 from fatune.cli.bench import bench
 from fatune.cli.codegen import codegen
 from fatune.cli.db import db
+from fatune.cli.options import ARGV
 from fatune.cli.search import search
 
 
 class FatuneGroup(click.Group):
-    """A click group that turns a tuned-DB or file-system error escaping a command into one line."""
+    """A click group that turns a tuned-DB or file-system error escaping a command into one line, and keeps the
+    command line's arguments for a command that starts itself again (options.reexec_interpreted)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGV] = list(args)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
         from fatune.db import DBError

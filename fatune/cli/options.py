@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from typing import Callable
 
 import click
 
-from fatune.spec import LaunchConfig, dtype_name
+from fatune.spec import STRUCTURE_OWNER, LaunchConfig, dtype_name, misplaced_structure
+
+
+ARGV = "fatune.argv"  # the key of the command line's arguments in click's ctx.meta (FatuneGroup records them)
+
+
+def reexec_interpreted(ctx: click.Context) -> None:
+    """Start this command again with TRITON_INTERPRET=1 unless it is set, for --interpret: triton.language decides
+    between interpreted and compiled kernels when first imported, and compiled ones find no driver without a GPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    args = ctx.meta.get(ARGV, sys.argv[1:])
+    os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli", *args], {**os.environ, "TRITON_INTERPRET": "1"})
 
 
 def parse_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -20,13 +34,35 @@ def parse_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -
         raise click.BadParameter(str(error)) from None
 
 
+# each code-structure field's part of a launch config's text (LaunchConfig.parse), in the order it takes them
+STRUCTURE_FLAGS = {"num_splits": "/kSPLITS", "pack_gqa": "/g", "tma": "/t", "atomic_dq": "/a|/a2", "split_d": "/d2",
+                   "concurrent": "/c|/c2"}
+CONFIG_EXAMPLES = {"fwd": "128x64/w4/s3", "dkdv": "64x128/w8/s2/a", "dq": "128x64/w8/s3/c"}
+
+
+def config_form(kernel: str) -> str:
+    """The launch-config text `kernel` ('fwd', 'dkdv' or 'dq') takes: the flags of its own structure fields only."""
+    flags = "".join(f"[{flag}]" for field, flag in STRUCTURE_FLAGS.items() if kernel in STRUCTURE_OWNER[field])
+    return f"BLOCK_MxBLOCK_N[/wWARPS][/sSTAGES]{flags}[/rREGS]"
+
+
 def _launch_config(ctx: click.Context, param: click.Parameter, value: str | None) -> LaunchConfig | None:
+    """Parse --fwd / --dkdv / --dq into a LaunchConfig; a value its kernel cannot take (a bad tile size, another
+    kernel's structure flag such as --fwd 64x64/a) is a usage error, not a failure when the configs are combined."""
     if value is None:
         return None
+    kernel = param.name.removesuffix("_config")
+    expected = f"the {kernel} kernel takes {config_form(kernel)}, e.g. {CONFIG_EXAMPLES[kernel]}"
     try:
-        return LaunchConfig.parse(value)
-    except ValueError as error:
-        raise click.BadParameter(str(error)) from None
+        config = LaunchConfig.parse(value)
+    except (ValueError, TypeError) as error:
+        raise click.BadParameter(f"{error}; {expected}") from None
+    misplaced = misplaced_structure(kernel, config)
+    if misplaced:
+        owners = "; ".join(f"{STRUCTURE_FLAGS[field]} ({field}) belongs to "
+                           f"{' or '.join(f'--{owner}' for owner in STRUCTURE_OWNER[field])}" for field in misplaced)
+        raise click.BadParameter(f"{owners}, got {value!r}; {expected}")
+    return config
 
 
 def kernel_spec_options(fn: Callable) -> Callable:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from fatune.cli.options import (
     mask_variant_options,
     optional_int_list,
     parse_dtype,
+    reexec_interpreted,
 )
 
 PROGRESS_S = 1.0  # the progress bar counts the storage's finished trials at most this often
@@ -75,8 +75,14 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
                    "less one, at most 8; 0 with --interpret).")
 @click.option("--interpret", is_flag=True, help="Run in Triton's CPU interpreter: tiny shapes, timings not meaningful.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--profile", is_flag=True,
+              help="After the results, print where each shape's wall time went in this process, seconds per phase "
+                   "(studies, inputs, torch reference, asking Optuna, compile wait, build, check, quick and full "
+                   "timing, telling, census, waiting for other workers, progress, SDPA, re-timing, DB write). "
+                   "--json always includes it as each shape's \"breakdown\".")
 def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_heads, mask, window, valid_keys,
-           documents, trials, time_budget, seed, db_path, storage, workers, compile_workers, interpret, as_json) -> None:
+           documents, trials, time_budget, seed, db_path, storage, workers, compile_workers, interpret, as_json,
+           profile) -> None:
     """Search launch configs for each shape, timing forward+backward (decode: forward), and store the winners.
 
     Each kernel (forward, dK/dV, dQ) gets its own Optuna study; inference shapes (query
@@ -86,7 +92,8 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     the same run. An interrupted (Ctrl-C) or killed search resumes from its Optuna storage
     when the same command runs again. Workers on this host (one per GPU) and the same command
     on other hosts sharing a --storage work on the same studies; each host stores the winners
-    in its own DB.
+    in its own DB. A candidate that fails to compile prints one line; what the compiler printed
+    goes to a log in $FATUNE_LOG_DIR (default ~/.cache/fatune/logs).
 
     Example:
 
@@ -99,10 +106,8 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     if lengths_q is not None and lengths_old is not None:
         raise click.UsageError("--lengths and --lengths-q are the same option (--lengths is the older name of "
                                "--lengths-q): give one")
-    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        # triton.language decides interpreted vs compiled when first imported: start again with it set
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli", *sys.argv[1:]], env)
+    if interpret:
+        reexec_interpreted(click.get_current_context())
     from fatune import db as tuned_db
     from fatune import storage as studies
     from fatune import workers as hosts
@@ -145,11 +150,13 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         workers = hosts.worker_count(workers, interpret)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--workers") from None
+    from fatune import compile_log
     from fatune import search as tuner
 
+    log = compile_log.start()  # every worker's compiler output goes to this one file, if any is printed
     job = hosts.Job(tuple(shapes), trials, time_budget, storage, seed,
                     tuner.INTERPRETER_SPACE if interpret else tuner.GPU_SPACE, interpret,
-                    hosts.compile_worker_count(compile_workers, workers, interpret))
+                    hosts.compile_worker_count(compile_workers, workers, interpret), str(log))
     try:
         database = tuned_db.TunedDB(db_path)
     except tuned_db.DBError as error:
@@ -177,10 +184,14 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
             sys.exit(130)
         for failure in helpers.failures():
             click.echo(f"fatune search: {failure}; the other workers finished its share", err=True)
+    if compile_log.path().is_file():
+        click.echo(f"fatune search: compiler output of the candidates: {compile_log.path()}", err=True)
     if as_json:
         click.echo(json.dumps([_result_json(r, stored, target) for r, stored in results], indent=1))
         return
     _print_table(results, target, database.path, time.time() - started, workers)
+    if profile:
+        _print_breakdown([result for result, _ in results])
 
 
 def _search(job, target, storage, database, pool) -> list:
@@ -269,7 +280,6 @@ def _print_table(results, target, db_path, seconds: float, workers: int) -> None
     trials = sum(result.trials for result, _ in results)
     click.echo(f"{len(results)} shapes, {trials} trials in {seconds:.1f} s wall ({trials / seconds:.2f} trials/s) "
                f"with {workers} worker{'s' if workers > 1 else ''} on this host")
-    _print_breakdown([result for result, _ in results])
 
 
 BREAKDOWN_COLUMNS = (  # (phase in ShapeResult.breakdown, column title); fatune.search.SHAPE_PHASES plus "other"
@@ -281,7 +291,7 @@ BREAKDOWN_COLUMNS = (  # (phase in ShapeResult.breakdown, column title); fatune.
 
 
 def _print_breakdown(results) -> None:
-    """Where each shape's wall time went in this process, seconds per phase: fixed costs (studies, inputs,
+    """(--profile) Where each shape's wall time went in this process, seconds per phase: fixed costs (studies, inputs,
     torch reference, SDPA timing, end-to-end re-timing, DB write) and the sums over its trials (asking,
     waiting for the compile pool, building the runner and loading kernels, checking, quick and full
     timing, telling; census and wait: looking at and waiting for other processes' trials)."""
