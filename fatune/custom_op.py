@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from fatune import dropout, plans
+from fatune.inputs import check_options
 from fatune.launch import layout_like, lse_dtype
 from fatune.mask_spans import SPAN, compact, is_prepared
 from fatune.plans import Call
@@ -52,6 +53,10 @@ def _lse_rows(q: Tensor, packed: bool) -> tuple:
     return (1, q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[1], q.shape[2])
 
 
+def _lse_dtype(q: Tensor, attn_mask: Optional[Tensor]) -> torch.dtype:
+    return lse_dtype(q.dtype, attn_mask is not None and attn_mask.dtype != torch.bool)
+
+
 def _no_key_spans(q: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
     """The key-spans output where no kernel made them: shaped as the kernels' would be (fatune.mask_spans), empty
     without a mask tensor."""
@@ -72,9 +77,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
     prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
     if prepared.plan is None:
         out = plans.run_without_kernels(prepared, q, k, v, call)
-        lse = q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
+        lse = q.new_zeros(_lse_rows(q, cu_seqlens_q is not None), dtype=_lse_dtype(q, attn_mask))
         return out, lse, _no_key_spans(q, attn_mask)
-    out, lse, key_spans = prepared.plan.forward_with_spans(q, k, v, call.extras, seed)
+    out, lse, key_spans = prepared.plan.forward_with_spans(q, k, v, call.extras, seed, fresh_workspace=True)
     if key_spans is None:
         return out, lse, _no_key_spans(q, attn_mask)
     return out, lse, key_spans.clone() if is_prepared(key_spans) else key_spans  # an output of its own
@@ -84,7 +89,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 def _(q, k, v, attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, seed, dropout_p, is_causal, scale,
       enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table, config):
     out = torch.empty_strided(*layout_like(q.shape, q.stride(), v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
+    lse = q.new_empty(_lse_rows(q, cu_seqlens_q is not None), dtype=_lse_dtype(q, attn_mask))
     return out, lse, torch.empty_like(_no_key_spans(q, attn_mask))
 
 
@@ -103,12 +108,8 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     call = _call(attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
                  enable_gqa, window_left, window_right, causal_alignment, max_seqlen_q, max_seqlen_k, block_table)
     prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
-    if prepared.plan is None:  # recompute the dense result with autograd
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            result = plans.run_without_kernels(prepared, *inputs, call)
-            grads = torch.autograd.grad(result, inputs, grad_out, allow_unused=True)
-        return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q, k, v)))
+    if prepared.plan is None:
+        return plans.dense_gradients(prepared, q, k, v, call, grad_out)
     spans = key_spans if attn_mask is not None and key_spans.numel() else None  # none made: made again
     return prepared.plan.backward(grad_out, q, k, v, out, lse, call.extras, seed, spans)
 
@@ -125,8 +126,11 @@ def _setup_context(ctx, inputs, output):
         from fatune.flash_attention import PAGED_GRADIENTS
 
         raise ValueError(PAGED_GRADIENTS)
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.rest = rest
+    # the mask and index tensors are saved too: an in-place write to one before the backward raises torch's
+    # "modified by an inplace operation" error instead of changing the gradients
+    tensors = [i for i, value in enumerate(rest) if isinstance(value, Tensor)]
+    ctx.save_for_backward(q, k, v, *output, *(rest[i] for i in tensors))
+    ctx.rest, ctx.tensors = rest, tensors
 
 
 _INPUTS = ("q", "k", "v", "attn_mask", "alibi_slopes", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "seed",
@@ -135,8 +139,11 @@ _INPUTS = ("q", "k", "v", "attn_mask", "alibi_slopes", "seqlens_k", "cu_seqlens_
 
 
 def _backward(ctx, grad_out, grad_lse, grad_key_spans):
-    q, k, v, out, lse, key_spans = ctx.saved_tensors
-    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, key_spans, *ctx.rest)
+    q, k, v, out, lse, key_spans, *saved = ctx.saved_tensors
+    rest = list(ctx.rest)
+    for index, tensor in zip(ctx.tensors, saved):
+        rest[index] = tensor
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, key_spans, *rest)
     grads = {"q": dq, "k": dk, "v": dv}
     return tuple(grads.get(name) for name in _INPUTS)
 
@@ -145,7 +152,10 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConfig | None) -> Tensor:
-    """fatune.attention through the custom ops (what torch.compile traces)."""
+    """fatune.attention through the custom ops (what torch.compile traces). The options are checked here, before
+    they become the ops' typed arguments (where is_causal="False" would read as True and a window of 1.5 as 1)."""
+    check_options(call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.window_size,
+                  call.causal_alignment)
     seed = dropout.draw_seed(q.device) if call.dropout_p > 0 else None
     window_left, window_right = (min(int(size), 2**62) for size in call.window_size)  # beyond any sequence
     out, _, _ = attention_forward(q, k, v, call.attn_mask, call.alibi_slopes, call.seqlens_k, call.cu_seqlens_q,

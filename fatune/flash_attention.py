@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from fatune import codegen, custom_op, dropout
+from fatune.inputs import check_flag
 from fatune.dispatch import Decision
 from fatune.launch import NO_EXTRAS, Plan
-from fatune.plans import Call, prepare, prepare_plain, run_without_kernels
+from fatune.plans import Call, dense_gradients, prepare, prepare_plain, run_without_kernels
 from fatune.spec import AttentionConfig, KernelSpec
 
 
@@ -24,26 +25,94 @@ PAGED_GRADIENTS = ("block_table: a paged K/V cache is read for inference only (n
                    "torch.no_grad() or pass detached tensors")
 
 
+DOUBLE_BACKWARD = "fatune.attention: double backward (create_graph=True) is not supported"
+VMAP = ("fatune.attention does not support torch.func.vmap (nor jacrev/jacfwd, which vmap): fold the vmapped dim "
+        "into the batch dim (B) of one call, or loop over it; torch.func.grad and vjp are supported")
+
+
 class _FlashAttention(torch.autograd.Function):
-    """Forward saves Q, K, V, O and the per-row LSE; backward recomputes P tile by tile."""
+    """Forward saves Q, K, V, O and the per-row LSE; backward recomputes P tile by tile.
+
+    The mask and index tensors (`extras`) are saved too, so that an in-place write to one between the forward and
+    the backward raises torch's "modified by an inplace operation" error instead of changing the gradients."""
 
     @staticmethod
     def forward(ctx, query, key, value, plan: Plan, extras: tuple):
         seed = dropout.draw_seed(query.device) if plan.uses_seed else None
         out, lse, key_spans = plan.forward_with_spans(query, key, value, extras, seed)
-        ctx.save_for_backward(query, key, value, out)
+        ctx.save_for_backward(query, key, value, out, *(t for t in extras if t is not None))
         ctx.state = plan, lse, extras, seed, key_spans  # LSE and a mask's key spans: not inputs or outputs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():
-            raise RuntimeError("fatune.attention: double backward (create_graph=True) is not supported")
-        query, key, value, out = ctx.saved_tensors
+            raise RuntimeError(DOUBLE_BACKWARD)
+        query, key, value, out, *_ = ctx.saved_tensors  # checks the saved tensors' versions
         plan, lse, extras, seed, key_spans = ctx.state
         grad_query, grad_key, grad_value = plan.backward(grad_out, query, key, value, out, lse, extras, seed,
                                                          key_spans)
         return grad_query, grad_key, grad_value, None, None
+
+
+def _unwrapped(tensor: torch.Tensor, levels: int = 1 << 30) -> torch.Tensor:
+    """The plain tensor inside torch.func's gradient-tracking wrappers (what the kernels read); vmap's batched
+    tensors are refused (VMAP), and so are more than `levels` wrappers (an outer transform that would
+    differentiate the result: DOUBLE_BACKWARD)."""
+    depth = 0
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        if torch._C._functorch.is_batchedtensor(tensor):
+            raise NotImplementedError(VMAP)
+        depth += 1
+        if depth > levels:
+            raise RuntimeError(f"{DOUBLE_BACKWARD}: torch.func.grad of a gradient")
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
+class _TransformedAttention(torch.autograd.Function):
+    """fatune.attention under torch.func transforms (grad, vjp), which take a Function with setup_context: the
+    call is prepared inside the forward, where the transforms have unwrapped the tensors. Outputs: O, and the
+    LSE, key spans and dropout seed the backward takes (empty where the call has none)."""
+
+    @staticmethod
+    def forward(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None):
+        prepared = prepare(query, key, value, call, config, strict)
+        none = query.new_empty((0,))
+        if prepared.plan is None:
+            return run_without_kernels(prepared, query, key, value, call), none, none, none
+        seed = dropout.draw_seed(query.device) if prepared.plan.uses_seed else None
+        out, lse, key_spans = prepared.plan.forward_with_spans(query, key, value, call.extras, seed)
+        return out, lse, none if key_spans is None else key_spans, none if seed is None else seed
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, call, config, strict = inputs
+        out, lse, key_spans, seed = output
+        ctx.mark_non_differentiable(lse, key_spans, seed)
+        ctx.save_for_backward(query, key, value, out, lse, key_spans, seed, *(t for t in call.extras if t is not None))
+        ctx.call = call, config, strict
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # torch.func.grad differentiates with create_graph=True
+    def backward(ctx, grad_out, *_):
+        saved = ctx.saved_tensors
+        # one wrapper: the torch.func.grad that runs this backward; more: a transform outside it differentiates too
+        grad_out, query, key, value, out, lse, key_spans, seed = (_unwrapped(t, 1) for t in (grad_out, *saved[:7]))
+        call, config, strict = ctx.call
+        call = Call(*(_unwrapped(x) if isinstance(x, torch.Tensor) else x for x in call))
+        with torch._C._DisableFuncTorch():  # the buffers the backward makes: plain tensors, as the kernels take
+            prepared = prepare(query, key, value, call, config, strict)
+            if prepared.plan is None:
+                grads = dense_gradients(prepared, query, key, value, call, grad_out)
+            else:
+                grads = prepared.plan.backward(grad_out, query, key, value, out, lse, call.extras,
+                                               seed if seed.numel() else None, key_spans if key_spans.numel() else None)
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError(VMAP)
 
 
 # `_FlashAttention.apply` is torch's Python wrapper around the C `_FunctionBase.apply`; for a
@@ -117,7 +186,12 @@ def attention(
     if torch.compiler.is_compiling():
         call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
                     seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+        check_flag("strict", strict, optional=True)
         return custom_op.attention(query, key, value, call, config)
+    if _functorch_active():
+        call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                    seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+        return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
             cu_seqlens_k is None and block_table is None:  # the common call: no Call object, a shorter key
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
@@ -134,8 +208,6 @@ def attention(
                     seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
         return run_without_kernels(prepared, query, key, value, call)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        if _functorch_active():
-            return _FlashAttention.apply(query, key, value, plan, extras)
         return _apply(_unwrap_if_dead(query), _unwrap_if_dead(key), _unwrap_if_dead(value), plan, extras)
     seed = dropout.draw_seed(query.device) if plan.uses_seed else None
     return plan.forward(query, key, value, extras, seed)[0]

@@ -194,6 +194,34 @@ def _broadcast_view(name: str, tensor: torch.Tensor, shape: tuple[int, ...], for
         ) from None
 
 
+def check_flag(name: str, value: object, optional: bool = False) -> bool:
+    """`value` if it is a bool (or None, when `optional`); TypeError naming `name` otherwise, as torch's SDPA
+    refuses is_causal="False" (whose truth value would turn causal attention on)."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    raise TypeError(f"{name}: expected True or False{' or None' if optional else ''}, got {value!r:.80}")
+
+
+def check_options(dropout_p: object, is_causal: object, scale: object, enable_gqa: object, window_size: object,
+                  causal_alignment: object) -> None:
+    """The call's scalar options, checked alike on every path (eager, and torch.compile's before they become the
+    custom op's typed arguments): TypeError or ValueError naming the first one that is off."""
+    check_flag("is_causal", is_causal)
+    check_flag("enable_gqa", enable_gqa)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale: expected a finite float or None, got {scale!r:.80}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r:.80}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, (int, torch.SymInt)) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), -1 = unbounded, got {window_size!r:.80}")
+    if window_size[0] < -1 or window_size[1] < -1:
+        raise ValueError(f"window_size: expected sizes >= -1 (-1 = unbounded), got {tuple(window_size)}")
+    if causal_alignment is not None and causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS} or None, got {causal_alignment!r:.80}")
+
+
 def check_inputs(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -290,24 +318,13 @@ def check_inputs(
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: expected head dim in 1..{MAX_HEAD_DIM}, got {dim}")
 
+    check_options(dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise TypeError(f"scale: expected a finite float or None, got {scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size: expected a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
     left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: expected sizes >= -1 (-1 = unbounded), got {tuple(window_size)}")
     windowed = (left, right) != (-1, -1)
     if causal_alignment is None:
         causal_alignment = "bottom_right" if windowed or packed else "top_left"
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS} or None, got {causal_alignment!r}")
     if is_causal:
         right = 0 if right == -1 else min(right, 0)
     # a window reaching past every key is no window: the kernels never see sizes beyond int32
@@ -346,6 +363,8 @@ def check_inputs(
             raise TypeError(f"alibi_slopes: expected a float32 tensor of shape (H,) or (B, H), got {alibi_slopes!r:.80}")
         if alibi_slopes.device != device:
             raise ValueError(f"alibi_slopes: expected a tensor on {device} like query, got {alibi_slopes.device}")
+        if alibi_slopes.requires_grad:
+            raise ValueError("alibi_slopes: gradients w.r.t. the slopes are not computed; pass alibi_slopes.detach()")
         if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
             raise ValueError(f"alibi_slopes: expected shape ({heads},) or ({batch}, {heads}), "
                              f"got {tuple(alibi_slopes.shape)}")

@@ -102,10 +102,10 @@ def bhld_strides(strides: Sequence[int], packed: bool) -> tuple[int, ...]:
     return (0, strides[1], strides[0], strides[2]) if packed else tuple(strides)
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the per-row LSE (log2 units) the forward stores for inputs of `dtype`: float64 for float32
-    inputs, float32 otherwise (fatune.spec.lse_dtype_name)."""
-    return torch.float64 if dtype == torch.float32 else torch.float32
+def lse_dtype(dtype: torch.dtype, additive: bool = False) -> torch.dtype:
+    """The dtype of the per-row LSE (log2 units) the forward stores for inputs of `dtype` (`additive`: under an
+    additive mask): float64 for float32 inputs and additive masks, float32 otherwise (fatune.spec.lse_dtype_name)."""
+    return torch.float64 if dtype == torch.float32 or additive else torch.float32
 
 
 def scratch_buffer(size: int, alignment: int = 128, stream: int | None = None) -> torch.Tensor:
@@ -360,12 +360,13 @@ _split_counts: dict[tuple[torch.device, int | None], torch.Tensor] = {}
 MAX_COUNT_BUFFERS = 64
 
 
-def split_counts(device: torch.device, stream: int | None, tiles: int) -> torch.Tensor:
+def split_counts(device: torch.device, stream: int | None, tiles: int, fresh: bool = False) -> torch.Tensor:
     """Zeroed int32 arrival counts for `tiles` split-KV tiles. Each launch leaves them zero again (a
     tile's last split resets its count), so one buffer per (device, stream) serves every launch
-    queued on that stream; under CUDA-graph capture each call gets its own (zeroed in the graph),
-    so no buffer outlives a graph's memory pool."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    queued on that stream. Each call gets its own (zeroed in its stream) under CUDA-graph capture and with
+    `fresh` (the custom ops, whose calls torch.compile's CUDA graphs record, warm-up runs included, in a
+    memory pool that no tensor but the op's outputs may outlive)."""
+    if fresh or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(tiles, dtype=torch.int32, device=device)
     counts = _split_counts.get((device, stream))
     if counts is None or counts.numel() < tiles:
@@ -414,7 +415,7 @@ class Plan:
         self.grad_layouts = tuple(layout_like(t.shape, t.stride()) for t in (q, k, v))
         rows = (1, problem.heads, problem.seqlen_q) if packed else (problem.batch, problem.heads, problem.seqlen_q)
         self.lse_layout = (rows, contiguous_strides(rows))
-        self.lse_dtype = lse_dtype(q.dtype)
+        self.lse_dtype = lse_dtype(q.dtype, spec.attn_mask == "additive")
         mask, alibi = problem.attn_mask, problem.alibi_slopes
         self.values: dict[str, Any] = {
             "sm_scale": problem.scale, "window_left": problem.window_left, "window_right": problem.window_right,
@@ -499,12 +500,14 @@ class Plan:
         return self.forward_with_spans(q, k, v, extras, seed)[:2]
 
     def forward_with_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple = NO_EXTRAS,
-                           seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                           seed: torch.Tensor | None = None, fresh_workspace: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(out, lse, the mask tensor's key spans or None): the backward of the same call takes the key spans
-        back (`backward(..., key_spans=)`) instead of scanning the mask for them again."""
+        back (`backward(..., key_spans=)`) instead of scanning the mask for them again. `fresh_workspace`: no
+        buffer kept from one call to the next (split_counts)."""
         launches = self._fwd
         if launches is None or launches[0].binary is None or self.splits > 1 or not self.on_device():
-            return self._forward(q, k, v, extras, seed)  # the general path (and the first launch)
+            return self._forward(q, k, v, extras, seed, fresh_workspace)  # the general path (and the first launch)
         # no split-KV, kernels loaded, on the current device: allocate, launch (every call after the first)
         out = new_buffer(*self.out_layout, self.dtype, self.device)
         lse = new_buffer(*self.lse_layout, self.lse_dtype, self.device)
@@ -515,18 +518,19 @@ class Plan:
         return out, lse, slots[_KEY_SPANS_SLOT]
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple,
-                 seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 seed: torch.Tensor | None, fresh_workspace: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if not self.on_device():
             with torch.cuda.device(self.device):
-                return self._forward(q, k, v, extras, seed)
+                return self._forward(q, k, v, extras, seed, fresh_workspace)
         config = self.config
         out, lse = self.allocate_forward()
         slots = self.slots(q, k, v, out, lse, extras, seed)
         try:
-            self.run_forward(slots)
+            self.run_forward(slots, fresh_workspace)
         except KernelBuildError as error:
             self.fall_back(error, config, q, k, v)
-            return self._forward(q, k, v, extras, seed)
+            return self._forward(q, k, v, extras, seed, fresh_workspace)
         return out, lse, slots[_KEY_SPANS_SLOT]
 
     def fall_back(self, error: KernelBuildError, failed: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
@@ -552,12 +556,12 @@ class Plan:
                   f"{self.spec.mask_variant} {self.spec.dtype} d{self.spec.head_dim}")
             self.__dict__.update(rebuilt.__dict__)  # one step under the GIL: other threads see one plan or the other
 
-    def run_forward(self, slots: tuple) -> None:
+    def run_forward(self, slots: tuple, fresh_workspace: bool = False) -> None:
         stream = current_stream(self.device)
         if self.splits > 1:
             o_part = new_buffer(*self.o_part_layout, torch.float32, self.device)
             lse_part = new_buffer(*self.lse_part_layout, self.lse_dtype, self.device)
-            counts = split_counts(self.device, stream, self.split_tiles)
+            counts = split_counts(self.device, stream, self.split_tiles, fresh_workspace)
             first = SLOTS.index("O_PART")
             slots = slots[:first] + (o_part, lse_part, counts) + slots[first + 3:]
         for launch in self.fwd_launches():

@@ -333,7 +333,8 @@ def prepare_mask(attn_mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     torch does not count (through `.data`, another kernel, a collective, a pointer) are not. Its spans are made on
     the current stream: calls on another one must be ordered after it, as for the mask itself. Calls of other
     lengths, and calls inside a CUDA graph's capture (whose replays must see later changes), scan it as any mask;
-    so does every call where it was prepared during a capture or on the CPU without Triton's interpreter."""
+    so does every call where it was prepared during a capture, inside a function torch.compile traces, or on the
+    CPU without Triton's interpreter."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
     if attn_mask.dtype not in MASK_DTYPES:
@@ -353,6 +354,9 @@ def prepare_mask(attn_mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     if attn_mask.dim() > 4 or broadcast != shape:
         raise ValueError(f"attn_mask: expected a mask broadcastable to shape {shape} (B, H, L_q, L_k), "
                          f"got {tuple(attn_mask.shape)}")
+    if torch.compiler.is_compiling():  # traced: the copy alone (compiled calls summarise their mask in the op)
+        return compact(attn_mask).clone().expand((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).view(
+            attn_mask.shape)
     with torch.inference_mode(False):  # a normal tensor, whose in-place changes its version counter records
         distinct = compact(attn_mask).clone()
         own = distinct.expand((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).view(attn_mask.shape)

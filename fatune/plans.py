@@ -23,7 +23,7 @@ import torch
 from fatune import reference
 from fatune.codegen import interpreting
 from fatune.dispatch import Decision, dispatcher
-from fatune.inputs import AttentionProblem, check_contents, check_inputs, contents_readable
+from fatune.inputs import AttentionProblem, check_contents, check_flag, check_inputs, contents_readable
 from fatune.launch import NO_EXTRAS, Plan, layout_like, new_buffer
 from fatune.spec import AttentionConfig
 
@@ -38,8 +38,8 @@ class FallbackError(RuntimeError):
 
 def strict_mode(strict: bool | None) -> bool:
     """The `strict` argument, or else $FATUNE_STRICT (1/true/yes/on)."""
-    if strict is not None:
-        return bool(strict)
+    if check_flag("strict", strict, optional=True) is not None:
+        return strict
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -244,6 +244,15 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     # strict mode promises the tuned entry or an error: no quiet fallback past it
     plan = Plan(problem, decision.config, device, query, key, value, fallback=None if strict else decision.fallback)
     return Prepared("kernels", plan, decision, decision.reason, lengths)
+
+
+def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:
+    """dQ, dK, dV of a call whose Prepared has no plan: its result recomputed with autograd."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+        result = run_without_kernels(prepared, *inputs, call)
+        grads = torch.autograd.grad(result, inputs, grad_out, allow_unused=True)
+    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (query, key, value)))
 
 
 def run_without_kernels(prepared: Prepared, query, key, value, call: Call) -> torch.Tensor:

@@ -12,13 +12,10 @@ sequence and head dim (b, h, l, d) of the tensor named by their middle letters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fatune.spec import KernelSpec
+from fatune.spec import KernelSpec, lse_dtype_name
 
 # pointer name -> element type ("io": the inputs' dtype; "mask": the mask's; "lse": the LSE's, float64 for
-# float32 inputs (fatune.spec.lse_dtype_name))
+# float32 inputs and additive masks (fatune.spec.lse_dtype_name))
 POINTERS: dict[str, str] = {
     "Q": "io", "K": "io", "V": "io", "O": "io", "LSE": "lse",
     "MASK": "mask", "ALIBI": "fp32", "CU_Q": "i32", "CU_K": "i32", "SEQLENS_K": "i32", "SEED": "i64", "BLOCK_TABLE": "i32",
@@ -137,7 +134,7 @@ def triton_types(kernel: str, spec: KernelSpec, absent: frozenset[str] = frozens
         elif kind == "mask":
             types[name] = "*i1" if spec.attn_mask == "bool" else "*" + (mask_dtype or dtype)
         elif kind == "lse":
-            types[name] = "*fp64" if spec.dtype == "float32" else "*fp32"
+            types[name] = "*fp64" if lse_dtype_name(spec.dtype, spec.attn_mask) == "tl.float64" else "*fp32"
         else:
             types[name] = "*" + kind
     return types

@@ -56,9 +56,12 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
-def lse_dtype_name(dtype: str) -> str:
-    """The Triton type of the per-row LSE the forward stores for inputs of `dtype` (KernelSpec's LSE_DTYPE)."""
-    return "tl.float64" if dtype == "float32" else "tl.float32"
+def lse_dtype_name(dtype: str, attn_mask: str = "none") -> str:
+    """The Triton type of the per-row LSE the forward stores for inputs of `dtype` (KernelSpec's LSE_DTYPE):
+    float64 for float32 inputs, and under an additive mask, whose biases (down to the kernels' MIN_BIAS) can put
+    a row's LSE near -2^34, where a float32 LSE would lose the log of the row's sum and the backward's P would be
+    off by that sum; float32 otherwise."""
+    return "tl.float64" if dtype == "float32" or attn_mask == "additive" else "tl.float32"
 
 
 def lanes(dim: int) -> int:
@@ -157,7 +160,7 @@ class KernelSpec:
             # the per-row LSE (log2 units): P = exp2(S - LSE) loses the LSE's rounding at |LSE|'s magnitude
             # (4e-6 at 40), a float32 S's own size: float64 for float32 inputs (float32 dV's errors past 2x
             # torch's on 12 of 88 random calls, 6 with it); 16-bit rounding is far coarser
-            "LSE_DTYPE": TritonExpr(lse_dtype_name(self.dtype)),
+            "LSE_DTYPE": TritonExpr(lse_dtype_name(self.dtype, self.attn_mask)),
             # at head dims up to 32 the tile products are cheap next to the rest of a tile's work, and
             # dS's 16-bit rounding dominates dQ's error: split dS into hi + lo in every tile, not just
             # the masked ones (fp16 d16 causal dQ was 2.06x torch's error, over the 2x rule)

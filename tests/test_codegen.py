@@ -523,3 +523,37 @@ def test_bad_structure_fields_name_the_field(make, message):
 def test_bad_parameters_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         bad()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter only")
+def test_the_interpreter_rounds_and_multiplies_bfloat16_as_a_gpu_does():
+    """codegen.patch_interpreter: float32 -> bfloat16 rounds to nearest even (bit for bit as torch rounds),
+    tl.dot of bfloat16 operands gives their float32 products (not products of their bit patterns), and tl.fma
+    rounds once, as a GPU's fused multiply-add does."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    codegen.patch_interpreter()
+
+    @triton.jit
+    def round_and_dot(X, A, B, OUT_X, OUT_AB, OUT_FMA, N: tl.constexpr, M: tl.constexpr):
+        x = tl.load(X + tl.arange(0, N))
+        tl.store(OUT_X + tl.arange(0, N), x.to(tl.bfloat16))
+        tl.store(OUT_FMA + tl.arange(0, N), tl.fma(x, x, -x))
+        rows, cols = tl.arange(0, M)[:, None], tl.arange(0, M)[None, :]
+        ab = tl.dot(tl.load(A + rows * M + cols), tl.load(B + rows * M + cols))
+        tl.store(OUT_AB + rows * M + cols, ab)
+
+    special = torch.tensor([0.0, -0.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 3.3895e38, 3.4e38, float("inf"), -float("inf"),
+                            1e-40, -2.5e-39, float("nan")])
+    x = torch.cat([special, torch.randn(1024 - len(special)) * 10.0 ** torch.randint(-30, 30, (1024 - len(special),))])
+    a, b = (torch.randn(16, 16).to(torch.bfloat16) for _ in range(2))
+    x[-1] = 1 + 2**-12  # x * x - x: 2^-12 + 2^-24 rounded once; the product rounded first loses the 2^-24
+    out_x, out_ab, out_fma = torch.empty(1024, dtype=torch.bfloat16), torch.empty(16, 16), torch.empty(1024)
+    round_and_dot[(1,)](x, a, b, out_x, out_ab, out_fma, N=1024, M=16)
+    assert out_fma[-1].item() == 2**-12 + 2**-24
+    expected = x.to(torch.bfloat16)
+    same = (out_x.view(torch.int16) == expected.view(torch.int16)) | (out_x.isnan() & expected.isnan())
+    assert same.all(), f"{x[~same][:4]} -> {out_x[~same][:4]}, torch: {expected[~same][:4]}"
+    torch.testing.assert_close(out_ab, a.float() @ b.float())

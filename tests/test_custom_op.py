@@ -83,6 +83,46 @@ def test_compile_fullgraph_from_a_fresh_process_matches_eager_on_cpu(dynamic):
     run_compile_script("cpu", "float32", "aot_eager", dynamic=dynamic)
 
 
+# A fresh process: README's prepared-mask pattern compiled whole (the mask prepared inside the compiled function),
+# with and without fullgraph, against eager.
+PREPARED_MASK_SCRIPT = """
+import sys, torch, fatune
+
+DEVICE, BACKEND = sys.argv[1], sys.argv[2]
+
+
+def step(q, k, v, keep):
+    mask = fatune.prepare_mask(keep, (1, 2, 40, 40))
+    return fatune.attention(q, k, v, attn_mask=mask) + fatune.attention(q, k, v, attn_mask=mask, is_causal=True)
+
+
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 40, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+keep = torch.rand(1, 1, 1, 40, device=DEVICE) < 0.8
+for fullgraph in (True, False):
+    compiled = torch.compile(step, fullgraph=fullgraph, backend=BACKEND)
+    results = []
+    for fn in (compiled, step):
+        out = fn(q, k, v, keep)
+        results.append((out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+print("OK")
+"""
+
+
+def run_script(script: str, *args: str) -> None:
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=900,
+                            env=dict(os.environ))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "OK" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant; the GPU tests use inductor")
+def test_prepare_mask_inside_a_compiled_function_on_cpu():
+    run_script(UNCHECKED_PRELUDE + PREPARED_MASK_SCRIPT, "cpu", "aot_eager")
+
+
 def test_config_list_round_trip():
     assert config_from_list(config_to_list(INTERPRETER_CONFIG)) == INTERPRETER_CONFIG
     assert config_from_list(config_to_list(None)) is None
@@ -126,6 +166,73 @@ def test_module_and_function_agree():
 def test_gpu_compile_from_a_fresh_process(mode, dynamic):
     # float32: the compiled model's own matmuls round like eager's, so the comparison can be tight
     run_compile_script("cuda", "float32", "inductor", mode, dynamic)
+
+
+@pytest.mark.gpu
+def test_gpu_prepare_mask_inside_a_compiled_function():
+    run_script(PREPARED_MASK_SCRIPT, "cuda", "inductor")
+
+
+# A fresh process: torch.compile(mode="reduce-overhead") (CUDA-graph trees, whose warm-up and recording runs allocate
+# in a pool no tensor but the graph's outputs may outlive) for a small model's bf16 training step and for
+# inference (prefill, and decode against a cache: split-KV), each against eager.
+REDUCE_OVERHEAD_SCRIPT = """
+import torch, fatune
+
+torch.manual_seed(0)
+DIM, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 64
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(DIM, HEADS * HEAD_DIM)
+        self.kv = torch.nn.Linear(DIM, 2 * KV_HEADS * HEAD_DIM)
+        self.o = torch.nn.Linear(HEADS * HEAD_DIM, DIM)
+
+    def forward(self, x, cache=None):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = self.kv(x if cache is None else cache).view(b, -1, 2, KV_HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        out = fatune.attention(q, k, v, is_causal=cache is None, enable_gqa=True, dropout_p=0.0)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+model = Block().cuda().to(torch.bfloat16)
+compiled = torch.compile(model, mode="reduce-overhead")
+x = torch.randn(2, 512, DIM, device="cuda", dtype=torch.bfloat16)
+target = torch.randn_like(x)
+
+
+def train_step(fn):
+    model.zero_grad(set_to_none=True)
+    loss = (fn(x) - target).square().mean()
+    loss.backward()
+    return loss.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+
+for step in range(4):
+    torch.compiler.cudagraph_mark_step_begin()
+    got = train_step(compiled)
+    want = train_step(model)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+
+with torch.no_grad():
+    cache = torch.randn(2, 4096, DIM, device="cuda", dtype=torch.bfloat16)
+    for step in range(4):
+        for inputs in ((x,), (x[:, :1], cache)):
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(*inputs).clone()
+            torch.testing.assert_close(got, model(*inputs), atol=2e-2, rtol=2e-2)
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_training_step_and_inference_match_eager():
+    run_script(REDUCE_OVERHEAD_SCRIPT)
 
 
 def warm_up_on_a_side_stream(fn) -> None:

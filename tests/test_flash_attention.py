@@ -26,7 +26,8 @@ CPU_SHAPES = [
     (1, 2, 2, 33, 129, 128, 128),
     (2, 1, 1, 64, 64, 64, 64),
 ]
-CPU_DTYPES = [torch.float16, torch.float32]  # the interpreter's tl.dot on bf16 is unreliable: bf16 runs on GPU
+# bfloat16 runs in the interpreter through fatune's patch of its tl.dot (codegen.patch_interpreter)
+CPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -105,6 +106,43 @@ def test_padded_head_dim(poison_outputs):
     torch.manual_seed(9)
     q, k, v = random_qkv(1, 2, 2, 45, 45, 40, 24, dtype=torch.float16, device=DEVICE)
     run_and_compare(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("kwargs", [{"is_causal": True}, {"attn_mask": "bool"}, {"dropout_p": 0.3}],
+                         ids=["causal", "mask", "dropout"])
+def test_torch_func_grad_and_vjp_match_autograd(kwargs, poison_outputs):
+    """torch.func.grad and vjp run the same kernels as autograd (bit for bit, dropout's mask drawn alike)."""
+    torch.manual_seed(3)
+    q, k, v = random_qkv(1, 2, 2, 29, 40, 16, 16, dtype=torch.float32, device=DEVICE)
+    if kwargs.get("attn_mask") == "bool":
+        kwargs = {"attn_mask": torch.rand(1, 1, 29, 40, device=DEVICE) < 0.7}
+    weight = torch.randn(1, 2, 29, 16, device=DEVICE)
+
+    def loss(q_, k_, v_):
+        return (fatune.attention(q_, k_, v_, **kwargs) * weight).sum()
+
+    torch.manual_seed(4)
+    expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    torch.manual_seed(4)
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(*(t.detach() for t in (q, k, v)))
+    torch.manual_seed(4)
+    out, vjp = torch.func.vjp(lambda q_, k_, v_: fatune.attention(q_, k_, v_, **kwargs), *(t.detach() for t in (q, k, v)))
+    for name, want, by_grad, by_vjp in zip("qkv", expected, got, vjp(weight)):
+        assert torch.equal(by_grad, want), name
+        assert torch.equal(by_vjp, want), name
+
+
+@pytest.mark.parametrize("transform, message", [
+    (lambda f, q: torch.func.vmap(f)(q.unsqueeze(0).expand(3, -1, -1, -1, -1)), "vmap"),
+    (lambda f, q: torch.func.jacrev(f)(q), "vmap"),
+    (lambda f, q: torch.func.grad(lambda x: torch.func.grad(lambda y: f(y).square().sum())(x).sum())(q),
+     "double backward"),
+], ids=["vmap", "jacrev", "grad-of-grad"])
+def test_torch_func_transforms_fatune_cannot_serve_say_so(transform, message):
+    q, k, v = random_qkv(1, 1, 1, 8, 8, 16, 16, dtype=torch.float32, device=DEVICE)
+    with pytest.raises((NotImplementedError, RuntimeError), match=message) as error:
+        transform(lambda x: fatune.attention(x, k.detach(), v.detach()), q.detach())
+    assert "fatune.attention" in str(error.value)
 
 
 def test_same_kernel_is_deterministic():

@@ -66,6 +66,14 @@ BAD_INPUTS = [
     ("cu-only-q", _packed_qkv, {"cu_seqlens_q": i32([0, 4, 10])}, ValueError, "cu_seqlens_k"),
     ("cu-count-mismatch", _packed_qkv, {"cu_seqlens_q": i32([0, 4, 10]), "cu_seqlens_k": i32([0, 5, 6, 12])},
      ValueError, "cu_seqlens_k"),
+    # flags are bools, as torch's SDPA takes them: is_causal="False" must not turn causal attention on
+    ("is-causal-str", lambda: qkv(), {"is_causal": "False"}, TypeError, "is_causal"),
+    ("is-causal-int", lambda: qkv(), {"is_causal": 1}, TypeError, "is_causal"),
+    ("enable-gqa-str", lambda: qkv(), {"enable_gqa": "yes"}, TypeError, "enable_gqa"),
+    ("strict-str", lambda: qkv(), {"strict": "off"}, TypeError, "strict"),
+    ("window-float", lambda: qkv(), {"window_size": (1.5, 0)}, TypeError, "window_size"),
+    ("alibi-requires-grad", lambda: qkv(), {"alibi_slopes": torch.ones(4, requires_grad=True)}, ValueError,
+     "alibi_slopes"),
     ("max-seqlen-too-small", _packed_qkv, {"cu_seqlens_q": i32([0, 4, 10]), "cu_seqlens_k": i32([0, 5, 12]),
                                            "max_seqlen_q": 3}, ValueError, "max_seqlen_q"),
 ]
@@ -77,6 +85,22 @@ def test_bad_input_names_the_argument(make, kwargs, error, text):
     q, k, v = make()
     with pytest.raises(error, match=text):
         fatune.attention(q, k, v, **kwargs)
+
+
+# the options torch.compile's path checks before they become the custom op's typed arguments
+COMPILED_OPTIONS = [case for case in BAD_INPUTS if case[0] in (
+    "is-causal-str", "is-causal-int", "enable-gqa-str", "window-float", "window-below-minus-1", "window-not-pair",
+    "alignment", "dropout-1", "scale-nan")]
+
+
+@pytest.mark.parametrize("make, kwargs, error, text", [case[1:] for case in COMPILED_OPTIONS],
+                         ids=[case[0] for case in COMPILED_OPTIONS])
+def test_the_compiled_path_checks_options_as_eager_does(make, kwargs, error, text):
+    """What torch.compile traces (fatune.custom_op.attention) refuses what eager refuses, before an option could
+    be turned into the op's bool, int or float (is_causal="False" into True, a window of 1.5 into 1)."""
+    q, k, v = make()
+    with pytest.raises(error, match=text):
+        fatune.custom_op.attention(q, k, v, plans.Call(**kwargs), None)
 
 
 def test_mismatched_devices_name_the_argument():
@@ -370,14 +394,6 @@ def test_plain_call_with_changed_tensors_is_checked_again(monkeypatch):
     fatune.attention(q, k, v, scale=1)
     fatune.attention(q, k, v, scale=1.0)
     assert len(builds) == 7
-
-
-def test_functorch_transforms_take_torchs_apply():
-    """attention() calls the C Function apply itself; under torch.func transforms it leaves that to
-    torch's Function.apply, which says what is missing."""
-    q, k, v = qkv(b=1, h=1, hkv=1, lq=16, lk=16, d=16, dv=16, dtype=torch.float32)
-    with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(lambda x: fatune.attention(x, k, v).sum())(q)
 
 
 def _meta(*shape, dtype=torch.float16):

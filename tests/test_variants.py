@@ -51,6 +51,38 @@ def test_attn_mask(shape_name, kind, causal, poison_outputs):
     run_and_compare(q, k, v, attn_mask=mask, is_causal=causal)
 
 
+LOW_BIASES = {"float32-min": (torch.float32, torch.finfo(torch.float32).min),
+              "bfloat16-min": (torch.bfloat16, torch.finfo(torch.bfloat16).min),
+              "float16-min": (F16, torch.finfo(F16).min), "minus-1e9": (torch.float32, -1e9)}
+
+
+@pytest.mark.parametrize("low", list(LOW_BIASES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_most_negative_finite_bias_is_finite(low, causal, poison_outputs):
+    """A bias of the dtype's most negative finite value (Hugging Face transformers' padding value) is a
+    weight as tiny as it says, not -inf: a row whose visible keys all carry it weighs them as SDPA does (alike,
+    where the bias swallows the scores: float32's and bfloat16's), a row with one such key among -inf keys returns
+    that key's value, and -inf keys stay hidden."""
+    q, k, v = _qkv(lq=33, lk=40, seed=stable_seed("finite-bias", low, causal))
+    mask_dtype, lowest = LOW_BIASES[low]
+    mask = torch.randn(2, 2, 33, 40, device=DEVICE).to(mask_dtype)
+    mask[:, :, 3] = lowest  # every key at the lowest bias
+    mask[:, :, 7] = float("-inf")
+    mask[:, :, 7, 2] = lowest  # one key at the lowest bias, the others hidden
+    mask[0, 1, 20:, 10:] = lowest  # a padded block: rows 20.. see keys < 10 at full weight
+    mask[1, 0, 12] = float("-inf")  # a row that sees no key: 0
+    if mask_dtype == torch.bfloat16:
+        mask = mask.to(torch.float32)  # an additive mask is float32 or the inputs' dtype
+    out = fatune.attention(q, k, v, attn_mask=mask, is_causal=causal)
+    assert torch.isfinite(out).all()
+    if mask_dtype != F16:  # -65504 leaves the scores their say
+        mean_of_visible = v.mean(dim=2) if not causal else v[:, :, :4].mean(dim=2)
+        torch.testing.assert_close(out[:, :, 3], mean_of_visible.to(out.dtype), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out[:, :, 7], v[:, :, 2].to(out.dtype), atol=1e-3, rtol=1e-3)
+    assert (out[1, 0, 12] == 0).all()
+    run_and_compare(q, k, v, attn_mask=mask, is_causal=causal)
+
+
 def test_key_padding_mask_is_not_expanded(poison_outputs):
     """A (B, 1, 1, L_k) mask is read through zero strides: no (B, H, L_q, L_k) copy is made."""
     q, k, v = _qkv(lq=40, lk=70)
@@ -98,6 +130,52 @@ def test_keys_past_seqlens_k_are_never_read():
     for b, n in enumerate(seqlens.tolist()):
         assert torch.isfinite(k.grad[b, :, :n]).all() and (k.grad[b, :, n:] == 0).all()
         assert (v.grad[b, :, n:] == 0).all()
+
+
+def _written_in_place():
+    """(case, call kwargs, an in-place write to one of its tensors): every tensor besides q, k, v a call reads."""
+    keep = torch.rand(2, 1, 37, 53, device=DEVICE) < 0.7
+    return [
+        ("bool-mask", {"attn_mask": keep}, lambda kw: kw["attn_mask"].fill_(True)),
+        ("additive-mask", {"attn_mask": torch.randn(2, 2, 37, 53, device=DEVICE)}, lambda kw: kw["attn_mask"].add_(1)),
+        ("prepared-mask", {"attn_mask": fatune.prepare_mask(keep, (2, 2, 37, 53))},
+         lambda kw: kw["attn_mask"].fill_(True)),
+        ("seqlens-k", {"seqlens_k": torch.tensor([20, 53], dtype=torch.int32, device=DEVICE)},
+         lambda kw: kw["seqlens_k"].fill_(53)),
+        ("alibi", {"alibi_slopes": torch.rand(2, device=DEVICE)}, lambda kw: kw["alibi_slopes"].mul_(2)),
+    ]
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled-op", "torch-func"])
+@pytest.mark.parametrize("case", [case[0] for case in _written_in_place()])
+def test_a_tensor_written_in_place_before_the_backward_raises(case, path):
+    """A mask or index tensor changed between forward and backward (a buffer the next micro-batch reuses) raises
+    torch's in-place error, as for any tensor autograd saved, instead of giving gradients of the new values."""
+    q, k, v = _qkv()
+    _, kwargs, write = next(c for c in _written_in_place() if c[0] == case)
+    if path == "torch-func":  # the tensors are the function's inputs (torch.func refuses writes to captured ones)
+        def loss(q_, kwargs_):
+            out = fatune.attention(q_, k.detach(), v.detach(), **kwargs_).sum()
+            write(kwargs_)
+            return out
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.func.grad(loss)(q.detach(), kwargs)
+        return
+    if path == "eager":
+        out = fatune.attention(q, k, v, **kwargs)
+    else:  # what torch.compile traces: the custom ops
+        out = fatune.custom_op.attention(q, k, v, fatune.plans.Call(**kwargs), None)
+    write(kwargs)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(torch.ones_like(out))
+
+
+def test_packed_offsets_written_in_place_before_the_backward_raise():
+    q, k, v, cu_q, cu_k = _packed([5, 20, 12], [9, 20, 3], 2, 2, 16, 16)
+    out = fatune.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, is_causal=True)
+    cu_k.copy_(cu_q)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(torch.ones_like(out))
 
 
 def _packed(lengths_q, lengths_k, heads, kv_heads, d, dv, dtype=F16, seed=0):
