@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every buffer fatune allocates for a kernel starts as NaN, so an unwritten element fails."""
-    import fatune.launch as launch
+    import fatune.kernel.triton.launch as launch
 
     def poisoned(shape, strides, dtype, device):
         return torch.empty_strided(shape, strides, dtype=dtype, device=device).fill_(float("nan"))
@@ -140,7 +140,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def use_dispatcher(monkeypatch: pytest.MonkeyPatch, dispatcher) -> None:
     """Route fatune.attention through `dispatcher`, with no plan cached under an earlier one (plans
     keep their dispatch decision: a test that swaps dispatchers must not see another test's plans)."""
-    from fatune import dispatch, plans
+    from fatune.runtime import dispatch, plans
 
     monkeypatch.setattr(dispatch, "_dispatcher", dispatcher)
     monkeypatch.setattr(plans, "_plans", {})

@@ -1,4 +1,4 @@
-"""The accuracy rule the kernel tests share, on top of fatune.reference's dense attention.
+"""The accuracy rule the kernel tests share, on top of fatune.kernel.reference's dense attention.
 
 Three computations per check (flash-attn's test-suite convention): a float64 golden,
 PyTorch computing in the kernel's dtype, and fatune. fatune's max abs error against the
@@ -25,8 +25,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fatune import reference
-from fatune.inputs import AttentionProblem, check_inputs
+from fatune.call import check_inputs
+from fatune.kernel import reference
+from fatune.kernel.problem import AttentionProblem
 
 FACTOR = 2.0
 FLOOR = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-6}
@@ -155,7 +156,7 @@ def run_and_compare(q, k, v, *, grad_layout: str = "dense", dropout_keep: torch.
                     **kwargs) -> list[Comparison]:
     """fatune.attention(q, k, v, **kwargs) forward and backward against the golden and baselines.
 
-    dropout_keep: the kernels' keep-mask (fatune.dropout.keep_mask) when kwargs has dropout_p.
+    dropout_keep: the kernels' keep-mask (fatune.kernel.triton.dropout.keep_mask) when kwargs has dropout_p.
     """
     import fatune
 

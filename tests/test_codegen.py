@@ -9,13 +9,15 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from fatune import codegen, signature
-from fatune.heuristics import default_config
-from fatune.spec import AttentionConfig, KernelSpec, LaunchConfig
+from fatune import settings
+from fatune.kernel import codegen as loader
+from fatune.kernel.codegen import Templates
+from fatune.kernel.spec import AttentionConfig, KernelSpec, LaunchConfig
+from fatune.kernel.triton import codegen, signature
+from fatune.kernel.triton.heuristics import default_config
 
 BASE_SPECS = [
     KernelSpec(dtype, head_dim, head_dim_v, causal)
@@ -65,7 +67,7 @@ def test_every_variant_renders_valid_python(kind, spec):
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     expected = {"fwd": {"attn_fwd"}, "bwd": {"attn_bwd_dkdv", "attn_bwd_dq"}}
     assert expected[kind] <= set(functions)
-    for name in expected[kind]:  # the parameter list comes from fatune.signature, the launch layer's source too
+    for name in expected[kind]:  # the parameter list comes from fatune.kernel.triton.signature, the launch layer's source too
         assert [arg.arg for arg in functions[name].args.args] == list(signature.params(name, spec))
     for switch_on, marker in SWITCH_MARKERS:
         assert (marker in source) == bool(switch_on(spec)), f"{marker!r} present={marker in source} for {spec}"
@@ -116,8 +118,8 @@ def _compile_in_subprocess(script: str, tmp_path) -> str:
     ("wgmma.wait_group.sync.aligned 1;\n\twgmma.wait_group.sync.aligned\t0;", 1),
 ])
 def test_the_groups_a_kernel_leaves_in_flight_are_read_from_its_waits(ptx, in_flight):
-    """fatune.offline reports the most wgmma groups any wait leaves running (benchmarks/wgmma_census.py)."""
-    from fatune import offline
+    """fatune.kernel.triton.offline reports the most wgmma groups any wait leaves running (what a SASS census of the compiled kernels reads)."""
+    from fatune.kernel.triton import offline
 
     assert offline.wgmma_in_flight(ptx) == in_flight
 
@@ -138,34 +140,17 @@ LOOP = "$L__BB0_1:\n{body}\n@%p bra $L__BB0_1;\nwgmma.wait_group.sync.aligned 0;
                       "wgmma.wait_group.sync.aligned 1;\nex2.approx.f32 a;\nwgmma.wait_group.sync.aligned 0;"), 1),
 ])
 def test_softmax_instructions_under_a_pending_product_are_counted_over_every_path(ptx, under):
-    from fatune import offline
+    from fatune.kernel.triton import offline
 
     assert offline.exp2_under_wgmma(ptx) == under
-
-
-def test_the_wgmma_census_tells_a_pipelined_product_chain_from_an_unpipelined_one(tmp_path):
-    """benchmarks/wgmma_census.py compiles the heuristic's kernels for sm_90 and reads their waits; its control
-    (a TMA matmul) keeps a product in flight, so a 0 in an attention row is the compiler's schedule, not an
-    unread PTX."""
-    script = (f"import runpy, sys\nsys.argv = ['wgmma_census.py', '--head-dims', '64']\n"
-              f"runpy.run_path({str(Path(__file__).parent.parent / 'benchmarks' / 'wgmma_census.py')!r}, "
-              f"run_name='__main__')\n")
-    rows = [line.split("|")[1:-1] for line in _compile_in_subprocess(script, tmp_path).splitlines()[2:]]
-    kernels = [row for row in rows if not row[0].strip().startswith("control")]
-    assert [(row[0].strip(), row[2].strip()) for row in kernels] == [
-        (kernel, mask) for mask in ("none", "causal") for kernel in ("fwd", "dkdv", "dq")]
-    assert all(row[4].strip() in ("yes", "no") and int(row[5]) >= 0 and int(row[6]) >= 0 and int(row[7]) > 0
-               for row in kernels), rows
-    (control,) = [row for row in rows if row[0].strip().startswith("control")]
-    assert int(control[5]) >= 1, control
 
 
 def test_variants_compile_for_sm90(tmp_path):
     script = (
         "import sys\n"
-        "from fatune import offline\n"
-        "from fatune.heuristics import default_config\n"
-        "from fatune.spec import KernelSpec\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.triton.heuristics import default_config\n"
+        "from fatune.kernel.spec import KernelSpec\n"
         f"for kernel, args in {[(kernel, s.to_dict()) for kernel, s in COMPILE_CASES]!r}:\n"
         "    spec = KernelSpec(**args)\n"
         "    info = offline.compile_kernel(kernel, spec, default_config(spec, (9, 0)))\n"
@@ -243,9 +228,9 @@ def _compile_variants_for_sm90(cases: list, kernel: str, checks: str, tmp_path) 
     """Compile `kernel` for each (spec, config tag of that kernel) in a fresh process; `checks`: assert
     lines on `info` (offline.CompiledKernel), `spec`, `tag` and `config`, indented as a loop body."""
     script = (
-        "from fatune import offline\n"
-        "from fatune.heuristics import default_config\n"
-        "from fatune.spec import KernelSpec, LaunchConfig\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.triton.heuristics import default_config\n"
+        "from fatune.kernel.spec import KernelSpec, LaunchConfig\n"
         f"for args, tag in {[(s.to_dict(), tag) for s, tag in cases]!r}:\n"
         "    spec = KernelSpec(**args)\n"
         f"    config = default_config(spec, (9, 0)).replace({kernel}=LaunchConfig.parse(tag))\n"
@@ -267,17 +252,18 @@ def test_hopper_variants_compile_for_sm90(tmp_path):
 
 def test_one_query_and_one_key_compile_as_launched_for_sm90(tmp_path):
     """A length of 1 is a constant to Triton. ptxas (CUDA 13) crashed compiling the heuristic's dQ kernel at fp16
-    d16 with its single-tile key loop pipelined (the random calls, session 21): resolve() launches such a loop
+    d16 with its single-tile key loop pipelined (a random call found it): resolve() launches such a loop
     unpipelined, and that compiles, as do the forward and dK/dV of the same call."""
     script = (
         "import torch\n"
-        "from fatune import launch, offline\n"
-        "from fatune.heuristics import default_config\n"
-        "from fatune.plans import Call\n"
+        "from fatune.call import Call\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.triton.heuristics import default_config\n"
+        "from fatune.kernel.triton.resolve import resolve\n"
         "q = torch.empty(3, 9, 1, 16, dtype=torch.float16)\n"
         "k = torch.empty(3, 3, 1, 16, dtype=torch.float16)\n"
         "problem = Call(seqlens_k=torch.ones(3, dtype=torch.int32), enable_gqa=True).check(q, k, k)\n"
-        "config = launch.resolve(default_config(problem.spec, (9, 0)), problem, q.device, (q, k, k))\n"
+        "config = resolve(default_config(problem.spec, (9, 0)), problem, q.device, (q, k, k))\n"
         "assert config.dq.num_stages == config.dkdv.num_stages == config.fwd.num_stages == 1, config\n"
         "for kernel in ('fwd', 'dkdv', 'dq'):\n"
         "    print(kernel, offline.compile_kernel(kernel, problem.spec, config, lengths_of_one=('L_Q', 'L_K')))\n"
@@ -320,9 +306,9 @@ def test_atomic_dq_passes_compile_for_sm90(tmp_path):
     and the zeroed float32 accumulator) and dQ's final store lower to sm_90 cubins with dQ's warps and no
     spills; the pass recomputes S and dP on tensor cores."""
     script = (
-        "from fatune import offline\n"
-        "from fatune.heuristics import default_config\n"
-        "from fatune.spec import KernelSpec, LaunchConfig\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.triton.heuristics import default_config\n"
+        "from fatune.kernel.spec import KernelSpec, LaunchConfig\n"
         f"for args, tag in {[(s.to_dict(), tag) for s, tag in ATOMIC_DQ_PASS_CASES]!r}:\n"
         "    spec = KernelSpec(**args)\n"
         "    config = default_config(spec, (9, 0)).replace(dkdv=LaunchConfig.parse(tag))\n"
@@ -347,8 +333,8 @@ def test_concurrent_dq_compiles_for_sm90(tmp_path):
     assert "tile_delta(" not in dq and "tl.load(O " not in dq and "load_row_stats(" in dq
     assert "DQ_ACC" not in source.split("def attn_bwd_prep(")[1].split('"""')[2]  # no accumulator to zero
     script = (
-        "from fatune import offline\n"
-        "from fatune.spec import AttentionConfig, KernelSpec\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.spec import AttentionConfig, KernelSpec\n"
         f"spec, config = KernelSpec(**{spec.to_dict()!r}), AttentionConfig.from_dict({config.to_dict()!r})\n"
         "for kernel in ('prep', 'dq'):\n"
         "    info = offline.compile_kernel(kernel, spec, config)\n"
@@ -368,11 +354,11 @@ PIPELINED_DKDV_CASES = [
 def test_band_dkdv_kernels_keep_their_tensor_core_products_pipelined(tmp_path):
     """ptxas waited for each wgmma of the causal dK/dV kernel on its own (C7515: accumulator registers defined
     between a product's issue and its wait) while the masked loop ran before the unmasked one: 12-16% of
-    dK/dV's time on an H200 (session 28). With the unmasked loop first it keeps them pipelined."""
+    dK/dV's time on an H200 (Nsight Compute). With the unmasked loop first it keeps them pipelined."""
     script = (
-        "from fatune import offline\n"
-        "from fatune.heuristics import default_config\n"
-        "from fatune.spec import KernelSpec, LaunchConfig\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.triton.heuristics import default_config\n"
+        "from fatune.kernel.spec import KernelSpec, LaunchConfig\n"
         f"for args, tag in {[(s.to_dict(), tag) for s, tag in PIPELINED_DKDV_CASES]!r}:\n"
         "    spec = KernelSpec(**args)\n"
         "    config = default_config(spec, (9, 0)).replace(dkdv=LaunchConfig.parse(tag))\n"
@@ -384,7 +370,7 @@ def test_band_dkdv_kernels_keep_their_tensor_core_products_pipelined(tmp_path):
 
 
 def test_compiling_for_a_group_of_one_rejects_other_groups():
-    from fatune import offline
+    from fatune.kernel.triton import offline
 
     spec = KernelSpec("bfloat16", 64)
     with pytest.raises(ValueError, match="group: expected None"):
@@ -414,8 +400,8 @@ def test_tma_dkdv_builds_its_descriptors_once_and_compiles_for_sm90(tmp_path):
 
 
 def test_cache_key_and_reuse(tmp_path, monkeypatch):
-    monkeypatch.setenv(codegen.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(codegen, "_modules", {})  # as in a fresh process
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(loader, "_modules", {})  # as in a fresh process
     spec = KernelSpec("float16", 32)
     config = default_config(spec, None)
     first = codegen.load("fwd", spec, config)
@@ -434,16 +420,10 @@ def test_cache_key_follows_template_text(tmp_path, monkeypatch):
     config = default_config(spec, None)
     before = codegen.source_key("fwd", spec, config)
     templates = tmp_path / "templates"
-    shutil.copytree(codegen.template_dir(), templates)
+    shutil.copytree(codegen.TEMPLATES.path, templates)
     (templates / "attn_fwd.py.jinja").write_text((templates / "attn_fwd.py.jinja").read_text() + "\n# changed\n")
-    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
-    codegen.template_hash.cache_clear()
-    codegen._environment.cache_clear()
-    try:
-        assert codegen.source_key("fwd", spec, config) != before
-    finally:
-        codegen.template_hash.cache_clear()
-        codegen._environment.cache_clear()
+    monkeypatch.setattr(codegen, "TEMPLATES", Templates("triton", templates))
+    assert codegen.source_key("fwd", spec, config) != before
 
 
 def test_config_round_trip():

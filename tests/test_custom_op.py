@@ -6,6 +6,7 @@ nothing may rely on caches an eager call would have filled.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 import fatune
-from fatune.custom_op import config_from_list, config_to_list
-from fatune.heuristics import INTERPRETER_CONFIG
+from fatune.call import ARGUMENTS, Call
+from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
+from fatune.ops import config_from_list, config_to_list
 from tests.conftest import DEVICE, UNCHECKED_PRELUDE
 
 # A fresh process: compile first, then compare forward and gradients with eager.
@@ -128,27 +130,41 @@ def test_config_list_round_trip():
     assert config_from_list(config_to_list(None)) is None
 
 
+def _op_args(q, k, v, config=(), **arguments) -> tuple:
+    """fatune::attention_forward's arguments for a call (its schema follows fatune.call.ARGUMENTS)."""
+    call = Call(**arguments)
+    return (q, k, v, *call._replace(window_size=list(call.window_size)), None, list(config))
+
+
 def test_custom_op_passes_torch_library_checks():
     q = torch.randn(1, 2, 24, 16, dtype=torch.float16, device=DEVICE)
     k, v = torch.randn_like(q), torch.randn_like(q)
     for config in ([], config_to_list(INTERPRETER_CONFIG)):
-        args = (q, k, v, None, None, None, None, None, None, 0.0, True, 0.25, False, -1, -1, "", None, None, None,
-                config)
-        torch.library.opcheck(torch.ops.fatune.attention_forward.default, args,
+        torch.library.opcheck(torch.ops.fatune.attention_forward.default,
+                              _op_args(q, k, v, config, is_causal=True, scale=0.25),
                               test_utils=("test_schema", "test_faketensor"))
     # mask tensors: the key spans the op returns for the backward, shaped by the mask's distinct rows (fake too)
     for mask in (torch.rand(1, 1, 24, 24, device=DEVICE) < 0.7,
                  (torch.rand(24, device=DEVICE) < 0.7).expand(1, 2, 24, 24), torch.randn(1, 2, 24, 24, device=DEVICE)):
-        args = (q, k, v, mask, None, None, None, None, None, 0.0, False, 0.25, False, -1, -1, "", None, None, None, [])
-        torch.library.opcheck(torch.ops.fatune.attention_forward.default, args,
+        torch.library.opcheck(torch.ops.fatune.attention_forward.default, _op_args(q, k, v, attn_mask=mask, scale=0.25),
                               test_utils=("test_schema", "test_faketensor"))
     # a paged cache: k and v as 3 pages of 16 keys, the block table naming two of them per sequence
     pages, table = torch.randn(3, 2, 16, 16, dtype=torch.float16, device=DEVICE), torch.tensor(
         [[2, 0]], dtype=torch.int32, device=DEVICE)
-    args = (q, pages, pages, None, None, None, None, None, None, 0.0, False, 0.25, False, -1, -1, "", None, None,
-            table, [])
-    torch.library.opcheck(torch.ops.fatune.attention_forward.default, args, test_utils=("test_schema",
-                                                                                         "test_faketensor"))
+    torch.library.opcheck(torch.ops.fatune.attention_forward.default,
+                          _op_args(q, pages, pages, block_table=table, scale=0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_ops_schema_and_the_public_signature_follow_the_argument_table():
+    """fatune.attention's parameters, their defaults, and the custom op's arguments all come from one table."""
+    parameters = list(inspect.signature(fatune.attention).parameters.values())
+    assert [p.name for p in parameters] == ["query", "key", "value", *(a.name for a in ARGUMENTS), "config", "strict"]
+    for parameter, argument in zip(parameters[3:], ARGUMENTS):
+        assert parameter.default == argument.default, argument.name
+        assert (parameter.kind == parameter.KEYWORD_ONLY) == argument.keyword_only, argument.name
+    schema = torch.ops.fatune.attention_forward.default._schema
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", *(a.name for a in ARGUMENTS), "seed", "config"]
 
 
 def test_module_and_function_agree():
@@ -252,7 +268,7 @@ def test_gpu_forward_and_backward_capture_in_a_cuda_graph(dropout_p, determinist
     """Capture forward+backward in a CUDA graph; each replay must equal an eager call with its seed (bit for
     bit; only a dQ added up atomically, as the Hopper heuristic does at d64 causal, may differ in its last
     bits, unless torch's deterministic mode is on)."""
-    from fatune import dropout
+    from fatune.kernel.triton import dropout
 
     if deterministic:
         request.getfixturevalue("deterministic_algorithms")

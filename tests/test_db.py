@@ -15,6 +15,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -23,10 +24,24 @@ import sqlite_utils
 import torch
 import triton
 
-from fatune import codegen, launch
-from fatune.db import (MAX_FLOPS_PER_S, MIN_TIME_MS, SCHEMA_VERSION, CallKey, DBError, Entry, InvalidEntry, TunedDB,
-                       export_entries, import_entries, is_stale, read_entries, seqlen_bucket)
-from fatune.spec import DTYPES, KernelSpec
+from fatune.db import (
+    MAX_FLOPS_PER_S,
+    MIN_TIME_MS,
+    SCHEMA_VERSION,
+    CallKey,
+    DBError,
+    Entry,
+    InvalidEntry,
+    TunedDB,
+    export_entries,
+    import_entries,
+    is_stale,
+    read_entries,
+    seqlen_bucket,
+)
+from fatune.kernel.codegen import Templates
+from fatune.kernel.spec import DTYPES, KernelSpec
+from fatune.kernel.triton import codegen, resolve
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -35,7 +50,7 @@ def make_entry(**changes) -> Entry:
     """A valid, current entry (its template_hash the hash of the kernels its configs render to), with
     `changes`; an entry the changes make invalid keeps a placeholder hash."""
     entry = Entry(gpu="NVIDIA H200", capability="9.0", triton_version=triton.__version__, torch_version="2.11.0",
-                  template_hash=codegen.template_hash(), dtype="bfloat16", head_dim=64, head_dim_v=64,
+                  template_hash="0123456789abcdef", dtype="bfloat16", head_dim=64, head_dim_v=64,
                   mask_variant="causal", group_size=1, seqlen_q_bucket=4096, seqlen_k_bucket=4096,
                   fwd_config={"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
                   bwd_config={"dkdv": {"block_m": 32, "block_n": 128, "num_warps": 4, "num_stages": 3},
@@ -44,7 +59,7 @@ def make_entry(**changes) -> Entry:
     entry = replace(entry, **changes)
     if "template_hash" not in changes:
         with contextlib.suppress(Exception):
-            entry = replace(entry, template_hash=entry.check().kernel_hash())
+            entry = replace(entry, template_hash=entry.check().kernel_hashes())
     return entry
 
 
@@ -141,7 +156,8 @@ def write_bad_db(path: Path, kind: str, **match) -> Path:
         connection.close()
     elif kind in ("newer", "stale"):
         with TunedDB(path) as db:
-            db.upsert(make_entry(**match, **({"template_hash": "0123456789abcdef"} if kind == "stale" else {})))
+            stale = {"template_hash": "0123456789abcdef", "triton_version": "2.0.0"} if kind == "stale" else {}
+            db.upsert(make_entry(**match, **stale))
         if kind == "newer":
             connection = sqlite3.connect(path)
             connection.execute("update meta set value = ? where key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
@@ -165,7 +181,7 @@ def test_import_refuses_bad_files_and_leaves_the_db_untouched(tmp_path, content)
         import_entries(db, bad)
     message = str(raised.value)
     expected = {"garbage": "not a usable SQLite", "json-garbage": "not a fatune tuned-DB export",
-                "foreign": "not a fatune tuned DB", "newer": "newer", "stale": "kernel hash 0123456789abcdef",
+                "foreign": "not a fatune tuned DB", "newer": "newer", "stale": "kernel hashes 0123456789abcdef",
                 "invalid-entry": "fwd_config.block_m"}[content]
     assert expected in message and str(bad) in message
     assert [asdict(e) for e in db.entries()] == before
@@ -431,9 +447,9 @@ def test_mask_variant_names_every_compile_time_switch():
 
 def test_search_and_dispatch_build_the_same_key():
     """A searched Shape and the call it stands for map to one key (fatune.db.call_key)."""
-    from fatune.db import problem_key, shape_key
-    from fatune.inputs import check_inputs
-    from fatune.measure import Shape
+    from fatune.call import check_inputs
+    from fatune.db import problem_key
+    from fatune.tuning.shape import Shape, shape_key
 
     for shape in (Shape(2, 8, 1000, 700, 64, "float16", causal=True, kv_heads=2),
                   Shape(1, 4, 300, 300, 80, "bfloat16", causal=True, window=32, head_dim_v=64),
@@ -465,8 +481,8 @@ def test_search_and_dispatch_build_the_same_key():
 def test_a_window_keys_the_entry_by_its_width(window_size, causal, lk, reach_bucket):
     """Lk's bucket is how far a query row's keys reach, so windows of different widths get their own entries
     (the best tile follows the work per query tile) and one width is the same key at every length."""
+    from fatune.call import check_inputs
     from fatune.db import problem_key
-    from fatune.inputs import check_inputs
 
     q = torch.empty(1, 2, 4096, 64, dtype=torch.float16)
     k = v = torch.empty(1, 2, lk, 64, dtype=torch.float16)
@@ -656,11 +672,12 @@ def test_a_forward_only_entry_is_valid_round_trips_and_is_compared_by_its_forwar
 @contextlib.contextmanager
 def edited_template(tmp_path, monkeypatch, name: str, addition: str):
     """The templates with `addition` appended to `name`, for the duration (kernel hashes recomputed)."""
-    templates = tmp_path / "templates"
-    shutil.copytree(codegen.template_dir(), templates)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    templates = Path(tempfile.mkdtemp(dir=tmp_path)) / "templates"
+    shutil.copytree(codegen.TEMPLATES.path, templates)
     (templates / name).write_text((templates / name).read_text() + addition)
-    monkeypatch.setattr(codegen, "template_dir", lambda: templates)
-    caches = (codegen.template_hash, codegen._environment, launch.kernel_hash, launch.search_hash)
+    monkeypatch.setattr(codegen, "TEMPLATES", Templates("triton", templates))
+    caches = (resolve.kernel_hashes, resolve.search_hash)
     for cache in caches:
         cache.cache_clear()
     try:
@@ -671,16 +688,19 @@ def edited_template(tmp_path, monkeypatch, name: str, addition: str):
 
 
 def test_an_entry_goes_stale_only_when_its_own_kernels_change(tmp_path, monkeypatch):
-    """An entry keeps the hash of the kernels it measured: a template edit in code only other configs
-    render (here: TMA forwards) leaves it current; the entries whose kernels it changes go stale."""
+    """An entry keeps the code hashes of the kernels it measured: a template edit in code only other configs
+    render (here: TMA forwards) leaves it current, and so does an edit of comments; the entries whose kernels'
+    code it changes go stale."""
     plain = make_entry()
     tma = make_entry(fwd_config={**plain.fwd_config, "tma": 1})
     assert plain.template_hash != tma.template_hash and not is_stale(plain) and not is_stale(tma)
+    with edited_template(tmp_path, monkeypatch, "attn_fwd.py.jinja", "# a comment every forward renders\n"):
+        assert is_stale(plain) == [] and is_stale(tma) == []
     with edited_template(tmp_path, monkeypatch, "attn_fwd.py.jinja",
-                         "{% if TMA %}\n# only TMA forwards render this line\n{% endif %}\n"):
+                         "{% if TMA %}\nONLY_TMA_FORWARDS = tl.constexpr(1)\n{% endif %}\n"):
         assert is_stale(plain) == []
         (reason,) = is_stale(tma)
-        assert reason.startswith(f"kernels that have changed since (kernel hash {tma.template_hash}")
+        assert reason.startswith(f"kernels that have changed since (kernel hashes {tma.template_hash:.60}")
 
 
 @pytest.mark.parametrize("num_splits, stale", [(0, True), (4, False)])
@@ -689,20 +709,20 @@ def test_an_entry_hashes_every_kernel_a_launch_can_make_of_it(tmp_path, monkeypa
     only unsplit forwards render makes it stale, and leaves an entry that always splits current."""
     entry = make_entry(fwd_config={**make_entry().fwd_config, "num_splits": num_splits})
     with edited_template(tmp_path, monkeypatch, "attn_fwd.py.jinja",
-                         "{% if not SPLIT_KV %}\n# only unsplit forwards render this line\n{% endif %}\n"):
+                         "{% if not SPLIT_KV %}\nONLY_UNSPLIT_FORWARDS = tl.constexpr(1)\n{% endif %}\n"):
         assert bool(is_stale(entry)) == stale
 
 
 def test_one_row_per_key_whatever_the_kernels(tmp_path):
-    """The kernel hash is not part of the key: a slower config of the same shape is not added beside the
+    """The kernel hashes are not part of the key: a slower config of the same shape is not added beside the
     faster one, a faster one replaces it, and a stale row loses even to a slower current entry."""
     fast = make_entry(fwd_bwd_ms=3.0)
-    other_tiles = make_entry(fwd_config={**fast.fwd_config, "num_stages": 2}, fwd_bwd_ms=4.0)
+    other_tiles = make_entry(fwd_config={**fast.fwd_config, "block_n": 32}, fwd_bwd_ms=4.0)
     assert other_tiles.template_hash != fast.template_hash
     with TunedDB(tmp_path / "t.sqlite") as db:
         assert db.upsert(fast) and not db.upsert(other_tiles) and db.count() == 1
         assert db.upsert(replace(other_tiles, fwd_bwd_ms=2.0)) and db.count() == 1
-        assert next(db.entries()).fwd_config["num_stages"] == 2
+        assert next(db.entries()).fwd_config["block_n"] == 32
         db.delete(db.entries())
         assert db.upsert(replace(fast, template_hash="0123456789abcdef", fwd_bwd_ms=1.0))
         assert db.upsert(other_tiles) and db.count() == 1 and next(db.entries()).fwd_bwd_ms == 4.0

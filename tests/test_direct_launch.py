@@ -1,4 +1,4 @@
-"""fatune.direct_launch.CachedJit: a helper kernel goes through Triton once per specialisation, then directly.
+"""fatune.kernel.direct_launch.CachedJit: a helper kernel goes through Triton once per specialisation, then directly.
 
 Triton's launch is replaced by a recording fake here (no GPU): what is checked is when the kept binary
 is used and when the call must go through Triton again. tests/test_mask_spans.py checks real scans
@@ -11,8 +11,8 @@ import pytest
 import torch
 from triton import knobs
 
-from fatune import direct_launch
-from fatune.direct_launch import CachedJit
+from fatune.kernel import direct_launch
+from fatune.kernel.direct_launch import CachedJit
 
 
 class FakeBinary:

@@ -13,16 +13,19 @@ import pytest
 import torch
 
 import fatune
-from fatune import dispatch
-from fatune.db import TunedDB, is_stale
-from fatune.dispatch import Dispatcher, DispatchError
-from fatune.heuristics import default_config
-from fatune.inputs import check_inputs
-from fatune.spec import AttentionConfig, LaunchConfig
+from fatune import hardware, logs
+from fatune.call import check_inputs
+from fatune.db import TunedDB, is_stale, shipped_dbs
+from fatune.kernel.spec import AttentionConfig, LaunchConfig
+from fatune.kernel.triton.heuristics import default_config
+from fatune.kernel.triton.resolve import resolve
+from fatune.runtime import dispatch
+from fatune.runtime.dispatch import Dispatcher, DispatchError
+from fatune.runtime.plans import clear
 from tests.conftest import DEVICE, use_dispatcher
-from tests.test_db import raw_insert, make_entry, write_bad_db
+from tests.test_db import make_entry, raw_insert, write_bad_db
 
-GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
+GPU, CAPABILITY = hardware.device_identity(torch.device(DEVICE))
 
 
 def problem(seqlen=4096, causal=True, head_dim=64, dtype=torch.float16):
@@ -143,18 +146,33 @@ def test_the_decode_heuristic_streams_deeper_with_one_program_per_multiprocessor
     decision = chooser.decide(decode, torch.device("cpu"))
     assert decision.layer == "heuristic" and decision.config.fwd.block_m == 16
     assert decision.config.fwd.num_stages == stages
-    assert chooser.lookup(decode, GPU, CAPABILITY, (9, 0), shares_sms=stages == 2).config == decision.config
+    assert chooser.lookup(decode, GPU, CAPABILITY, (9, 0), sms=4).config == decision.config
 
 
-def test_stale_entries_are_skipped_and_logged_once(tmp_path, caplog):
-    path = write(tmp_path / "u.sqlite", entry(template_hash="feedfacefeedface"), entry(triton_version="0.0.1",
-                                                                                       seqlen_q_bucket=512))
+def test_stale_entries_are_caught_where_they_launch(tmp_path, caplog, monkeypatch):
+    """An entry of another Triton version is skipped when the DB is read (one line per file); an entry whose
+    kernels changed since it was measured is found when its kernels load, as reading the DB renders nothing: the
+    call runs the heuristic's config, said once, with the heuristic's result."""
+    stale = entry(template_hash="fwd:feedfacefeedface,bwd:feedfacefeedface", seqlen_q_bucket=64, seqlen_k_bucket=64)
+    path = write(tmp_path / "u.sqlite", stale, entry(triton_version="0.0.1", seqlen_q_bucket=512))
     chooser = Dispatcher(user_db=path, shipped=[])
     with caplog.at_level(logging.WARNING, logger="fatune"):
         first = chooser.lookup(problem(), GPU, CAPABILITY, None)
         chooser.lookup(problem(), GPU, CAPABILITY, None)
-    assert first.layer == "heuristic" and len(first.skipped) == 2
-    assert len([r for r in caplog.records if "not used" in r.message]) == 2  # one line per distinct reason
+    assert first.layer == "user-db" and len(first.skipped) == 1
+    assert len([r for r in caplog.records if "not used" in r.message]) == 1
+    monkeypatch.setenv("FATUNE_DB", str(path))
+    monkeypatch.setattr(logs, "_warned", set())
+    clear()
+    try:
+        q, k, v = (torch.randn(1, 4, 48, 64, dtype=torch.float16, device=DEVICE) for _ in range(3))
+        with caplog.at_level(logging.WARNING, logger="fatune"):
+            out = fatune.attention(q, k, v, is_causal=True)
+        assert any("changed since" in r.message for r in caplog.records), [r.message for r in caplog.records]
+        expected = fatune.attention(q, k, v, is_causal=True, config=default_config(problem().spec, None))
+        assert torch.equal(out, expected)
+    finally:
+        clear()
 
 
 def test_decisions_are_memoised_per_process(tmp_path, monkeypatch):
@@ -249,9 +267,9 @@ def _failing_builds(monkeypatch, failing: str, before_raising=None) -> list:
     """Make every kernel whose name starts with `failing` fail to build at 3 stages (a tuned entry's, below;
     the interpreter's heuristic runs 1): KernelBuildError at its first launch. Returns the launches that ran
     (one at a time: Triton's interpreter runs one kernel per process at once)."""
-    from fatune import launch
+    from fatune.kernel.triton import launch
 
-    monkeypatch.setattr(dispatch, "_warned", set())  # said once per process: these tests count the saying
+    monkeypatch.setattr(logs, "_warned", set())  # said once per process: these tests count the saying
     original = launch.KernelLaunch.__call__
     ran, one_at_a_time = [], threading.Lock()
 
@@ -310,17 +328,17 @@ def test_a_tuned_config_whose_kernels_cannot_be_built_here_runs_the_heuristic(tm
 @pytest.mark.parametrize("failing", ["attn_fwd", "attn_bwd_dq"])
 @pytest.mark.parametrize("layer", ["heuristic", "tuned entry: the heuristic's config", "tuned entry, then the heuristic"])
 def test_heuristic_kernels_that_cannot_be_built_run_unpipelined(tmp_path, monkeypatch, caplog, failing, layer):
-    """The heuristic's own kernels cannot be built here (ptxas crashed on a pipelined dQ, session 21), whether it
+    """The heuristic's own kernels cannot be built here (ptxas 13 crashed on a pipelined dQ), whether it
     is the first config tried (no tuned entry, or an entry that is the heuristic's config) or the fallback of a
     tuned entry that cannot be built either: its tiles run at one stage without a register cap; the call answers,
     each failure said once."""
-    from fatune import heuristics
+    from fatune.kernel.triton import heuristics
 
     pipelined = heuristics.INTERPRETER_CONFIG.replace(
         **{kernel: dataclasses.replace(getattr(heuristics.INTERPRETER_CONFIG, kernel), num_stages=3)
            for kernel in ("fwd", "dkdv", "dq")})
     pipelined = pipelined.replace(dq=dataclasses.replace(pipelined.dq, maxnreg=128))
-    monkeypatch.setattr(dispatch, "default_config", lambda *args, **kwargs: pipelined)
+    monkeypatch.setattr(heuristics, "heuristic_config", lambda *args, **kwargs: pipelined)
     tuned = {"heuristic": None, "tuned entry, then the heuristic": entry(seqlen_q_bucket=128, seqlen_k_bucket=128),
              "tuned entry: the heuristic's config": entry(
                  seqlen_q_bucket=128, seqlen_k_bucket=128, fwd_config=pipelined.fwd.to_dict(),
@@ -342,7 +360,7 @@ def test_heuristic_kernels_that_cannot_be_built_run_unpipelined(tmp_path, monkey
 def test_a_loop_that_runs_once_is_not_pipelined():
     """A kernel whose streamed loop has one tile runs at one stage (nothing to overlap, and ptxas crashed on
     dQ's pipelined single-key loop): the forward and dQ by keys, dK/dV by queries."""
-    from fatune import heuristics, launch
+    from fatune.kernel.triton import heuristics
 
     config = AttentionConfig(LaunchConfig(64, 64, num_stages=3), LaunchConfig(32, 128, num_stages=3),
                              LaunchConfig(128, 64, num_stages=3, maxnreg=128))
@@ -351,16 +369,16 @@ def test_a_loop_that_runs_once_is_not_pipelined():
     for (seqlen_q, seqlen_k), stages in cases:
         q = torch.randn(1, 2, seqlen_q, 64, dtype=torch.float16, device=DEVICE)
         k = torch.randn(1, 2, seqlen_k, 64, dtype=torch.float16, device=DEVICE)
-        problem = fatune.plans.Call().check(q, k, k)
-        resolved = launch.resolve(config, problem, q.device, (q, k, k))
+        problem = fatune.call.Call().check(q, k, k)
+        resolved = resolve(config, problem, q.device, (q, k, k))
         got = (resolved.fwd.num_stages, resolved.dkdv.num_stages, resolved.dq.num_stages)
         assert got == stages, (seqlen_q, seqlen_k, got)
         assert resolved.dq.maxnreg == 128
     # packed: one token against the caller's bound of 256 (the kernels' L_Q = L_K = 1)
     q = torch.randn(1, 2, 64, dtype=torch.float16, device=DEVICE)
     cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
-    problem = fatune.plans.Call(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=256, max_seqlen_k=256).check(q, q, q)
-    resolved = launch.resolve(config, problem, q.device, (q, q, q))
+    problem = fatune.call.Call(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=256, max_seqlen_k=256).check(q, q, q)
+    resolved = resolve(config, problem, q.device, (q, q, q))
     assert (resolved.fwd.num_stages, resolved.dkdv.num_stages, resolved.dq.num_stages) == (1, 1, 1)
     assert heuristics.unpipelined(config).dq == LaunchConfig(128, 64, num_stages=1)
 
@@ -370,7 +388,7 @@ def test_a_loop_that_runs_once_is_not_pipelined():
     # 6 stages of 128x128 K and V tiles: more shared memory than an H200 has (OutOfResources when loaded)
     ({"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 6}, None, True),
     # Triton 3.6 cannot compile this dQ tile at d128 for sm_90 (TritonGPURemoveLayoutConversions: "operand #0
-    # does not dominate this use", met by a ship-db search); a later Triton may, and then it simply runs
+    # does not dominate this use", met by a search for the shipped DB); a later Triton may, and then it simply runs
     (None, {"block_m": 128, "block_n": 16, "num_warps": 4, "num_stages": 2}, False),
 ], ids=["shared-memory", "triton-3.6-dq"])
 def test_gpu_a_tuned_config_that_cannot_be_built_runs_the_heuristic(tmp_path, monkeypatch, caplog, fwd, dq,
@@ -384,7 +402,7 @@ def test_gpu_a_tuned_config_that_cannot_be_built_runs_the_heuristic(tmp_path, mo
                 bwd_config={"dkdv": {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
                             "dq": dq or base.bwd_config["dq"]})
     use_dispatcher(monkeypatch, Dispatcher(user_db=write(tmp_path / "u.sqlite", bad), shipped=[]))
-    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(logs, "_warned", set())
     q, k, v = random_qkv(2, 4, 4, 1000, 1000, 128, 128, torch.bfloat16, DEVICE)
     with caplog.at_level(logging.WARNING, logger="fatune"):
         run_and_compare(q, k, v)
@@ -424,7 +442,7 @@ def test_threads_that_share_a_plan_whose_kernels_cannot_be_built_all_fall_back(t
 
 def test_strict_mode_raises_when_the_tuned_kernels_cannot_be_built(tmp_path, monkeypatch):
     """strict=True promises the tuned entry or an error: no quiet fallback past it."""
-    from fatune import launch
+    from fatune.kernel.triton import launch
 
     path = write(tmp_path / "u.sqlite", entry(seqlen_q_bucket=128, seqlen_k_bucket=128))
     use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
@@ -441,14 +459,14 @@ def test_a_plan_keeps_no_call_data_alive(tmp_path):
     mask = torch.rand(1, 1, 20, 20, device=DEVICE) > 0.3
     mask[..., 0] = True
     fatune.attention(q, q, q, attn_mask=mask)
-    plan = fatune.plans.prepare(q, q, q, fatune.plans.Call(attn_mask=mask), None, None).plan
+    plan = fatune.runtime.plans.prepare(q, q, q, fatune.call.Call(attn_mask=mask), None, None).plan
     kept = plan.problem.attn_mask
     assert kept.device.type == "meta" and tuple(kept.shape) == (1, 2, 20, 20) and kept.stride() == (400, 0, 20, 1)
 
 
 def test_a_forced_config_whose_kernels_cannot_be_built_raises(monkeypatch):
     """A config passed by hand has no fallback: its build error reaches the caller."""
-    from fatune import launch
+    from fatune.kernel.triton import launch
 
     def build(self, slots, stream):
         raise launch.KernelBuildError("attn_fwd: OutOfResources: shared memory")
@@ -482,7 +500,7 @@ def test_a_kernel_that_cannot_be_compiled_or_loaded_is_a_build_error(monkeypatch
                                                                       launch_error, raised):
     """Compiled kernels (not the interpreter): the first launch builds the kernel apart (compile, then load
     against the GPU's limits), and a failure there is a KernelBuildError naming the kernel and its options."""
-    from fatune import codegen, launch
+    from fatune.kernel.triton import launch
 
     class Kernel:
         __name__ = "attn_bwd_dq"
@@ -494,7 +512,7 @@ def test_a_kernel_that_cannot_be_compiled_or_loaded_is_a_build_error(monkeypatch
                 return _Loaded(load_error)
             raise launch_error
 
-    monkeypatch.setattr(codegen, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     kernel = launch.KernelLaunch.__new__(launch.KernelLaunch)
     for name, value in {"fn": Kernel(), "grid": (1, 1, 1), "options": {"num_warps": 4, "num_stages": 2},
                         "pick": lambda slots: (), "tail": (), "binary": None, "direct": None, "middle": (),
@@ -518,7 +536,7 @@ SHIPPED_H200_CALLS = [  # (seqlen, kwargs of check_inputs): what tuned_db/nvidia
 
 
 def test_the_shipped_h200_db_is_in_the_package_and_valid():
-    shipped = dispatch.shipped_dbs()
+    shipped = shipped_dbs()
     assert [path.name for path in shipped] == ["nvidia-h200.sqlite"]
     assert shipped[0].read_bytes()[18:20] == b"\x01\x01", "ship it in rollback-journal mode (no -wal/-shm files)"
     with TunedDB(shipped[0], readonly=True) as db:
@@ -530,8 +548,8 @@ def test_the_shipped_h200_db_is_in_the_package_and_valid():
 def test_the_shipped_h200_db_answers_h200_calls(tmp_path, seqlen, kwargs):
     """The DB in the package is current for these templates and Triton (a template edit that changes its
     entries' kernels makes them stale: re-time them with `benchmarks/gpu_run.sh db-refresh`, or search again
-    with `ship-db`), and an H200 call finds it with no user DB."""
-    shipped = dispatch.shipped_dbs()
+    with the searches of tuned_db/README.md), and an H200 call finds it with no user DB."""
+    shipped = shipped_dbs()
     with TunedDB(shipped[0], readonly=True) as db:
         stale = [e.describe() for e in db.entries() if is_stale(e)]
     assert not stale, f"{len(stale)} stale entries, e.g. {stale[0]}"

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from fatune.db import TunedDB
-from fatune.heuristics import default_config
-from fatune.measure import Shape
-from fatune.search import FINISHED, INTERPRETER_SPACE
-from fatune.storage import normalise_url
-from tests.test_search import finish, start_searches
+from fatune.kernel.triton.heuristics import default_config
+from fatune.tuning.shape import Shape
+from fatune.tuning.space import INTERPRETER_SPACE
+from fatune.tuning.storage import normalise_url
+from fatune.tuning.study import FINISHED
+from tests.test_search import finish, interpreter_target, start_searches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only")
 TRIALS = 4
@@ -120,6 +121,48 @@ def test_a_killed_worker_does_not_block_the_others(tmp_path, postgres_url):
     assert list(entries(tmp_path / "survivor.sqlite")) == [32]
 
 
+@pytest.mark.parametrize("look", range(1, 6))
+def test_a_study_is_finished_only_when_a_look_finds_no_trial_held(postgres_url, monkeypatch, look):
+    """Another process fails its trial (a repeated draw, told failed) and asks its next one between two of
+    this process's looks at the study, at each point of this process's trials and wait: the study is
+    finished only once one look finds the budget met and no trial held (the shape's winners are not
+    measured, nor its trials counted, while another process still runs one)."""
+    from fatune.tuning import study, trials
+    from fatune.tuning.storage import open_storage
+    from fatune.tuning.target import Stopwatch
+
+    url = normalise_url(postgres_url)
+    storage, other = open_storage(url), open_storage(url)
+    target = interpreter_target()
+    heuristic = trials.shape_heuristic(SHAPE, target)
+    fwd = study.KernelSearch(target, SHAPE, "fwd", heuristic, INTERPRETER_SPACE, storage, seed=0, trials=2,
+                             deadline=time.time() + 600)
+    study_id = other.get_study_id_from_name(fwd.study.study_name)
+    held = other.create_new_trial(study_id)  # the other process's draw: with the heuristic's, the budget of 2
+    looks = 0
+    census = study.KernelSearch.census
+
+    def looking(self):
+        nonlocal looks, held
+        looks += 1
+        if looks == look:
+            other.set_trial_state_values(held, optuna.trial.TrialState.FAIL)
+        elif looks == look + 1:
+            held = other.create_new_trial(study_id)
+        return census(self)
+
+    monkeypatch.setattr(study.KernelSearch, "census", looking)
+    clock = Stopwatch()
+    fixture = trials.Fixture(SHAPE, target, 0, clock)
+    assert not trials.run_trials([fwd], heuristic, fixture, poll=True, clock=clock)  # the other's trial is held
+    assert other.get_trial(held).state == optuna.trial.TrialState.RUNNING
+    monkeypatch.undo()
+    other.set_trial_state_values(held, optuna.trial.TrialState.PRUNED)
+    assert trials.run_trials([fwd], heuristic, fixture, poll=True, clock=clock)
+    told = other.get_all_trials(study_id)
+    assert sum(map(study.counts, told)) >= 2 and optuna.trial.TrialState.RUNNING not in [t.state for t in told]
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["--workers", "0"], 2, "--workers"),
     (["--compile-workers", "-1"], 2, "--compile-workers"),
@@ -141,7 +184,7 @@ def test_bad_distributed_options_are_one_line(tmp_path, args, code, message):
 ])
 def test_compile_workers_default_to_the_cores_per_worker_less_one(monkeypatch, cores, workers, requested, interpret,
                                                                    expected):
-    from fatune import workers as hosts
+    from fatune.tuning import workers as hosts
 
     monkeypatch.setattr(hosts.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert hosts.compile_worker_count(requested, workers, interpret) == expected
@@ -153,12 +196,12 @@ from pathlib import Path
 
 import optuna
 
-from fatune import search
-from fatune.measure import Shape
-from fatune.workers import Job, _helper
+from fatune.tuning import space, study
+from fatune.tuning.shape import Shape
+from fatune.tuning.workers import Job, _helper
 
 folder, url = Path(sys.argv[1]), sys.argv[2]
-evaluate = search.KernelSearch.evaluate
+evaluate = study.KernelSearch.evaluate
 
 
 def holding(self, trial, *args):  # the first trial of the first shape waits until the owner is on the second
@@ -170,10 +213,10 @@ def holding(self, trial, *args):  # the first trial of the first shape waits unt
     return evaluate(self, trial, *args)
 
 
-search.KernelSearch.evaluate = holding
+study.KernelSearch.evaluate = holding
 shapes = tuple(Shape(batch=1, heads=1, seqlen_q=length, seqlen_k=length, head_dim=16, dtype="float16", causal=True,
                      kv_heads=1) for length in (32, 48))
-_helper(Job(shapes, int(sys.argv[3]), 600.0, url, 0, search.INTERPRETER_SPACE, True, 0), 1, None)
+_helper(Job(shapes, int(sys.argv[3]), 600.0, url, 0, space.INTERPRETER_SPACE, True, 0), 1, None)
 """
 
 
@@ -183,8 +226,8 @@ def test_the_owner_starts_the_next_shape_while_others_hold_trials(tmp_path, post
     stores every shape's winners, in order, once their studies are done."""
     from click.testing import CliRunner
 
-    from fatune import search
     from fatune.cli import cli
+    from fatune.tuning import search
 
     url = normalise_url(postgres_url)
     helper = subprocess.Popen([sys.executable, "-c", HELPER, str(tmp_path), url, str(TRIALS)],

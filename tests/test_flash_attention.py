@@ -16,7 +16,6 @@ from fatune import AttentionConfig, LaunchConfig
 from tests.conftest import DEVICE
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
-
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v)
 CPU_SHAPES = [
     (1, 2, 2, 1, 1, 16, 16),
@@ -158,7 +157,7 @@ def test_forward_stores_the_lse_in_log2_units(dtype, splits):
     """The per-row LSE the backward recomputes P = exp2(S log2(e) - LSE) from: log2 of the row's sum of
     2^(S log2(e)), so a row's only key gets P = 1 exactly; float64 for float32 inputs (at |LSE| ~ 40 a float32
     LSE rounds by 4e-6, as much as S itself), float32 for 16-bit inputs; -inf for a row that sees no key."""
-    from fatune import plans
+    from fatune.runtime import plans
 
     torch.manual_seed(stable_seed("lse", dtype, splits))
     q, k, v = random_qkv(1, 2, 2, 37, 53, 32, 32, dtype=dtype, device=DEVICE)
@@ -183,8 +182,8 @@ def test_delta_is_summed_from_p_dp_where_rows_see_few_keys(window, atomic):
     """Delta = rowsum(dO O) from the 16-bit O carries O's rounding into dQ; dQ tiles whose rows see at
     most EXACT_DELTA_KEYS keys sum P dP instead (to float32 rounding), the other tiles keep rowsum(dO O).
     The dQ kernel does it, or with atomic dQ the pass before the dK/dV kernel."""
-    from fatune import plans
-    from fatune.launch import Plan
+    from fatune.kernel.triton.launch import Plan
+    from fatune.runtime import plans
 
     torch.manual_seed(4)
     length, tile = 200, 32
@@ -259,7 +258,7 @@ def test_gpu_matches_reference(shape, dtype, causal, poison_outputs, record_gpu_
                          ids=lambda s: "x".join(map(str, s)))
 def test_gpu_one_query_or_one_key(shape, dtype, poison_outputs, record_gpu_errors):
     """Triton specialises a length of 1 into the kernels: ptxas crashed (SIGSEGV) compiling dQ's pipelined key
-    loop so specialised at head dims 16-32 (the random calls, session 21). Forward and gradients run anyway."""
+    loop so specialised at head dims 16-32 (a random call found it). Forward and gradients run anyway."""
     torch.manual_seed(stable_seed(shape, dtype))
     q, k, v = random_qkv(*shape, dtype=dtype, device="cuda")
     record_gpu_errors(run_and_compare(q, k, v, enable_gqa=True))
@@ -332,7 +331,8 @@ def test_a_grad_output_past_int32_offsets_is_copied_into_the_outputs_layout(monk
     """dO arrives with the backward, past the input checks: one whose rows lie too far apart for the kernels'
     int32 slice offsets is copied into the output's layout (which fits: the forward checked it), and the
     gradients keep the accuracy rule. The limit is lowered so that a small call crosses it."""
-    from fatune import inputs, launch
+    from fatune import call as inputs
+    from fatune.kernel.triton import launch
 
     torch.manual_seed(5)
     q, k, v = random_qkv(1, 2, 2, 40, 33, 16, 16, dtype=torch.float16, device=DEVICE)

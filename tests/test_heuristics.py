@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fatune.heuristics import default_config
-from fatune.measure import Shape
-from fatune.spec import KernelSpec
+from fatune.kernel.spec import KernelSpec
+from fatune.kernel.triton.heuristics import decode_shares, default_config
+from fatune.tuning.shape import Shape
 
 
 @pytest.mark.parametrize("arch", [(9, 0), (8, 0), None], ids=["hopper", "ampere", "interpreter"])
@@ -21,7 +21,7 @@ def test_every_head_dim_and_dtype_has_a_config(head_dim, dtype, arch, causal):
         assert set(config.dkdv.structure) <= {"tma", "atomic_dq", "split_d"}  # measured kinds
         assert set(config.dq.structure) <= {"concurrent"} and not (config.dq.concurrent and config.dkdv.atomic_dq)
         if arch == (9, 0):  # fits an H100/H200's 227 KiB of shared memory per block, by the search's estimate
-            from fatune.search import infeasible
+            from fatune.tuning.space import infeasible
 
             for kernel in ("fwd", "dkdv", "dq"):
                 assert infeasible(kernel, spec, getattr(config, kernel), 227 * 1024) is None
@@ -51,7 +51,7 @@ def test_decode_tiles_stream_deeper_with_one_program_per_multiprocessor(head_dim
     (Shape(1, 4, 16, 16, 16, "float16", documents=16), True, 4, True),  # 16 packed one-token documents
 ])
 def test_a_shape_counts_its_decode_programs_as_a_call_does(shape, packed, sms, shares):
-    assert shape.decode_shares_sms(sms, packed) is shares
+    assert decode_shares(shape.problem, sms, packed) is shares
 
 
 @pytest.mark.parametrize("arch, dtype, head_dim, spec, group, concurrent", [

@@ -11,8 +11,11 @@ import pytest
 import torch
 
 import fatune
-import fatune.plans as plans
-from fatune.plans import FallbackError
+import fatune.runtime.plans as plans
+from fatune import logs, settings
+from fatune.call import check_contents
+from fatune.kernel import codegen as loader
+from fatune.runtime.plans import FallbackError
 from tests.conftest import DEVICE
 
 
@@ -96,11 +99,11 @@ COMPILED_OPTIONS = [case for case in BAD_INPUTS if case[0] in (
 @pytest.mark.parametrize("make, kwargs, error, text", [case[1:] for case in COMPILED_OPTIONS],
                          ids=[case[0] for case in COMPILED_OPTIONS])
 def test_the_compiled_path_checks_options_as_eager_does(make, kwargs, error, text):
-    """What torch.compile traces (fatune.custom_op.attention) refuses what eager refuses, before an option could
+    """What torch.compile traces (fatune.ops.attention) refuses what eager refuses, before an option could
     be turned into the op's bool, int or float (is_causal="False" into True, a window of 1.5 into 1)."""
     q, k, v = make()
     with pytest.raises(error, match=text):
-        fatune.custom_op.attention(q, k, v, plans.Call(**kwargs), None)
+        fatune.ops.attention(q, k, v, plans.Call(**kwargs), None)
 
 
 def test_mismatched_devices_name_the_argument():
@@ -120,9 +123,9 @@ def test_additive_mask_requiring_grad_is_refused():
 @pytest.fixture
 def no_gpu_no_interpreter(monkeypatch):
     monkeypatch.setattr(plans, "interpreting", lambda: False)
-    monkeypatch.setattr(plans, "_logged", set())
+    monkeypatch.setattr(logs, "_warned", set())
     monkeypatch.setattr(plans, "_plans", {})
-    monkeypatch.delenv(plans.STRICT_ENV, raising=False)
+    monkeypatch.delenv(settings.STRICT_ENV, raising=False)
 
 
 def test_cpu_tensors_fall_back_with_one_logged_reason(no_gpu_no_interpreter, caplog):
@@ -141,7 +144,7 @@ def test_strict_mode_raises_instead_of_falling_back(how, no_gpu_no_interpreter, 
     q, k, v = qkv(device="cpu")
     kwargs = {"strict": True} if how == "argument" else {}
     if how == "environment":
-        monkeypatch.setenv(plans.STRICT_ENV, "1")
+        monkeypatch.setenv(settings.STRICT_ENV, "1")
     with pytest.raises(FallbackError, match="strict"):
         fatune.attention(q, k, v, **kwargs)
 
@@ -188,21 +191,19 @@ def test_mask_dtype_message_lists_each_dtype_once():
 
 
 def test_unwritable_kernel_cache_costs_one_warning(tmp_path, monkeypatch, caplog):
-    from fatune import codegen
-
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv(codegen.CACHE_ENV, str(blocker / "kernels"))  # cannot be created, even by root
-    monkeypatch.setattr(codegen, "_modules", {})
-    monkeypatch.setattr(codegen, "_fallback_dir", None)
+    monkeypatch.setenv(settings.CACHE_ENV, str(blocker / "kernels"))  # cannot be created, even by root
+    monkeypatch.setattr(loader, "_modules", {})
+    monkeypatch.setattr(loader, "_fallback_dir", None)
     q, k, v = qkv(d=48, dv=48)  # a spec no other test loads first
     with caplog.at_level(logging.WARNING, logger="fatune"):
         first = fatune.attention(q, k, v, scale=0.3)
         monkeypatch.setattr(plans, "_plans", {})
-        monkeypatch.setattr(codegen, "_modules", {})
+        monkeypatch.setattr(loader, "_modules", {})
         second = fatune.attention(q, k, v, scale=0.3)
     assert torch.equal(first, second)
-    warnings = [r.message for r in caplog.records if codegen.CACHE_ENV in r.message]
+    warnings = [r.message for r in caplog.records if settings.CACHE_ENV in r.message]
     assert len(warnings) == 1 and str(blocker) in warnings[0]
 
 
@@ -210,7 +211,7 @@ def test_unwritable_kernel_cache_costs_one_warning(tmp_path, monkeypatch, caplog
 def test_unread_index_values_are_clamped_in_the_kernels(case, monkeypatch):
     """Under CUDA-graph capture and torch.compile the index tensors are not read on the host: the kernels
     clamp them, so no value makes them touch memory outside the tensors."""
-    from fatune import inputs
+    from fatune import call as inputs
 
     monkeypatch.setattr(inputs, "contents_readable", lambda: False)
     if case.startswith("seqlens"):
@@ -228,10 +229,9 @@ def test_unread_index_values_are_clamped_in_the_kernels(case, monkeypatch):
 
 
 def _counting_index_reads(monkeypatch) -> list:
-    from fatune import inputs
 
     reads = []
-    check = inputs.check_contents
+    check = check_contents
 
     def counting(*args):
         reads.append(args)
@@ -286,7 +286,7 @@ def test_index_values_without_given_lengths_are_read_every_call(monkeypatch):
 def test_unreadable_index_values_still_need_given_lengths(monkeypatch):
     """Under CUDA-graph capture and torch.compile the values cannot be read: max_seqlen_q/k are required
     there however often the same tensors were checked before (no earlier check stands in for them)."""
-    from fatune import inputs
+    from fatune import call as inputs
 
     q, k, v = _packed_qkv()
     cu_q, cu_k = i32([0, 4, 10]), i32([0, 5, 12])
@@ -329,7 +329,7 @@ ALIGNMENT_CASES = [
 def test_an_alignment_that_cannot_change_the_mask_takes_the_plain_calls_kernel(lengths, kwargs, plain):
     """With L_q = L_k, no key padding and no window left, bottom-right is top-left: such a call runs (and looks up
     tuned entries) as the plain call does. Elsewhere bottom-right stays: it is another mask."""
-    from fatune.inputs import check_inputs
+    from fatune.call import check_inputs
 
     torch.manual_seed(3)
     q, k, v = qkv(lq=lengths[0], lk=lengths[1], d=16, dv=16)
@@ -444,7 +444,7 @@ SLICE_OFFSETS = [
 def test_offsets_past_int32_inside_a_slice_name_the_argument(make, name):
     """Offsets inside one (batch, head) slice are int32 in the kernels: a call that would overflow them (and read
     the wrong rows, or crash) is refused by name, and one at the limit runs."""
-    from fatune.inputs import check_inputs
+    from fatune.call import check_inputs
 
     (q, k, v), kwargs = make()
     if name is None:
@@ -461,8 +461,7 @@ def test_offsets_past_int32_inside_a_slice_name_the_argument(make, name):
     ((2**19 + 1, 32, 128), (32 * 128, 128, 1), (128, (2**19 + 1) * 128, 1)),  # packed rows past int32: (H, total, D)
 ])
 def test_outputs_and_gradients_take_the_inputs_layout_unless_its_rows_overflow_int32(shape, strides, expected):
-    from fatune.inputs import MAX_SLICE_OFFSET, slice_offset
-    from fatune.launch import layout_like
+    from fatune.kernel.layout import MAX_SLICE_OFFSET, layout_like, slice_offset
 
     out_shape, out_strides = layout_like(shape, strides)
     assert out_shape == shape and out_strides == expected

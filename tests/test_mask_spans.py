@@ -1,4 +1,4 @@
-"""fatune.mask_spans: the spans of a mask tensor, and the tiles the kernels skip with them.
+"""fatune.kernel.mask_spans: the spans of a mask tensor, and the tiles the kernels skip with them.
 
 The spans are checked against a brute-force scan; the kernels, with masks whose fully-masked tiles
 are many (prefix LM, documents, sinks and windows, padding), against the float64 golden under the
@@ -16,10 +16,20 @@ import triton
 import triton.language as tl
 
 import fatune
-import fatune.mask_spans
-from fatune import launch
-from fatune.heuristics import INTERPRETER_CONFIG
-from fatune.mask_spans import GRAIN, NO_SPAN, PROGRAMS_PER_SM, SPAN, compact, layout, mask_spans, scan_pieces, spans
+import fatune.kernel.mask_spans
+from fatune.kernel.mask_spans import (
+    GRAIN,
+    NO_SPAN,
+    PROGRAMS_PER_SM,
+    SPAN,
+    compact,
+    layout,
+    mask_spans,
+    scan_pieces,
+    spans,
+)
+from fatune.kernel.triton import launch
+from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 from tests.conftest import DEVICE, HAS_GPU
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
@@ -97,8 +107,8 @@ SPAN_SHAPES = [(2, 3, 37, 45), (2, 1, 1, 45), (37, 45), (1, 3, 37, 45), (2, 1, 3
 @pytest.mark.parametrize("shape", SPAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_spans_match_a_scan_through_the_kernels_strides(shape, kind, grain, monkeypatch):
     """Grains of GRAIN (as the kernels read spans) and of one index (exact spans: the same scan, finest)."""
-    monkeypatch.setattr(fatune.mask_spans, "GRAIN", grain)
-    monkeypatch.setattr(fatune.mask_spans, "_scans", {})  # scan plans made under another grain
+    monkeypatch.setattr(fatune.kernel.mask_spans, "GRAIN", grain)
+    monkeypatch.setattr(fatune.kernel.mask_spans, "_scans", {})  # scan plans made under another grain
     generator = torch.Generator().manual_seed(stable_seed(shape, kind))
     # runs of visible entries over hidden gaps: grains that see all, some, and nothing
     keep = torch.rand(shape, generator=generator) < 0.6
@@ -147,8 +157,8 @@ def test_spans_scanned_in_pieces_match_one_scan(pieces, kind, monkeypatch):
     """A row's scan cut into pieces (a mask with few rows to summarise on a large GPU) gives the spans of one scan:
     the join takes the last visible index from the last piece that sees one, and the last hidden one before it from
     that piece or any earlier one."""
-    monkeypatch.setitem(fatune.mask_spans.TILES, "rows", (16, 64, 4))  # as many pieces as asked, along 900 keys
-    monkeypatch.setattr(fatune.mask_spans, "_scans", {})  # scan plans made under these tiles stay here
+    monkeypatch.setitem(fatune.kernel.mask_spans.TILES, "rows", (16, 64, 4))  # as many pieces as asked, along 900 keys
+    monkeypatch.setattr(fatune.kernel.mask_spans, "_scans", {})  # scan plans made under these tiles stay here
     generator = torch.Generator().manual_seed(stable_seed(pieces, kind))
     keep = _runs_mask(70, 900, generator)
     mask = keep if kind == "bool" else torch.randn(keep.shape, generator=generator).masked_fill(~keep, float("-inf"))
@@ -179,8 +189,8 @@ def test_the_backward_takes_the_forwards_key_spans(compiled, monkeypatch):
     and scans only for the query spans (eagerly and through the custom ops torch.compile traces), and its
     gradients are the ones of a backward that makes its own."""
     scans = []
-    real = fatune.mask_spans.spans
-    monkeypatch.setattr(fatune.mask_spans, "spans", lambda mask, row_dim, *rest, **kw: (
+    real = fatune.kernel.mask_spans.spans
+    monkeypatch.setattr(fatune.kernel.mask_spans, "spans", lambda mask, row_dim, *rest, **kw: (
         scans.append(row_dim), real(mask, row_dim, *rest, **kw))[1])
     keep = prefix_lm(2, 40, 40, [9, 20])
     q, k, v = (t.requires_grad_() for t in _qkv(lq=40, lk=40))
@@ -313,14 +323,14 @@ def test_masks_with_many_empty_tiles(name, kind, poison_outputs):
 def test_a_call_whose_spans_are_scanned_in_pieces(kind, poison_outputs, monkeypatch):
     """A whole call (forward and backward) with both directions' scans cut into pieces and joined, as a large GPU cuts
     them for a mask with few rows to summarise (pieces of one column tile here, to keep the interpreter quick)."""
-    monkeypatch.setattr(fatune.mask_spans, "MIN_PIECE_TILES", 1)
-    monkeypatch.setattr(fatune.mask_spans, "_scans", {})  # scan plans made under another piece size
-    monkeypatch.setitem(fatune.mask_spans.TILES, "rows", (16, 64, 4))  # tiles short enough to cut 300 keys
+    monkeypatch.setattr(fatune.kernel.mask_spans, "MIN_PIECE_TILES", 1)
+    monkeypatch.setattr(fatune.kernel.mask_spans, "_scans", {})  # scan plans made under another piece size
+    monkeypatch.setitem(fatune.kernel.mask_spans.TILES, "rows", (16, 64, 4))  # tiles short enough to cut 300 keys
     keep = prefix_lm(1, 150, 300, [70])
-    sms = fatune.mask_spans._multiprocessors(keep.device)
-    rows, columns = fatune.mask_spans.TILES["rows"], fatune.mask_spans.TILES["columns"]
-    assert fatune.mask_spans.scan_pieces(triton.cdiv(150, rows[0]), 300, rows[1], sms) > 1  # key spans: 300 keys
-    assert fatune.mask_spans.scan_pieces(triton.cdiv(300, columns[0]), 150, GRAIN, sms) > 1  # query spans: 150 rows
+    sms = fatune.hardware.sm_count(keep.device)
+    rows, columns = fatune.kernel.mask_spans.TILES["rows"], fatune.kernel.mask_spans.TILES["columns"]
+    assert fatune.kernel.mask_spans.scan_pieces(triton.cdiv(150, rows[0]), 300, rows[1], sms) > 1  # key spans: 300 keys
+    assert fatune.kernel.mask_spans.scan_pieces(triton.cdiv(300, columns[0]), 150, GRAIN, sms) > 1  # query spans: 150 rows
     q, k, v = _qkv(lq=150, lk=300, seed=stable_seed("pieces", kind))
     mask = keep if kind == "bool" else torch.randn(keep.shape, device=DEVICE).masked_fill(~keep, float("-inf"))
     run_and_compare(q, k, v, attn_mask=mask)
@@ -340,7 +350,7 @@ def _structures():
 def test_spans_under_each_kernel_structure(structure, poison_outputs):
     """GQA with a mask per query head: the forward's packed rows and dK/dV's head loop each take their head's
     spans; Delta (the prep pass of atomic and concurrent dQ) sums over the same key tiles as the dQ kernel."""
-    d = 72 if structure == "split-d" else 32  # the split needs halves of 64 lanes (fatune.spec.split_d_runs)
+    d = 72 if structure == "split-d" else 32  # the split needs halves of 64 lanes (fatune.kernel.triton.structure.split_d_runs)
     q, k, v = random_qkv(2, 4, 2, 100, 130, d, d, dtype=F16, device=DEVICE)
     mask = per_head_bands(2, 4, 100, 130)
     run_and_compare(q, k, v, attn_mask=mask, enable_gqa=True, is_causal=True, causal_alignment="bottom_right",
@@ -413,11 +423,11 @@ def test_spans_of_another_mask_are_not_reused(poison_outputs):
 
 def test_plan_launches_take_the_span_pointers():
     """Only a masked spec's kernels take spans: an unmasked kernel's parameters (and source) are unchanged."""
-    from fatune import signature
+    from fatune.kernel.triton import signature
 
     q, k, v = _qkv(lq=40, lk=40)
-    masked = fatune.inputs.check_inputs(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool, device=DEVICE)).spec
-    plain = fatune.inputs.check_inputs(q, k, v).spec
+    masked = fatune.call.check_inputs(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool, device=DEVICE)).spec
+    plain = fatune.call.check_inputs(q, k, v).spec
     assert "KEY_SPANS" in signature.pointers("attn_fwd", masked)
     assert "QUERY_SPANS" in signature.pointers("attn_bwd_dkdv", masked)
     assert signature.params("attn_fwd", plain) == signature.PARAMS["attn_fwd"]
@@ -429,15 +439,15 @@ def test_plan_launches_take_the_span_pointers():
 
 @pytest.fixture
 def scans(monkeypatch) -> list[int]:
-    """Each scan of a mask (fatune.mask_spans.spans), by the dim it summarises."""
+    """Each scan of a mask (fatune.kernel.mask_spans.spans), by the dim it summarises."""
     made: list[int] = []
-    real = fatune.mask_spans.spans
+    real = fatune.kernel.mask_spans.spans
 
     def counted(mask, row_dim, *rest, **kwargs):
         made.append(row_dim)
         return real(mask, row_dim, *rest, **kwargs)
 
-    monkeypatch.setattr(fatune.mask_spans, "spans", counted)
+    monkeypatch.setattr(fatune.kernel.mask_spans, "spans", counted)
     return made
 
 
@@ -507,10 +517,10 @@ def test_a_prepared_mask_keeps_its_distinct_elements_only_and_is_forgotten_with_
     prepared = fatune.prepare_mask(causal.expand(4, 8, 64, 64), (4, 8, 64, 64))
     assert prepared.untyped_storage().nbytes() == 64 * 64 and prepared.data_ptr() != causal.data_ptr()
     assert fatune.prepare_mask(causal.t(), (1, 1, 64, 64)).stride() == (1, 64)  # the mask's dim order
-    assert len(fatune.mask_spans._prepared) == 1
+    assert len(fatune.kernel.mask_spans._prepared) == 1
     del prepared
     gc.collect()
-    assert not fatune.mask_spans._prepared
+    assert not fatune.kernel.mask_spans._prepared
 
 
 def test_a_mask_prepared_under_inference_mode(scans):
@@ -576,8 +586,8 @@ DIRECT_SCANS = [((2, 3, 37, 45), 0, False), ((2, 3, 37, 45), 1, False), ((2, 3, 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_gpu_scans_launched_directly_match_a_brute_scan(kind):
     """The scans go through Triton once per specialisation, then straight to its C launcher
-    (fatune.direct_launch): every call's spans must still be the brute scan's, at every alignment and layout."""
-    direct = fatune.mask_spans._direct()
+    (fatune.kernel.direct_launch): every call's spans must still be the brute scan's, at every alignment and layout."""
+    direct = fatune.kernel.mask_spans._direct()
     generator = torch.Generator().manual_seed(stable_seed("direct-scans", kind))
     for shape, offset, transposed in DIRECT_SCANS:
         for repeat in range(3):  # the first launch of a specialisation compiles; the later ones are direct
@@ -650,7 +660,7 @@ def test_tile_ranges_cover_every_visible_key_and_skip_the_mask_only_where_all_se
     masks) are seen in full by every row; an additive mask, added on every tile, leaves [a, b) as the band's."""
     import triton
 
-    from fatune import codegen
+    from fatune.kernel.triton import codegen
 
     rng = torch.Generator().manual_seed(seed)
     rows, keys, tile = 24, 200, 16
@@ -694,7 +704,7 @@ def test_the_spans_kernel_compiles_for_sm90(tmp_path):
         "import triton\n"
         "from triton.compiler import ASTSource\n"
         "from triton.backends.compiler import GPUTarget\n"
-        "from fatune.mask_spans import GRAIN, NO_SPAN, TILES, _jitted\n"
+        "from fatune.kernel.mask_spans import GRAIN, NO_SPAN, TILES, _jitted\n"
         "cases = [(pointer, additive, False, partial, mode) for additive, pointer in\n"
         "         ((False, '*u8'), (True, '*fp32'), (True, '*bf16')) for partial in (False, True) for mode in TILES]\n"
         "cases += [('*i32', False, True, False, 'join'), ('*i32', True, True, False, 'join')]\n"

@@ -1,4 +1,4 @@
-"""Shape's work count (fatune.measure): the FLOPs every TFLOP/s figure and tuned-DB throughput divide by."""
+"""Shape's work count (fatune.tuning.timing): the FLOPs every TFLOP/s figure and tuned-DB throughput divide by."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from fatune.measure import Shape, window_pairs
+from fatune.tuning.shape import Shape, window_pairs
 
 
 def pairs_by_rows(seqlen_q: int, seqlen_k: int, window: int) -> int:
@@ -56,11 +56,11 @@ def test_flops_count_the_pairs_the_kernels_compute(shape, pairs_per_head):
     Shape(2, 2, 64, 64, 16, "float16", causal=True, window=500),  # dropped: the causal mask, bottom-right
 ])
 def test_flops_match_the_pairs_the_reference_keeps(shape):
-    """The count agrees with the mask fatune's float64 reference applies (fatune.reference.visible)."""
+    """The count agrees with the mask fatune's float64 reference applies (fatune.kernel.reference.visible)."""
     import torch
 
-    from fatune.inputs import check_inputs
-    from fatune.reference import visible
+    from fatune.call import check_inputs
+    from fatune.kernel.reference import visible
 
     sizes = shape.input_sizes()
     q, k, v = (torch.empty(sizes[name], dtype=torch.float16) for name in "qkv")

@@ -16,8 +16,10 @@ def test_wheel_ships_templates_and_finds_them_installed(tmp_path):
                     "-q", "-w", str(tmp_path / "dist")], check=True, cwd=tmp_path, timeout=300)
     wheel = next((tmp_path / "dist").glob("fatune-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for template in (ROOT / "templates").glob("*.jinja"):
-        assert f"fatune/templates/{template.name}" in names
+    templates = sorted((ROOT / "templates").glob("*/*.jinja"))
+    assert {template.parent.name for template in templates} == {"triton", "gluon"}
+    for template in templates:
+        assert f"fatune/templates/{template.parent.name}/{template.name}" in names
     assert "fatune/tuned_db/README.md" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "fatune = fatune.cli:cli" in entry_points
@@ -26,9 +28,9 @@ def test_wheel_ships_templates_and_finds_them_installed(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    found = subprocess.run([sys.executable, "-c", "from fatune import codegen; print(codegen.template_dir())"],
+    found = subprocess.run([sys.executable, "-c", "from fatune.kernel.triton import codegen; print(codegen.TEMPLATES.path)"],
                            env=env, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
-    assert Path(found) == site / "fatune" / "templates"
+    assert Path(found) == site / "fatune" / "templates" / "triton"
 
 
 def test_the_shipped_dbs_entries_are_current_with_these_templates(tmp_path):

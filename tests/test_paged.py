@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import fatune
-from fatune import reference
-from fatune.inputs import check_inputs
-from fatune.spec import AttentionConfig, LaunchConfig
+from fatune import settings
+from fatune.call import check_inputs
+from fatune.kernel import reference
+from fatune.kernel.spec import AttentionConfig, LaunchConfig
 from tests.conftest import DEVICE, HAS_GPU
 from tests.reference import check_close, same_dtype_baselines, stable_seed
 
@@ -167,8 +168,8 @@ def test_unpage_rebuilds_the_contiguous_cache():
 def test_the_paged_spec_is_its_own_kernel_under_the_contiguous_calls_db_key():
     """Its kernel reads key rows through the table; its tuned-DB key is the contiguous call's (no search makes
     paged entries; the same tiles fit both), so strict mode and tuned entries serve it as they serve that call."""
-    from fatune import codegen
     from fatune.db import mask_variants, problem_key
+    from fatune.kernel.triton import codegen
 
     case = make_paged(1, 2, 2, 1, 2, 16, 16)
     problem = check_inputs(case.q, case.k_cache, case.v_cache, block_table=case.block_table, seqlens_k=lengths(20))
@@ -214,8 +215,8 @@ def test_gradients_are_refused_through_the_custom_op_too():
     case = make_paged(1, 2, 2, 1, 2, 16, 16)
     q = case.q.clone().requires_grad_()
     with pytest.raises(ValueError, match="block_table: a paged K/V cache is read for inference"):
-        torch.ops.fatune.attention_forward(q, case.k_cache, case.v_cache, None, None, None, None, None, None, 0.0,
-                                           False, None, False, -1, -1, "", None, None, case.block_table, [])
+        torch.ops.fatune.attention_forward(q, case.k_cache, case.v_cache, None, 0.0, False, None, False, [-1, -1],
+                                           None, None, None, None, None, None, None, case.block_table, None, [])
     compiled = torch.compile(lambda q: fatune.attention(q, case.k_cache, case.v_cache, block_table=case.block_table),
                              fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="block_table: a paged K/V cache is read for inference"):
@@ -253,7 +254,7 @@ def test_gpu_paged(make, kwargs, dtype):
 
 def test_the_benchmarks_paged_cache_is_the_same_cache():
     """`fatune bench --inference` times the paged read on the cache it times contiguously (shuffled pages)."""
-    from fatune.bench import paged_cache
+    from fatune.bench.inference import paged_cache
 
     k, v = torch.randn(2, 3, 64, 8), torch.randn(2, 3, 64, 8)
     k_pages, v_pages, table = paged_cache(k, v)
@@ -266,11 +267,11 @@ def test_the_benchmarks_paged_cache_is_the_same_cache():
 @pytest.mark.skipif(HAS_GPU, reason="the dense fallback of CPU tensors")
 def test_the_dense_fallback_reads_the_pages_too(monkeypatch):
     """CPU tensors without Triton's interpreter run the dense torch implementation: on the same cache."""
-    from fatune import plans
+    from fatune.runtime import plans
 
     monkeypatch.setattr(plans, "interpreting", lambda: False)
     monkeypatch.setattr(plans, "_plans", {})
-    monkeypatch.delenv(plans.STRICT_ENV, raising=False)
+    monkeypatch.delenv(settings.STRICT_ENV, raising=False)
     case = make_paged(2, 4, 2, 3, 4, 16, 32, dtype=torch.float32, seed=11)
     fill = lengths(40, 64)
     with torch.no_grad():
@@ -290,9 +291,9 @@ def test_the_paged_decode_forward_keeps_as_many_key_tiles_in_flight(tmp_path):
 
     script = (
         "import dataclasses\n"
-        "from fatune import offline\n"
-        "from fatune.heuristics import default_config\n"
-        "from fatune.spec import KernelSpec\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.triton.heuristics import default_config\n"
+        "from fatune.kernel.spec import KernelSpec\n"
         "for paged in (False, True):\n"
         "    spec = KernelSpec('bfloat16', 128, seqlens='seqlens_k', paged=paged)\n"
         "    config = default_config(spec, (9, 0), decode=True)\n"

@@ -9,10 +9,13 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 
-from fatune import codegen, launch, precompile
-from fatune.heuristics import default_config
-from fatune.measure import KernelRunner, Shape, make_inputs
-from fatune.spec import KERNELS
+from fatune.kernel import codegen as loader
+from fatune.kernel.spec import KERNELS
+from fatune.kernel.triton import codegen, launch
+from fatune.kernel.triton.heuristics import default_config
+from fatune.tuning import precompile
+from fatune.tuning.shape import Shape, make_inputs
+from fatune.tuning.timing import KernelRunner
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
 CUDA = make_backend(GPUTarget("cuda", 90, 32))
@@ -58,7 +61,7 @@ def test_stand_ins_specialise_like_the_real_inputs(name, kernel, monkeypatch):
 @cpu_only
 def test_a_compile_error_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(codegen, "render", lambda kind, spec, config: "def broken(:\n")
-    monkeypatch.setattr(codegen, "_modules", {})
+    monkeypatch.setattr(loader, "_modules", {})
     monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"broken-{kind}")
     error = precompile.compile_trial(BASE, default_config(BASE.spec, None), "fwd", "cpu")
     assert error is not None and error.startswith("SyntaxError")
@@ -70,7 +73,7 @@ def test_gpu_a_candidate_compiled_in_the_pool_is_a_cache_hit(tmp_path, monkeypat
     import triton
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))  # empty: only the pool can fill it
-    monkeypatch.setattr(codegen, "_modules", {})
+    monkeypatch.setattr(loader, "_modules", {})
     shape = Shape(batch=4, heads=8, seqlen_q=1024, seqlen_k=1024, head_dim=64, dtype="bfloat16", causal=True)
     config = default_config(shape.spec, torch.cuda.get_device_capability())
     with precompile.CompilePool(1, "cuda") as pool:

@@ -28,11 +28,12 @@ import pytest
 import torch
 
 import fatune
-from fatune import LaunchConfig, dropout
-from fatune.heuristics import INTERPRETER_CONFIG
-from fatune.inputs import check_inputs
-from fatune.search import infeasible
-from fatune.spec import KERNELS
+from fatune import LaunchConfig
+from fatune.call import check_inputs
+from fatune.kernel.spec import KERNELS
+from fatune.kernel.triton import dropout
+from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
+from fatune.tuning.space import infeasible
 from tests.conftest import DEVICE, HAS_GPU
 from tests.reference import random_qkv, run_and_compare
 
@@ -230,7 +231,7 @@ def paged_draw(seed: int) -> tuple[RandomCall, dict]:
 
 
 def check_paged_call(seed: int) -> None:
-    from fatune import reference
+    from fatune.kernel import reference
     from tests.reference import check_close, same_dtype_baselines
 
     call, paged = paged_draw(seed)

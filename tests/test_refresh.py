@@ -10,13 +10,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fatune import refresh
 from fatune.cli import cli
-from fatune.db import Entry, TunedDB, is_stale, key_columns, shape_key
-from fatune.measure import Shape
-from fatune.refresh import entry_key, entry_shape, refresh_db
-from fatune.search import Target, heuristic_config
-from fatune.spec import AttentionConfig, LaunchConfig
+from fatune.db import Entry, TunedDB, is_stale, key_columns
+from fatune.kernel.spec import AttentionConfig, LaunchConfig
+from fatune.tuning import refresh
+from fatune.tuning.refresh import entry_key, entry_shape, refresh_db
+from fatune.tuning.shape import Shape, shape_key
+from fatune.tuning.target import Target
+from fatune.tuning.trials import shape_heuristic
 
 SHIPPED = Path(__file__).parent.parent / "tuned_db" / "nvidia-h200.sqlite"
 TUNED = AttentionConfig(fwd=LaunchConfig(32, 16, num_warps=4, num_stages=1),
@@ -28,7 +29,7 @@ INTERPRETER = Target(torch.device("cpu"), True, "triton-interpreter", "cpu", Non
 def entry_for(shape: Shape, config: AttentionConfig = TUNED, gpu: str = "triton-interpreter", capability: str = "cpu",
               template_hash: str = "0123456789abcdef", **changes) -> Entry:
     """An entry as `fatune search` stores one for `shape` (stale: its kernel hash is no kernel's)."""
-    entry = Entry(**{**key_columns(gpu, capability, shape_key(shape)), "template_hash": template_hash},
+    entry = Entry(**key_columns(gpu, capability, shape_key(shape), template_hash),
                   fwd_config=config.fwd.to_dict(),
                   bwd_config={"dkdv": config.dkdv.to_dict(), "dq": config.dq.to_dict()},
                   fwd_ms=1.0, bwd_ms=2.0, fwd_bwd_ms=3.0, tflops=1.0, sdpa_backend="cudnn", sdpa_ms=6.0, speedup=2.0,
@@ -103,7 +104,7 @@ def test_refresh_re_times_stale_entries_and_leaves_others_alone(tmp_path):
     stale, stale_gqa = entry_for(TINY), entry_for(gqa, torch_version="2.0.0")  # a torch version of its own key
     other_gpu = entry_for(TINY.with_(head_dim=32), gpu="NVIDIA H200", capability="9.0")
     current = entry_for(TINY.with_(causal=False))
-    current = dataclasses.replace(current, template_hash=current.kernel_hash())
+    current = dataclasses.replace(current, template_hash=current.kernel_hashes())
     with TunedDB(path) as db:
         for entry in (stale, stale_gqa, other_gpu, current):
             db.upsert(entry)
@@ -116,9 +117,9 @@ def test_refresh_re_times_stale_entries_and_leaves_others_alone(tmp_path):
         assert result.outcome in ("tuned", "heuristic") and result.shape == entry_shape(old)
         assert result.tuned_ms > 0 and result.heuristic_ms > 0
         new = result.new
-        assert not is_stale(new) and new.template_hash == new.kernel_hash() and new.interpreted
+        assert not is_stale(new) and new.template_hash == new.kernel_hashes() and new.interpreted
         assert new.attention_config() == (TUNED if result.outcome == "tuned" else
-                                          heuristic_config(result.shape, INTERPRETER))
+                                          shape_heuristic(result.shape, INTERPRETER))
         assert new.fwd_bwd_ms > 0 and new.trials == 30 and new.key()[5:] == old.key()[5:]
     # SDPA's stored time is kept only while torch is the same
     assert results[stale.describe()].new.sdpa_ms == 6.0
@@ -131,7 +132,7 @@ def test_refresh_re_times_stale_entries_and_leaves_others_alone(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
 def test_a_decode_entry_is_refreshed_forward_only(tmp_path):
     decode = Shape(batch=2, heads=4, seqlen_q=1, seqlen_k=72, head_dim=16, dtype="float16", kv_heads=2)
-    heuristic = heuristic_config(decode, INTERPRETER)
+    heuristic = shape_heuristic(decode, INTERPRETER)
     tuned = heuristic.replace(fwd=LaunchConfig(16, 32, num_warps=4, num_stages=1, num_splits=2, pack_gqa=1))
     with TunedDB(tmp_path / "tuned.sqlite") as db:
         db.upsert(entry_for(decode, tuned, bwd_ms=math.nan, fwd_bwd_ms=math.nan))
@@ -156,13 +157,13 @@ def test_stored_configs_that_fail_the_check_give_way_to_the_heuristic(tmp_path, 
         (result,) = refresh_db(db, INTERPRETER, rounds=1)
         (entry,) = db.entries()
     assert TUNED in checked and result.outcome == "heuristic" and "stored configs failed" in result.note
-    assert math.isnan(result.tuned_ms) and entry.attention_config() == heuristic_config(TINY, INTERPRETER)
+    assert math.isnan(result.tuned_ms) and entry.attention_config() == shape_heuristic(TINY, INTERPRETER)
 
 
 def test_the_stored_configs_are_really_checked():
     """The check runs the kernels against torch's result: against another input's reference it fails."""
-    from fatune.measure import make_inputs
-    from fatune.search import Checker
+    from fatune.tuning.shape import make_inputs
+    from fatune.tuning.target import Checker
 
     inputs = make_inputs(TINY, "cpu")
     assert refresh._check(TINY, TUNED, inputs, Checker(TINY, inputs), backward=True) == ""
@@ -221,7 +222,7 @@ def test_the_faster_config_is_stored_and_a_tie_keeps_the_stored_one(tmp_path, mo
         (result,) = refresh_db(db, INTERPRETER, rounds=3)
         (entry,) = db.entries()
     assert result.outcome == winner and (result.tuned_ms, result.heuristic_ms) == (tuned_ms, heuristic_ms)
-    assert entry.attention_config() == (TUNED if winner == "tuned" else heuristic_config(TINY, INTERPRETER))
+    assert entry.attention_config() == (TUNED if winner == "tuned" else shape_heuristic(TINY, INTERPRETER))
     assert entry.fwd_bwd_ms == min(tuned_ms, heuristic_ms) and not is_stale(entry)
 
 
@@ -234,7 +235,7 @@ def test_a_current_entry_of_the_key_stays_whatever_its_time(tmp_path, monkeypatc
     window = TINY.with_(window=16)
     stale = entry_for(window, torch_version="2.0.0")
     searched = entry_for(window, fwd_bwd_ms=10.0, created_at="2026-12-01T00:00:00+00:00")
-    searched = dataclasses.replace(searched, template_hash=searched.kernel_hash())
+    searched = dataclasses.replace(searched, template_hash=searched.kernel_hashes())
     with TunedDB(tmp_path / "tuned.sqlite") as db:
         db.upsert(stale)
         db.upsert(searched)
@@ -286,7 +287,7 @@ def test_cli_refresh_warns_about_invalid_rows(tmp_path):
 
 def current_entry(shape: Shape, **changes) -> Entry:
     entry = entry_for(shape, **changes)
-    return dataclasses.replace(entry, template_hash=entry.kernel_hash())
+    return dataclasses.replace(entry, template_hash=entry.kernel_hashes())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
@@ -302,7 +303,7 @@ def test_all_re_times_current_entries_beside_todays_heuristic(tmp_path, monkeypa
         (result,) = refresh_db(db, INTERPRETER, current_too=True)
         (after,) = db.entries()
     assert result.outcome == winner and after.fwd_bwd_ms == min(tuned_ms, heuristic_ms) and not is_stale(after)
-    assert after.attention_config() == (TUNED if winner == "tuned" else heuristic_config(TINY, INTERPRETER))
+    assert after.attention_config() == (TUNED if winner == "tuned" else shape_heuristic(TINY, INTERPRETER))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fatune.heuristics import default_config
-from fatune.resources import fit_shared_memory, shared_memory_bytes, shared_memory_limit
-from fatune.search import infeasible
-from fatune.spec import KERNELS, KernelSpec, LaunchConfig
+from fatune.kernel.spec import KERNELS, KernelSpec, LaunchConfig
+from fatune.kernel.triton.heuristics import default_config
+from fatune.kernel.triton.resources import fit_shared_memory, shared_memory_bytes, shared_memory_limit
+from fatune.tuning.space import infeasible
 from tests.test_codegen import _compile_in_subprocess
 
 HOPPER = 227 * 1024
@@ -31,10 +31,10 @@ def test_heuristic_kernels_compile_within_their_estimate_and_their_gpus_shared_m
     kernel's shared memory is at most the estimate, and the estimate at most the GPU's per block. One case per
     test: their compiles (the float32 d256 sm_86 one ~90 s) then spread over the test workers."""
     script = (
-        "from fatune import offline\n"
-        "from fatune.heuristics import default_config\n"
-        "from fatune.resources import shared_memory_bytes\n"
-        "from fatune.spec import KernelSpec\n"
+        "from fatune.kernel.triton import offline\n"
+        "from fatune.kernel.triton.heuristics import default_config\n"
+        "from fatune.kernel.triton.resources import shared_memory_bytes\n"
+        "from fatune.kernel.spec import KernelSpec\n"
         f"spec, mask_dtype, arch, limit = KernelSpec(**{spec.to_dict()!r}), {mask_dtype!r}, {arch!r}, "
         f"{shared_memory_limit(arch)!r}\n"
         "config = default_config(spec, arch)\n"
@@ -103,24 +103,3 @@ def test_unknown_gpus_get_the_smallest_limit_of_their_generation():
     assert shared_memory_limit((6, 1)) == 64 * 1024
 
 
-def test_the_shared_memory_census_compiles_what_launches_can_make_and_reports_it(tmp_path):
-    """benchmarks/shared_memory_census.py: every kernel config a launch can make of the heuristic's, compiled
-    for the GPU, with its estimate and the limit (two call kinds here)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(root), FATUNE_CACHE_DIR=str(tmp_path), TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    out = tmp_path / "census.json"
-    result = subprocess.run([sys.executable, str(root / "benchmarks" / "shared_memory_census.py"), str(out),
-                             "--specs", "2", "--seed", "5", "--jobs", "1"], env=env, capture_output=True, text=True,
-                            timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(out.read_text())
-    assert {row["kernel"] for row in rows} == set(KERNELS)
-    assert all(0 < row["shared"] <= row["limit"] == HOPPER and row["estimate"] > 0 for row in rows), rows
-    assert result.stdout.startswith(f"{len(rows)} kernels of 2 call kinds on sm_90: 0 over the {HOPPER}-byte limit")

@@ -22,14 +22,21 @@ import torch
 from click.testing import CliRunner
 
 import fatune
-from fatune import codegen, plans, search
 from fatune.cli import cli
 from fatune.db import TunedDB
-from fatune.measure import Shape, make_inputs
-from fatune.precompile import CompilePool
-from fatune.search import INTERPRETER_SPACE, SearchSpace, Target, infeasible, search_shape
-from fatune.spec import KernelSpec, LaunchConfig
-from fatune.storage import default_storage_url
+from fatune.db.keys import seqlen_bucket
+from fatune.kernel import codegen as loader
+from fatune.kernel.spec import KERNELS, KernelSpec, LaunchConfig
+from fatune.kernel.triton import codegen
+from fatune.runtime import plans
+from fatune.tuning import search, study, trials
+from fatune.tuning import target as targets
+from fatune.tuning.precompile import CompilePool
+from fatune.tuning.search import search_shape
+from fatune.tuning.shape import Shape, make_inputs
+from fatune.tuning.space import INTERPRETER_SPACE, SearchSpace, infeasible, trial_budget
+from fatune.tuning.storage import default_storage_url, open_storage
+from fatune.tuning.target import Target
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter searches: CPU only")
 TINY = Shape(batch=1, heads=1, seqlen_q=32, seqlen_k=32, head_dim=16, dtype="float16", causal=True)
@@ -61,7 +68,7 @@ def test_cli_search_writes_db_rows_with_the_right_keys(tmp_path):
         (entry,) = db.entries()
     assert (entry.gpu, entry.dtype, entry.head_dim, entry.mask_variant, entry.seqlen_q_bucket) == \
         ("triton-interpreter", "float16", 16, "causal", 32)
-    assert entry.template_hash == entry.kernel_hash() and entry.interpreted and entry.trials == 9
+    assert entry.template_hash == entry.kernel_hashes() and entry.interpreted and entry.trials == 9
     assert entry.attention_config().to_dict() == row["config"]
     # where the wall time went: every phase, none negative, and all of them make up the shape's wall time
     breakdown = row["breakdown"]
@@ -116,7 +123,7 @@ def test_a_wrong_kernel_never_wins(tmp_path, monkeypatch):
         return source
 
     monkeypatch.setattr(codegen, "render", render)
-    monkeypatch.setattr(codegen, "_modules", {})
+    monkeypatch.setattr(loader, "_modules", {})
     monkeypatch.setattr(codegen, "source_key", lambda kind, spec, config: f"wrong-{kind}-"
                         + hashlib.sha256(config.to_json().encode()).hexdigest()[:20])  # a file name of its own
     space = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2))
@@ -149,9 +156,9 @@ def test_trials_in_flight_are_all_told_and_the_budget_holds(tmp_path):
     assert result.trials == 12 and result.trials_per_s > 0
     for summary in optuna.get_all_study_summaries(storage):
         trials = optuna.load_study(study_name=summary.study_name, storage=storage).trials
-        counted = [t for t in trials if search.counts(t)]
+        counted = [t for t in trials if study.counts(t)]
         assert len(counted) == 4 and len({tuple(sorted(t.params.items())) for t in counted}) == 4
-        assert all(t.user_attrs.get("rejected") in ("infeasible", "repeated") for t in trials if not search.counts(t))
+        assert all(t.user_attrs.get("rejected") in ("infeasible", "repeated") for t in trials if not study.counts(t))
         assert any(later.datetime_start < earlier.datetime_complete for earlier, later in zip(counted, counted[1:]))
         assert all("compile_wait" in t.user_attrs["seconds"] for t in counted)
 
@@ -163,13 +170,13 @@ def test_a_space_smaller_than_the_budget_is_searched_whole_each_config_once(tmp_
                         tma=(0,), atomic_dq=(0,), maxnreg=(0,), concurrent=(0,))
     target = interpreter_target(shared_limit=8 * 1024)  # the 128-key tiles do not fit
     storage = f"sqlite:///{tmp_path / 's.sqlite'}"
-    assert [search.trial_budget(space, target, TINY, kernel, 10) for kernel in search.KERNELS] == [4, 4, 4]
+    assert [trial_budget(space, target, TINY, kernel, 10) for kernel in KERNELS] == [4, 4, 4]
     result = search_shape(TINY, target, trials=10, seconds=600, storage=storage, seed=2, space=space)
-    assert result.trials == 12 and search.finished_trials([TINY], target, 10, search.open_storage(storage),
+    assert result.trials == 12 and search.finished_trials([TINY], target, 10, open_storage(storage),
                                                           space=space) == 12
     for summary in optuna.get_all_study_summaries(storage):
         trials = optuna.load_study(study_name=summary.study_name, storage=storage).trials
-        tried = sorted((t.params["block_m"], t.params["block_n"]) for t in trials if search.counts(t))
+        tried = sorted((t.params["block_m"], t.params["block_n"]) for t in trials if study.counts(t))
         assert tried == [(16, 16), (16, 32), (32, 16), (32, 32)], summary.study_name
 
 
@@ -177,18 +184,18 @@ def test_the_candidate_timed_next_is_the_first_asked_whose_compile_is_done():
     from concurrent.futures import Future
     from threading import Timer
 
-    def candidate(done: bool | None) -> search.Candidate:
+    def candidate(done: bool | None) -> study.Candidate:
         future = None if done is None else Future()
         if done:
             future.set_result(None)
-        return search.Candidate(None, None, None, future)
+        return study.Candidate(None, None, None, future)
 
     slow, ready, also_ready = candidate(False), candidate(True), candidate(None)
     pending = deque([slow, ready, also_ready])
-    assert search._next_candidate(pending) is ready and list(pending) == [slow, also_ready]
-    assert search._next_candidate(pending) is also_ready
+    assert trials._next_candidate(pending) is ready and list(pending) == [slow, also_ready]
+    assert trials._next_candidate(pending) is also_ready
     Timer(0.2, slow.compiled.set_result, [None]).start()  # none done: wait for the first that is
-    assert search._next_candidate(pending) is slow and not pending
+    assert trials._next_candidate(pending) is slow and not pending
     assert slow.seconds["compile_wait"] >= 0.15 and ready.seconds["compile_wait"] < 0.1
 
 
@@ -212,9 +219,9 @@ class ScriptedTarget(Target):
     (2.0, "pruned", ["quick"]),          # over PRUNE_FACTOR: pruned
 ])
 def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expected, timed):
-    from fatune.heuristics import default_config
-    from fatune.measure import make_inputs
-    from fatune.storage import Heartbeat, open_storage
+    from fatune.kernel.triton.heuristics import default_config
+    from fatune.tuning.shape import make_inputs
+    from fatune.tuning.storage import Heartbeat, open_storage
 
     target = ScriptedTarget(quick_ms, full_ms=0.99)
     storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
@@ -228,9 +235,9 @@ def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expe
     inputs = make_inputs(TINY, "cpu")
     with Heartbeat(storage) as heartbeat:
         candidate = kernel.ask(heuristic, heartbeat, None)
-        kernel.finish(candidate, heuristic, inputs, search.Checker(TINY, inputs), heartbeat)
+        kernel.finish(candidate, heuristic, inputs, targets.Checker(TINY, inputs), heartbeat)
     (trial,) = [t for t in kernel.study.trials if t.number == candidate.trial.number]
-    assert target.timed == timed and target.prune_above == search.PRUNE_FACTOR * 1.0
+    assert target.timed == timed and target.prune_above == study.PRUNE_FACTOR * 1.0
     if expected == "pruned":
         assert trial.state == optuna.trial.TrialState.PRUNED and trial.user_attrs["rejected"] == "slow"
     else:
@@ -242,10 +249,10 @@ def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expe
 def test_the_check_rejects_wrong_and_unwritten_outputs():
     from types import SimpleNamespace
 
-    from fatune.measure import make_inputs
+    from fatune.tuning.shape import make_inputs
 
     inputs = make_inputs(TINY, "cpu")
-    checker = search.Checker(TINY, inputs)
+    checker = targets.Checker(TINY, inputs)
     out = checker.reference["out"].clone()
     runner = SimpleNamespace(args=SimpleNamespace(out=out))
     assert checker.error("fwd", runner) == 0
@@ -262,7 +269,7 @@ def test_search_without_gpu_or_interpreter_says_what_to_do(monkeypatch):
 
 
 def test_the_heuristic_config_is_the_first_trial(tmp_path):
-    from fatune.heuristics import default_config
+    from fatune.kernel.triton.heuristics import default_config
 
     storage = f"sqlite:///{tmp_path / 's.sqlite'}"
     search_shape(TINY, interpreter_target(), trials=2, seconds=600, storage=storage, seed=0, space=INTERPRETER_SPACE)
@@ -286,7 +293,7 @@ class InProcessPool:
     def submit(self, shape, config, kernel):
         from concurrent.futures import Future
 
-        from fatune import precompile
+        from fatune.tuning import precompile
 
         future = Future()
         future.set_result(precompile.compile_candidate(shape, config, kernel, "cpu"))
@@ -298,8 +305,8 @@ def test_a_compiler_crash_is_one_line_and_its_output_goes_to_the_log(tmp_path, m
     """Triton's C++ side writes a failing pass's reproducer and IR straight to fd 2: a candidate whose compile
     does that and raises leaves one line on the terminal, naming the log that holds the dump; a candidate
     that compiles with output of its own leaves it in the log too, never on the terminal."""
-    from fatune import compile_log, precompile
-    from fatune.measure import KernelRunner
+    from fatune.tuning import compile_log, precompile
+    from fatune.tuning.timing import KernelRunner
 
     log = tmp_path / "logs" / "search.log"
     monkeypatch.setattr(compile_log, "_path", log)
@@ -315,7 +322,7 @@ def test_a_compiler_crash_is_one_line_and_its_output_goes_to_the_log(tmp_path, m
             os.write(2, b"a warning from a compile that worked\n")
             return super().run(kernel)
 
-    monkeypatch.setattr(search, "KernelRunner", CrashingCompiler)
+    monkeypatch.setattr(study, "KernelRunner", CrashingCompiler)
     monkeypatch.setattr(precompile, "KernelRunner", CrashingCompiler)
     result = search_shape(TINY, interpreter_target(), trials=2, seconds=600,
                           storage=f"sqlite:///{tmp_path / 's.sqlite'}", seed=0, space=INTERPRETER_SPACE,
@@ -350,7 +357,7 @@ CHILD = """
 import os, signal, sys, time
 from pathlib import Path
 
-from fatune import search, storage
+from fatune.tuning import search, storage
 from fatune.cli import cli
 
 storage.HEARTBEAT_S, storage.GRACE_S = 1, 5  # a killed search's trials are found dead in seconds
@@ -405,7 +412,7 @@ def test_searches_started_together_on_a_fresh_db_all_succeed(tmp_path):
 def test_a_killed_search_resumes_without_counting_dead_trials(tmp_path, signal_name, trials):
     """Killed in the dK/dV study's first (heuristic) trial; the same command then finishes the job:
     the dead trial does not count, the heuristic is run again, nothing finished is run twice."""
-    from fatune.heuristics import default_config
+    from fatune.kernel.triton.heuristics import default_config
 
     db_path = tmp_path / "tuned.sqlite"
     args = [*SEARCH, "--trials", str(trials), "--db", str(db_path)]
@@ -462,7 +469,7 @@ def test_uri_characters_in_the_db_path_keep_the_storage_beside_it(tmp_path):
     ("float32", 2, "dq", [], 64),
 ])
 def test_forward_structure_axes(dtype, kv_heads, kernel, structure, head_dim):
-    from fatune.search import GPU_SPACE
+    from fatune.tuning.space import GPU_SPACE
 
     shape = Shape(1, 2, 64, 64, head_dim, dtype, kv_heads=kv_heads)
     axes = GPU_SPACE.axes(kernel, shape)
@@ -477,7 +484,7 @@ DECODE_SEARCH = ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret",
 
 def test_a_decode_search_is_forward_only_and_its_entry_is_picked_for_decode_calls(tmp_path):
     from fatune.cli import search as search_cli
-    from fatune.heuristics import DECODE_QUERIES, default_config
+    from fatune.kernel.triton.heuristics import DECODE_QUERIES, default_config
 
     assert search_cli.DECODE_QUERIES == DECODE_QUERIES  # its copy, kept off `fatune --help`'s imports
     db_path = tmp_path / "tuned.sqlite"
@@ -531,7 +538,7 @@ def test_a_packed_documents_search_stores_a_varlen_entry_that_packed_calls_use(t
         entries = {entry.mask_variant: entry for entry in db.entries()}
     assert set(entries) == {"bottom-right+varlen", "causal+bottom-right+varlen"}
     longest = max(shape.document_lengths())
-    assert entries["causal+bottom-right+varlen"].seqlen_q_bucket == search.seqlen_bucket(longest)
+    assert entries["causal+bottom-right+varlen"].seqlen_q_bucket == seqlen_bucket(longest)
     monkeypatch.setenv("FATUNE_DB", str(db_path))
     plans.clear()  # forget decisions made with other DBs (and, below, this one's)
     try:
@@ -559,29 +566,29 @@ def test_packed_documents_need_self_attention_lengths():
     (Shape(4, 32, 4096, 4096, 64, "bfloat16"), None, None),  # the interpreter: no multiprocessor count
 ])
 def test_split_kv_is_searched_only_where_the_grid_leaves_the_gpu_idle(shape, sms, splits):
-    from fatune.search import GPU_SPACE
+    from fatune.tuning.space import GPU_SPACE
 
     assert GPU_SPACE.axes("fwd", shape, sms)["num_splits"] == (splits or GPU_SPACE.num_splits)
     assert "num_splits" not in GPU_SPACE.axes("dkdv", shape, sms)
 
 
-@pytest.mark.parametrize("kind", search.SAMPLERS)
+@pytest.mark.parametrize("kind", study.SAMPLERS)
 def test_every_sampler_draws_the_same_trials_from_the_same_seed(kind):
     def draws(seed):
-        study = optuna.create_study(sampler=search.TrialSeededSampler(seed, kind))
+        drawn = optuna.create_study(sampler=study.TrialSeededSampler(seed, kind))
         for _ in range(14):  # past TPE's 10 startup trials
-            trial = study.ask()
+            trial = drawn.ask()
             block = trial.suggest_categorical("block_m", [16, 32, 64, 128])
             warps = trial.suggest_categorical("num_warps", [2, 4, 8])
-            study.tell(trial, block / warps)
-        return [t.params for t in study.trials]
+            drawn.tell(trial, block / warps)
+        return [t.params for t in drawn.trials]
 
     assert draws(0) == draws(0) != draws(1)
 
 
 def test_an_unknown_sampler_is_refused_by_name():
     with pytest.raises(ValueError, match="sampler: expected one of tpe, tpe-independent, random, got 'cma'"):
-        search.TrialSeededSampler(0, "cma")
+        study.TrialSeededSampler(0, "cma")
 
 
 def test_study_names_survive_template_edits_their_search_never_renders(tmp_path, monkeypatch):
@@ -589,7 +596,7 @@ def test_study_names_survive_template_edits_their_search_never_renders(tmp_path,
     templates' global hash: an edit in code only window kernels render keeps a causal study's name (its
     trials resume) and renames a window study's (its trials measured other kernels); likewise an edit only
     atomic-dQ backwards render, which every 16-bit search can try."""
-    from fatune.search import study_name
+    from fatune.tuning.study import study_name
     from tests.test_db import edited_template
 
     causal = Shape(1, 2, 64, 64, 32, "float16", causal=True)
@@ -597,23 +604,24 @@ def test_study_names_survive_template_edits_their_search_never_renders(tmp_path,
     target = interpreter_target()
     before = {shape: study_name(target, shape, "dq") for shape in (causal, window)}
     with edited_template(tmp_path / "a", monkeypatch, "attn_fwd.py.jinja",
-                         "{% if HAS_LEFT %}\n# only windowed forwards render this line\n{% endif %}\n"):
+                         "{% if HAS_LEFT %}\nONLY_WINDOWED_FORWARDS_RENDER_THIS = 1\n{% endif %}\n"):
         after = {shape: study_name(target, shape, "dq") for shape in (causal, window)}
         assert after[causal] == before[causal] and after[window] != before[window]
     with edited_template(tmp_path / "b", monkeypatch, "attn_bwd.py.jinja",
-                         "{% if ATOMIC_DQ %}\n# only atomic-dQ backwards render this line\n{% endif %}\n"):
+                         "{% if ATOMIC_DQ %}\nONLY_ATOMIC_DQ_BACKWARDS_RENDER_THIS = 1\n{% endif %}\n"):
         assert study_name(target, causal, "dq") != before[causal]
     gqa = Shape(1, 4, 64, 64, 32, "float16", causal=True, kv_heads=2)  # searched with GQA packing and without
     gqa_name = study_name(target, gqa, "fwd")
     for edit, name in (("{% if PACK_GQA %}", "c"), ("{% if not PACK_GQA %}", "d")):
-        with edited_template(tmp_path / name, monkeypatch, "attn_fwd.py.jinja", edit + "\n# a line\n{% endif %}\n"):
+        with edited_template(tmp_path / name, monkeypatch, "attn_fwd.py.jinja", edit + "\nA_LINE_OF_CODE = 1\n{% endif %}\n"):
             assert study_name(target, gqa, "fwd") != gqa_name, edit
 
 
 def test_a_space_that_gains_an_axis_or_a_value_starts_new_studies():
     """Trials of a smaller space must not seed a bigger one as if it were the same study (its new axis was
     never tried): the study's name carries its axes; a space with the same axes keeps the name."""
-    from fatune.search import GPU_SPACE, study_name
+    from fatune.tuning.space import GPU_SPACE
+    from fatune.tuning.study import study_name
 
     target = Target(torch.device("cpu"), False, "NVIDIA H200", "9.0", 227 * 1024, 132)
     shape = Shape(4, 32, 4096, 4096, 64, "bfloat16")
@@ -628,8 +636,8 @@ def test_shapes_that_share_a_db_key_keep_their_trials_apart():
     """Two shapes of one tuned-DB key (lengths in one bucket, windows of one width bucket at other lengths,
     other padding or documents) are different problems: each gets its own study, so no trial timed on one
     steers or wins the other's search; the same shape finds its study again."""
-    from fatune.db import shape_key
-    from fatune.search import study_name
+    from fatune.tuning.shape import shape_key
+    from fatune.tuning.study import study_name
 
     target = interpreter_target()
     pairs = [
@@ -644,7 +652,7 @@ def test_shapes_that_share_a_db_key_keep_their_trials_apart():
     for one, other in pairs:
         if shape_key(one) == shape_key(other):  # the lengths of packed documents may fall into other buckets
             assert study_name(target, one, "dq") != study_name(target, other, "dq"), (one, other)
-        assert study_name(target, one, "dq") == study_name(target, Shape(**vars(one)), "dq")
+        assert study_name(target, one, "dq") == study_name(target, dataclasses.replace(one), "dq")
     assert shape_key(pairs[1][0]) == shape_key(pairs[1][1])  # a window's entry is keyed by its width
     # one problem, one study: windows the call drops (at least L_q + L_k wide), paddings keeping as many keys
     for one, other in ((Shape(2, 4, 512, 512, 32, "float16", causal=True, window=1024),
@@ -659,8 +667,9 @@ def test_the_heuristic_is_a_point_of_every_hopper_search_space(dtype):
     """Every head dim's Hopper heuristic, causal or not, is a trial the GPU space can hold, so it is queued and
     the winner is never slower than it (e.g. causal d50: the heuristic's TMA-reduced dQ runs as element
     atomics, the only atomic kind a head dim that is not a multiple of 4 has)."""
-    from fatune.heuristics import default_config
-    from fatune.search import GPU_SPACE, heuristic_params
+    from fatune.kernel.triton.heuristics import default_config
+    from fatune.tuning.space import GPU_SPACE
+    from fatune.tuning.study import heuristic_params
 
     for head_dim in range(1, 257):
         for causal, kv_heads in ((False, 4), (True, 4), (True, 1)):  # GQA causal: the concurrent dQ kernel
@@ -675,8 +684,9 @@ def test_the_heuristic_is_a_point_of_every_hopper_search_space(dtype):
 def test_a_warm_start_keeps_the_dq_kernels_place_beside_an_atomic_dkdv():
     """A stored config with atomic dK/dV and its dQ kernel beside dK/dV (`/c`): the dQ study's trial keeps
     `concurrent`, since dQ trials run beside a dK/dV without atomic dQ (base_config)."""
-    from fatune.search import GPU_SPACE, heuristic_params
-    from fatune.spec import AttentionConfig
+    from fatune.kernel.spec import AttentionConfig
+    from fatune.tuning.space import GPU_SPACE
+    from fatune.tuning.study import heuristic_params
 
     shape = Shape(2, 8, 1024, 1024, 128, "bfloat16", causal=True, kv_heads=2)
     stored = AttentionConfig(fwd=LaunchConfig(64, 64), dkdv=LaunchConfig(64, 64, tma=1, atomic_dq=2),
@@ -691,8 +701,8 @@ def test_a_dq_trial_goes_with_the_best_dkdv_config_without_atomic_dq():
     are timed beside the best dK/dV without it, or the heuristic's tile without it when none finished yet."""
     from types import SimpleNamespace
 
-    from fatune.heuristics import default_config
-    from fatune.search import base_config
+    from fatune.kernel.triton.heuristics import default_config
+    from fatune.tuning.trials import base_config
 
     heuristic = default_config(KernelSpec("bfloat16", 64, causal=True), (9, 0))
     atomic, separate, fwd = LaunchConfig(64, 64, atomic_dq=2), LaunchConfig(32, 128), LaunchConfig(128, 64)
@@ -710,7 +720,7 @@ def test_a_dq_trial_goes_with_the_best_dkdv_config_without_atomic_dq():
 def test_the_separate_backward_is_stored_where_it_beat_the_atomic_one(dq_ms, stored):
     from types import SimpleNamespace
 
-    from fatune.search import separate_backward
+    from fatune.tuning.trials import separate_backward
 
     atomic, separate = LaunchConfig(64, 64, atomic_dq=2), LaunchConfig(32, 128)
     dkdv = SimpleNamespace(known_best=(2.0, atomic), known_best_separate=(2.4, separate))
@@ -721,8 +731,8 @@ def test_the_separate_backward_is_stored_where_it_beat_the_atomic_one(dq_ms, sto
 
 
 def test_the_census_keeps_the_best_trial_without_atomic_dq(tmp_path):
-    from fatune.heuristics import default_config
-    from fatune.storage import open_storage
+    from fatune.kernel.triton.heuristics import default_config
+    from fatune.tuning.storage import open_storage
 
     storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
     shape = Shape(batch=2, heads=2, seqlen_q=48, seqlen_k=48, head_dim=32, dtype="float16", causal=True)
@@ -743,15 +753,16 @@ def test_a_shape_starts_from_the_tuned_configs_of_its_relatives(tmp_path, monkey
     """Optuna's warm start: a shape's studies queue (after the heuristic, once) the configs tuned in its DB for
     its own key, the same lengths in the other 16-bit dtype, then the nearest lengths in its own (nearest
     before faster); not a stale entry's, another mask's or GQA group's, and not configs outside the space."""
-    from fatune.search import ShapeResult, kernel_searches, store, warm_starts
-    from fatune.storage import open_storage
+    from fatune.tuning.search import ShapeResult, store, warm_starts
+    from fatune.tuning.storage import open_storage
+    from fatune.tuning.trials import kernel_searches
 
     target = interpreter_target()
     own, tile, other, far, elsewhere = (LaunchConfig(m, n, num_warps=4, num_stages=1, num_splits=0)
                                         for m, n in ((32, 32), (16, 32), (16, 16), (32, 16), (64, 16)))
 
     def tuned(dtype, length, fwd, causal=True, ms=3.0, kv_heads=2):
-        from fatune.heuristics import default_config
+        from fatune.kernel.triton.heuristics import default_config
 
         shape = Shape(2, 2, length, length, 32, dtype, causal=causal, kv_heads=kv_heads)
         config = default_config(shape.spec, None).replace(fwd=fwd, dq=dataclasses.replace(fwd, num_splits=1))
@@ -795,7 +806,7 @@ def test_a_shape_starts_from_the_tuned_configs_of_its_relatives(tmp_path, monkey
     ([40.0, 8.0, 7.0], math.inf, [1, 2], 8.0),   # the heuristic (never pruned) is timed however slow
 ])
 def test_a_quick_timing_stops_early_for_slow_calls(timings, prune_above, calls, expected):
-    from fatune.search import quick_time
+    from fatune.tuning.target import quick_time
 
     asked, left = [], list(timings)
 

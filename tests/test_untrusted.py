@@ -21,15 +21,15 @@ import torch
 from click.testing import CliRunner
 
 import fatune
-from fatune import dispatch
+from fatune import hardware
+from fatune.call import check_inputs
 from fatune.cli import cli
 from fatune.db import SCHEMA_VERSION, TunedDB, export_entries
-from fatune.dispatch import Dispatcher
-from fatune.inputs import check_inputs
+from fatune.runtime.dispatch import Dispatcher
 from tests.conftest import DEVICE, use_dispatcher
 from tests.test_db import make_entry, not_regular_files, raw_insert, run_child
 
-GPU, CAPABILITY = dispatch.device_identity(torch.device(DEVICE))
+GPU, CAPABILITY = hardware.device_identity(torch.device(DEVICE))
 CASES = 300
 
 # -- values no entry may hold, per field (each one invalid whatever the rest of the entry) --------
@@ -254,8 +254,8 @@ import json, logging, os, sys, torch
 import fatune
 from click.testing import CliRunner
 from fatune.cli import cli
-from fatune.dispatch import Dispatcher
-from fatune.inputs import check_inputs
+from fatune.runtime.dispatch import Dispatcher
+from fatune.call import check_inputs
 
 gpu, capability, device, shipped, source, *paths = sys.argv[1:]
 logged = []
@@ -328,8 +328,8 @@ CHILD = r"""
 import json, os, sys, torch
 from click.testing import CliRunner
 from fatune.cli import cli
-from fatune.dispatch import Dispatcher
-from fatune.inputs import check_inputs
+from fatune.runtime.dispatch import Dispatcher
+from fatune.call import check_inputs
 
 deploy, work = sys.argv[1:]
 if os.access(deploy, os.W_OK):

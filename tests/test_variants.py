@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fatune
-from fatune import dropout
+from fatune.kernel.triton import dropout
 from tests.conftest import DEVICE
 from tests.reference import random_qkv, run_and_compare, stable_seed
 
@@ -87,7 +87,7 @@ def test_key_padding_mask_is_not_expanded(poison_outputs):
     """A (B, 1, 1, L_k) mask is read through zero strides: no (B, H, L_q, L_k) copy is made."""
     q, k, v = _qkv(lq=40, lk=70)
     mask = torch.arange(70, device=DEVICE)[None, None, None, :] < torch.tensor([50, 70], device=DEVICE)[:, None, None, None]
-    problem = fatune.inputs.check_inputs(q, k, v, attn_mask=mask)
+    problem = fatune.call.check_inputs(q, k, v, attn_mask=mask)
     assert problem.attn_mask.stride()[1:3] == (0, 0)
     assert problem.attn_mask.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()
     run_and_compare(q, k, v, attn_mask=mask)
@@ -164,7 +164,7 @@ def test_a_tensor_written_in_place_before_the_backward_raises(case, path):
     if path == "eager":
         out = fatune.attention(q, k, v, **kwargs)
     else:  # what torch.compile traces: the custom ops
-        out = fatune.custom_op.attention(q, k, v, fatune.plans.Call(**kwargs), None)
+        out = fatune.ops.attention(q, k, v, fatune.call.Call(**kwargs), None)
     write(kwargs)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(torch.ones_like(out))
@@ -272,8 +272,8 @@ def test_peaked_rows_keep_dq_accurate(lq, lk, poison_outputs):
 def test_alignment_defaults_document_sdpa_and_flash_attn():
     """is_causal alone is SDPA's top-left; with a window the default is flash-attn's bottom-right."""
     q, k, v = _qkv(lq=3, lk=6)
-    top_left = fatune.inputs.check_inputs(q, k, v, is_causal=True)
-    windowed = fatune.inputs.check_inputs(q, k, v, window_size=(2, 0))
+    top_left = fatune.call.check_inputs(q, k, v, is_causal=True)
+    windowed = fatune.call.check_inputs(q, k, v, window_size=(2, 0))
     assert not top_left.spec.bottom_right and windowed.spec.bottom_right
 
 
@@ -284,9 +284,9 @@ def test_tile_ranges_are_safe_and_tight():
     import triton
     import triton.language as tl
 
-    from fatune import codegen
-    from fatune.heuristics import INTERPRETER_CONFIG
-    from fatune.spec import KernelSpec
+    from fatune.kernel.spec import KernelSpec
+    from fatune.kernel.triton import codegen
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     spec = KernelSpec("float16", 16, causal=False, window_left=True, window_right=True, bottom_right=True)
     module = codegen.load("bwd", spec, INTERPRETER_CONFIG)
@@ -372,7 +372,7 @@ def test_alibi(slopes_shape, causal, poison_outputs):
 # ------------------------------------------------------------------ split-KV and GQA packing (forward structure)
 
 def _structure(splits: int, pack: int):
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     return INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig(16, 16, num_splits=splits, pack_gqa=pack))
 
@@ -421,7 +421,7 @@ def test_split_kv_packed_varlen(splits, pack, lengths_q, lengths_k, poison_outpu
 def test_split_kv_leaves_its_arrival_counts_zero():
     """Each tile's last split resets its arrival count, so the one buffer all launches on a stream
     share is zero again after every launch (else the next launch would merge too early)."""
-    from fatune import launch
+    from fatune.kernel.triton import launch
 
     q, k, v, kwargs = STRUCTURE_CASES[0][1]()
     launch._split_counts.clear()
@@ -442,7 +442,7 @@ def test_gqa_packing_with_dropout_regenerates_each_heads_mask(monkeypatch, poiso
 # ------------------------------------------------------------------ atomic dQ (backward structure)
 
 def _atomic_dq(dkdv=(16, 32), kind=1):
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(*dkdv, atomic_dq=kind))
 
@@ -487,7 +487,7 @@ def test_atomic_dq_packed_varlen_and_dropout(kind, monkeypatch, poison_outputs):
 # ------------------------------------------------------------------ TMA loads in dK/dV (backward structure)
 
 def _tma_dkdv(atomic=0):
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(16, 32, tma=1, atomic_dq=atomic))
 
@@ -520,7 +520,7 @@ def test_tma_dkdv_reads_do_only_where_tma_can(grad_layout, tma, deterministic, m
     """dO comes from autograd in any layout: the backward keeps TMA loads for a dO TMA can read and
     compiles the pointer loads for one it cannot; so does deterministic mode's backward with the dQ kernel
     in place of atomic dQ."""
-    from fatune import codegen
+    from fatune.kernel.triton import codegen
 
     loaded = []
     load = codegen.load
@@ -539,8 +539,8 @@ def test_tma_dkdv_reads_do_only_where_tma_can(grad_layout, tma, deterministic, m
 def test_tma_dq_is_kept_where_tma_can_reduce_into_the_accumulator(head_dim, dtype, expected):
     """atomic_dq=2 needs accumulator rows of a 16-byte multiple (head_dim % 4 == 0); float32 (Kahan sums)
     and head dims up to 16 (atomic dQ's Delta from the 16-bit O is too coarse there) keep the dQ kernel."""
-    from fatune.launch import resolve
-    from fatune.plans import Call
+    from fatune.call import Call
+    from fatune.kernel.triton.resolve import resolve
 
     q, k, v = _qkv(lq=20, lk=36, d=head_dim, dv=head_dim, dtype=dtype, seed=20)
     problem = Call(is_causal=True).check(q, k, v)
@@ -550,12 +550,12 @@ def test_tma_dq_is_kept_where_tma_can_reduce_into_the_accumulator(head_dim, dtyp
 # ------------------------------------------------------------------ head-dim split of dK/dV (backward structure)
 
 def _split_d(tma=0, atomic=0):
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     return INTERPRETER_CONFIG.replace(dkdv=fatune.LaunchConfig(16, 32, tma=tma, atomic_dq=atomic, split_d=2))
 
 
-# the split's cases: ATOMIC_DQ_CASES' at head dims whose halves are 64 lanes or more (fatune.spec.split_d_runs)
+# the split's cases: ATOMIC_DQ_CASES' at head dims whose halves are 64 lanes or more (fatune.kernel.triton.structure.split_d_runs)
 SPLIT_D_CASES = [
     ("plain-ragged", lambda: (*_qkv(lq=37, lk=53, d=72, dv=72, seed=11), {})),
     ("causal-gqa", lambda: (*_qkv(b=2, h=4, hkv=2, lq=45, lk=45, d=72, dv=72, seed=12),
@@ -606,8 +606,8 @@ def test_split_d_with_an_empty_key_sequence(tma, poison_outputs):
 def test_split_d_needs_halves_of_64_lanes(head_dim, head_dim_v, kept):
     """A head-dim half of at least 64 lanes in both head dims, else the launch runs the unsplit kernel (halves of
     16 and 32 gave wrong dK on an H200; 128 and 32 lanes under GQA faulted)."""
-    from fatune.launch import resolve
-    from fatune.plans import Call
+    from fatune.call import Call
+    from fatune.kernel.triton.resolve import resolve
 
     q, k, v = _qkv(lq=20, lk=36, d=head_dim, dv=head_dim_v, seed=21)
     problem = Call(is_causal=True).check(q, k, v)
@@ -615,8 +615,8 @@ def test_split_d_needs_halves_of_64_lanes(head_dim, head_dim_v, kept):
 
 
 def test_atomic_dq_launches_no_dq_kernel():
-    from fatune.launch import Plan
-    from fatune.plans import Call
+    from fatune.call import Call
+    from fatune.kernel.triton.launch import Plan
 
     q, k, v = _qkv(lq=20, lk=36, seed=19)
     call = Call(is_causal=True)
@@ -633,7 +633,7 @@ def test_atomic_dq_launches_no_dq_kernel():
 
 
 def _concurrent_dq(kind=1):
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     return INTERPRETER_CONFIG.replace(dq=fatune.LaunchConfig(32, 16, concurrent=kind))
 
@@ -659,8 +659,8 @@ def test_concurrent_dq_packed_varlen_and_dropout(monkeypatch, poison_outputs):
 def test_concurrent_dq_launches_delta_first():
     """Delta's pass, then dQ and dK/dV in the order asked (`beside`: the one on the second stream); atomic dQ
     leaves no dQ kernel to run beside, and deterministic mode's dQ kernel (the heuristic's) runs in order."""
-    from fatune.launch import Plan
-    from fatune.plans import Call
+    from fatune.call import Call
+    from fatune.kernel.triton.launch import Plan
 
     q, k, v = _qkv(lq=20, lk=36, seed=19)
     problem = Call(is_causal=True).check(q, k, v)
@@ -679,8 +679,8 @@ def test_concurrent_dq_launches_delta_first():
 def test_a_dq_register_cap_stays_with_the_dq_kernel():
     """A capped dQ config (`/r128`) caps the dQ kernel; with atomic dQ, the small kernels around dK/dV take dQ's
     tile and warps but not its cap (measured for the dQ kernel only)."""
-    from fatune.launch import Plan
-    from fatune.plans import Call
+    from fatune.call import Call
+    from fatune.kernel.triton.launch import Plan
 
     q, k, v = _qkv(lq=20, lk=36, seed=19)
     problem = Call(is_causal=True).check(q, k, v)
@@ -697,8 +697,8 @@ def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkey
     (atomic adds land in any order) with the heuristic's dQ tile (an atomic config's dQ tile only sized
     Delta's rows: it was never timed as a dQ kernel); the accuracy rule holds. Off again, the same plan adds
     dQ atomically."""
-    from fatune import codegen
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton import codegen
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     loaded = []
     load = codegen.load
@@ -720,7 +720,7 @@ def test_deterministic_mode_runs_the_dq_kernel_instead_of_atomic_dq(kind, monkey
 
 
 def test_auto_splits_follow_the_grid():
-    from fatune.launch import choose_splits
+    from fatune.kernel.triton.resolve import choose_splits
 
     assert choose_splits(programs=8, key_tiles=512, sms=132) == 16  # decode: one full wave, no partial second
     assert choose_splits(programs=64, key_tiles=512, sms=132) == 2
@@ -757,7 +757,7 @@ HOPPER_CASES = [
 def test_tma_forward(tag, make, poison_outputs):
     """The TMA forward (descriptor loads, zero-filled past the sequence) gives the same attention and
     LSE (so gradients) as the plain kernel's."""
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     q, k, v, kwargs = make()
     config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse(tag))
@@ -770,7 +770,7 @@ def test_tma_forward(tag, make, poison_outputs):
 def test_tma_packed_varlen(poison_outputs):
     """Packed sequences: descriptors span each sequence's rows, so a 64-row tile of a short sequence
     reads (and stores) none of its neighbour's."""
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     q, k, v, cu_q, cu_k = _packed([1, 70, 3], [40, 75, 3], 4, 2, 32, 32, seed=29)
     config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x16/w4/s1/t"))
@@ -779,7 +779,7 @@ def test_tma_packed_varlen(poison_outputs):
 
 
 def _problem(q, k, v, **kwargs):
-    return fatune.inputs.check_inputs(q, k, v, **kwargs)
+    return fatune.call.check_inputs(q, k, v, **kwargs)
 
 
 def _tensors(layout="bhld", d=32, dtype=F16, offset=0, packed=False):
@@ -816,10 +816,10 @@ TMA_LAYOUTS = [  # (case, tensors, TMA kept in the forward, in dK/dV: its descri
 
 @pytest.mark.parametrize("case, tensors, kept", TMA_LAYOUTS, ids=[case[0] for case in TMA_LAYOUTS])
 def test_resolve_keeps_tma_only_for_tensors_tma_can_read(case, tensors, kept, monkeypatch):
-    from fatune import launch
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton import resolve
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
-    monkeypatch.setattr(launch, "tma_available", lambda device: True)
+    monkeypatch.setattr(resolve, "tma_available", lambda device: True)
     q, k, v = tensors()
     if case.startswith("packed"):
         cu = torch.tensor([0, 15, 40], dtype=torch.int32)
@@ -828,7 +828,7 @@ def test_resolve_keeps_tma_only_for_tensors_tma_can_read(case, tensors, kept, mo
         problem = _problem(q, k, v)
     config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse("64x32/w4/s2/t"),
                                         dkdv=fatune.LaunchConfig.parse("32x64/w4/s2/t"))
-    resolved = launch.resolve(config, problem, torch.device("cpu"), (q, k, v))
+    resolved = resolve.resolve(config, problem, torch.device("cpu"), (q, k, v))
     assert (resolved.fwd.tma, resolved.dkdv.tma) == (kept if isinstance(kept, tuple) else (kept, kept)), resolved
 
 
@@ -836,11 +836,11 @@ def test_resolve_keeps_tma_only_for_tensors_tma_can_read(case, tensors, kept, mo
     ((8, 0), False, False), ((8, 9), False, False), ((9, 0), False, True), ((10, 0), False, True),
     (None, True, True), (None, False, False)])
 def test_tma_needs_hopper_or_the_interpreter(arch, interpreting, available, monkeypatch):
-    from fatune import codegen, launch
+    from fatune import hardware
 
-    monkeypatch.setattr(launch, "device_arch", lambda device: arch)
-    monkeypatch.setattr(codegen, "interpreting", lambda: interpreting)
-    assert launch.tma_available(torch.device("cuda" if arch else "cpu")) == available
+    monkeypatch.setattr(hardware, "device_arch", lambda device: arch)
+    monkeypatch.setattr(hardware, "interpreting", lambda: interpreting)
+    assert hardware.tma_available(torch.device("cuda" if arch else "cpu")) == available
 
 
 @pytest.mark.parametrize("tag, spec_args, launched", [
@@ -850,17 +850,17 @@ def test_tma_needs_hopper_or_the_interpreter(arch, interpreting, available, monk
     ("64x64/w4/s3/g/t", {}, "64x64/w4/s3/t"),  # no groups: no packing
 ])
 def test_resolve_keeps_tma_with_the_other_structure(tag, spec_args, launched, monkeypatch):
-    from fatune import launch
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.triton import resolve
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
-    monkeypatch.setattr(launch, "tma_available", lambda device: True)
+    monkeypatch.setattr(resolve, "tma_available", lambda device: True)
     dtype, hkv = spec_args.get("dtype", F16), spec_args.get("hkv", 2)
     # keys past one tile (a key loop that runs once is not pipelined: test_a_loop_that_runs_once_is_not_pipelined)
     q = torch.empty(2, 2, 200, 32, dtype=dtype)
     k = v = torch.empty(2, hkv, 200, 32, dtype=dtype)
     problem = _problem(q, k, v, enable_gqa=hkv != 2)
     config = INTERPRETER_CONFIG.replace(fwd=fatune.LaunchConfig.parse(tag))
-    assert str(launch.resolve(config, problem, torch.device("cpu"), (q, k, v)).fwd) == launched
+    assert str(resolve.resolve(config, problem, torch.device("cpu"), (q, k, v)).fwd) == launched
 
 
 def test_direct_launches_pass_global_scratch(monkeypatch):
@@ -869,7 +869,7 @@ def test_direct_launches_pass_global_scratch(monkeypatch):
     from triton.compiler import CompiledKernel
     from triton.runtime import _allocation
 
-    from fatune import codegen, launch, signature
+    from fatune.kernel.triton import launch, signature
 
     calls = []
 
@@ -888,7 +888,7 @@ def test_direct_launches_pass_global_scratch(monkeypatch):
             calls.append(("triton", grid, warmup))
             return binary
 
-    monkeypatch.setattr(codegen, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "scratch_buffer", lambda size, *rest: torch.zeros(size, dtype=torch.uint8))
     token = _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
     try:
@@ -912,7 +912,7 @@ def test_launches_compile_with_the_register_cap(maxnreg, options, monkeypatch):
     launch (its build, then its launch) and in a compile-only warm-up."""
     import types
 
-    from fatune import codegen, launch, signature
+    from fatune.kernel.triton import launch, signature
 
     seen = []
 
@@ -924,7 +924,7 @@ def test_launches_compile_with_the_register_cap(maxnreg, options, monkeypatch):
         def warmup(self, *args, grid, **kwargs):
             seen.append(kwargs)
 
-    monkeypatch.setattr(codegen, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     values = dict.fromkeys(signature.values("attn_fwd"), 0)
     kernel = launch.KernelLaunch(Jit(), "attn_fwd", (1, 1, 1), fatune.LaunchConfig(64, 64, 4, 3, maxnreg=maxnreg), values)
     slots = (None,) * len(launch.SLOTS)
@@ -1008,7 +1008,7 @@ def test_gpu_variant(name, dtype, poison_outputs, record_gpu_errors):
     (192, "additive", {"is_causal": True, "alibi": True}), (160, "bool-keys", {})])
 def test_gpu_mask_at_large_head_dims(head_dim, mask, kwargs, dtype, poison_outputs, record_gpu_errors):
     """Mask tiles stream beside d > 128 key tiles: the dispatched configs must still fit the GPU's shared memory
-    (the heuristic's three-stage d256 forward did not, session 16) and pass the accuracy rule."""
+    (the heuristic's three-stage d256 forward did not) and pass the accuracy rule."""
     rng = random.Random(stable_seed("large-mask", head_dim, mask, dtype))
     torch.manual_seed(rng.randint(0, 2**31))
     b, h, lq, lk = 2, 4, rng.randint(200, 700), rng.randint(200, 700)
@@ -1036,7 +1036,7 @@ def test_gpu_split_d(head_dim, atomic, dtype, poison_outputs, record_gpu_errors)
     torch.manual_seed(rng.randint(0, 2**31))
     q, k, v = random_qkv(2, 8, 2, rng.randint(300, 700), rng.randint(300, 700), head_dim, head_dim, dtype=dtype,
                          device="cuda")
-    from fatune.heuristics import default_config
+    from fatune.kernel.triton.heuristics import default_config
 
     config = default_config(fatune.KernelSpec(str(dtype).split(".")[1], head_dim, causal=True),
                             torch.cuda.get_device_capability())
@@ -1067,7 +1067,7 @@ def test_gpu_split_d_at_small_head_dims(head_dim, length, causal, layout, tma, p
                                                                      (192, 128, 130, 64), (80, 256, 33, 200)])
 def test_gpu_unequal_head_dims_under_gqa(head_dim, head_dim_v, seqlen_q, seqlen_k, poison_outputs, record_gpu_errors):
     """The dispatched configs of query and value head dims far apart, GQA 3:1 (a d234/dv54 call's split dK/dV
-    kernel faulted with an illegal address on an H200, session 16: fatune.spec.split_d_runs)."""
+    kernel faulted with an illegal address on an H200: fatune.kernel.triton.structure.split_d_runs)."""
     torch.manual_seed(stable_seed("unequal", head_dim, head_dim_v))
     q, k, v = random_qkv(1, 6, 2, seqlen_q, seqlen_k, head_dim, head_dim_v, dtype=torch.float16, device="cuda")
     record_gpu_errors(run_and_compare(q, k, v, enable_gqa=True))
@@ -1116,7 +1116,7 @@ def test_gpu_dropout(dtype, monkeypatch, poison_outputs, record_gpu_errors):
 @pytest.mark.parametrize("case", ["window-256", "padding-25%"])
 def test_gpu_skipped_work_is_not_paid_for(case):
     """At L=8192 a 256-wide window or 25%-valid keys cost well under the dense time (tiles are skipped)."""
-    from fatune.measure import bench
+    from fatune.tuning.timing import bench
 
     q, k, v = random_qkv(2, 16, 16, 8192, 8192, 128, 128, dtype=torch.bfloat16, device="cuda")
     grad_out = torch.randn_like(q)
@@ -1143,8 +1143,8 @@ def test_gpu_skipped_work_is_not_paid_for(case):
 def test_gpu_concurrent_dq(name, dtype, poison_outputs, record_gpu_errors):
     """The dQ kernel on a second stream beside the dK/dV kernel (Delta from the pass before both), either
     launched first, against the accuracy rule; then inside a CUDA graph, whose replay gives the same gradients."""
-    from fatune.dispatch import device_arch
-    from fatune.heuristics import default_config
+    from fatune.hardware import device_arch
+    from fatune.kernel.triton.heuristics import default_config
 
     q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed("concurrent", name, dtype)), dtype)
     base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], q.shape[-1]), device_arch(q.device))
@@ -1176,8 +1176,8 @@ def test_gpu_concurrent_dq(name, dtype, poison_outputs, record_gpu_errors):
                                   "head-dim-256", "alibi", "mask-bool"])
 def test_gpu_atomic_dq(name, dtype, poison_outputs, record_gpu_errors):
     """The atomic-dQ backward on GPU tiles, against the accuracy rule."""
-    from fatune.dispatch import device_arch
-    from fatune.heuristics import default_config
+    from fatune.hardware import device_arch
+    from fatune.kernel.triton.heuristics import default_config
 
     q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed("atomic", name, dtype)), dtype)
     base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], q.shape[-1]), device_arch(q.device))
@@ -1193,8 +1193,8 @@ def test_gpu_atomic_dq(name, dtype, poison_outputs, record_gpu_errors):
 def test_gpu_tma_dkdv(name, dtype, poison_outputs, record_gpu_errors):
     """The dK/dV kernel with TMA query and dO loads (with the dQ kernel, and with TMA-reduced dQ) on GPU
     tiles, against the accuracy rule; dO also in a layout TMA cannot read (the pointer loads then)."""
-    from fatune.dispatch import device_arch
-    from fatune.heuristics import default_config
+    from fatune.hardware import device_arch
+    from fatune.kernel.triton.heuristics import default_config
 
     q, k, v, kwargs = _gpu_case(name, random.Random(stable_seed("tma-dkdv", name, dtype)), dtype)
     base = default_config(fatune.KernelSpec(str(dtype).split(".")[1], q.shape[-1]), device_arch(q.device))
@@ -1236,8 +1236,8 @@ GPU_INFERENCE_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", GPU_INFERENCE_CASES, ids=lambda c: c[0])
 def test_gpu_split_kv(case, dtype, poison_outputs, record_gpu_errors):
-    from fatune.dispatch import device_arch
-    from fatune.heuristics import default_config
+    from fatune.hardware import device_arch
+    from fatune.kernel.triton.heuristics import default_config
 
     name, b, h, hkv, lq, lk, d, splits, pack, seqlens = case
     torch.manual_seed(stable_seed(name, dtype))
@@ -1263,13 +1263,14 @@ def test_gpu_split_kv(case, dtype, poison_outputs, record_gpu_errors):
 def test_key_splits_are_lowered_to_what_the_partials_int32_offsets_address(batch, seqlen_q, forced, launched):
     """A tuned or forced num_splits whose partial results (split, B, H, L_q, D_v) would reach past int32
     offsets costs speed (fewer splits), never a wrong result."""
-    from fatune import launch
-    from fatune.heuristics import INTERPRETER_CONFIG
+    from fatune.kernel.layout import MAX_SLICE_OFFSET
+    from fatune.kernel.triton import resolve
+    from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 
     q = torch.empty(batch, 16, seqlen_q, 64, dtype=F16, device="meta")
     k = v = torch.empty(batch, 16, 4096, 64, dtype=F16, device="meta")
     problem = _problem(q, k, v, check_index_values=False)
     config = INTERPRETER_CONFIG.replace(fwd=dataclasses.replace(INTERPRETER_CONFIG.fwd, num_splits=forced))
-    resolved = launch.resolve(config, problem, torch.device("cpu"), (q, k, v))
+    resolved = resolve.resolve(config, problem, torch.device("cpu"), (q, k, v))
     assert resolved.fwd.num_splits == launched
-    assert (launched - 1) * batch * 16 * seqlen_q * 64 + batch * 16 * seqlen_q * 64 - 1 <= launch.MAX_SLICE_OFFSET
+    assert (launched - 1) * batch * 16 * seqlen_q * 64 + batch * 16 * seqlen_q * 64 - 1 <= MAX_SLICE_OFFSET

@@ -1,107 +1,273 @@
-"""`fatune bench`: fatune against torch SDPA backends and FlexAttention in one run."""
+"""`fatune bench`: the benchmark suites (fatune.bench), fatune beside torch SDPA's backends and FlexAttention."""
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import click
 
-from fatune.cli.options import apply_mask, int_list, mask_variant_options, name_list
+from fatune.bench import SUITES
+from fatune.cli.options import (
+    ARGV,
+    apply_mask,
+    int_list,
+    mask_variant_options,
+    name_list,
+    reexec_interpreted,
+)
+from fatune.settings import interpreting
+
+SUITE_DEFAULTS = {  # per suite: the --head-dims and --lengths a run gets when they are not given
+    "dense": ("64,128", "1024,2048,4096,8192,16384"),
+    "masked": ("128", "8192"),
+}
+RESUMABLE = ("search-quality", "tuning-gain")
+
+
+def _counts(value: str, allow_empty: bool = False) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]: integers from 0 (seeds, indices); '' -> [] where allowed."""
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    if not (parts or allow_empty and not value.strip()) or not all(part.isdigit() for part in parts):
+        raise click.BadParameter(f"expected comma-separated integers from 0 such as 0,1,2, got {value!r}")
+    return [int(part) for part in parts]
+
+
+def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    return None if value is None else int_list(ctx, param, value)
 
 
 @click.command()
-@click.option("--head-dims", default="64,128", show_default=True, callback=int_list, help="Comma-separated head dims.")
-@click.option("--lengths", default="1024,2048,4096,8192,16384", show_default=True, callback=int_list,
-              help="Comma-separated sequence lengths (L_q = L_k).")
+@click.option("--suite", type=click.Choice(SUITES), default=None,
+              help="What to measure (default: dense): dense (the training-step grid), masked (windows, padding, "
+                   "packed documents, GQA, mask tensors), inference (decode, chunked prefill), overhead (host cost "
+                   "per call), search-quality, tuning-gain.")
+@click.option("--head-dims", default=None, callback=_ints_or_none,
+              help="Comma-separated head dims (dense: 64,128; masked: 128).")
+@click.option("--lengths", default=None, callback=_ints_or_none,
+              help="Comma-separated sequence lengths, L_q = L_k (dense: 1024,2048,4096,8192,16384; masked: 8192).")
 @click.option("--causal", type=click.Choice(["both", "yes", "no"]), default="both", show_default=True)
 @click.option("--dtypes", default="bf16", show_default=True, callback=name_list, help="Comma-separated: bf16, fp16.")
-@click.option("--impls", default="fatune,fatune-heuristic,sdpa-cudnn,sdpa-flash,sdpa-efficient,sdpa-math,flex",
-              show_default=True, callback=name_list, help="Implementations to compare.")
+@click.option("--impls", default=None, callback=lambda ctx, param, value: None if value is None else
+              name_list(ctx, param, value),
+              help="Implementations to compare (dense: fatune,fatune-heuristic,sdpa-cudnn,sdpa-flash,"
+                   "sdpa-efficient,sdpa-math,flex; fatune-plain too; masked: fatune,flex,sdpa-cudnn,sdpa-flash,"
+                   "sdpa-efficient; inference: fatune,fatune-unsplit,fatune-paged,sdpa-flash,sdpa-cudnn,"
+                   "sdpa-efficient).")
 @click.option("--gqa", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Query heads per key/value head (grouped-query attention).")
+              help="dense: query heads per key/value head (grouped-query attention).")
 @click.option("--mask", type=click.Choice(["none", "window", "padding", "packed"]), default="none", show_default=True,
-              help="A mask variant on every shape: a causal sliding window (--window keys; implies --causal yes), "
-                   "key padding (--valid-keys of each sequence's keys) or the batch's tokens packed as --documents "
-                   "documents (cu_seqlens; Flex gets a document mask, SDPA cannot take it); competitors get the "
-                   "same mask.")
+              help="dense: a mask variant on every shape: a causal sliding window (--window keys; implies --causal "
+                   "yes), key padding (--valid-keys of each sequence's keys) or the batch's tokens packed as "
+                   "--documents documents (cu_seqlens; Flex gets a document mask, SDPA cannot take it); competitors "
+                   "get the same mask.")
 @mask_variant_options
-@click.option("--tokens", default=16384, show_default=True, help="B * L per shape.")
-@click.option("--model-dim", default=2048, show_default=True, help="H * D per shape.")
+@click.option("--tokens", default=16384, show_default=True, help="dense, masked: B * L per shape.")
+@click.option("--model-dim", default=2048, show_default=True, help="dense, masked: H * D per shape.")
+@click.option("--only", default="", help="masked: the cases whose name contains one of these comma-separated texts.")
 @click.option("--warmup-ms", default=25.0, show_default=True)
 @click.option("--rep-ms", default=100.0, show_default=True)
-@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
-              show_default=True, help="Folder for bench.md, bench.json and bench.png.")
-@click.option("--inference", is_flag=True,
-              help="Only time inference shapes (decode, chunked prefill against a KV cache; GQA 32/8, d128), "
-                   "forward only, against SDPA's backends.")
-@click.option("--overhead", is_flag=True,
-              help="Only measure host cost per call on a tiny problem (1x8x128x64): forward and training step.")
+@click.option("--calls", type=click.IntRange(1), default=2000, show_default=True,
+              help="overhead: calls per round of each workload.")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=5, show_default=True,
-              help="With --overhead: rounds per implementation (the median is reported).")
-@click.option("--dry-run", is_flag=True, help="List the shapes the run would time, and stop (no GPU needed).")
-def bench(head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_keys, documents, tokens, model_dim,
-          warmup_ms, rep_ms, output, inference, overhead, rounds, dry_run) -> None:
-    """Compare fatune with torch SDPA (each backend forced) and FlexAttention, same inputs, one run.
+              help="overhead: rounds per implementation (the median is reported).")
+@click.option("--part", type=click.Choice(["grid", "search", "retime", "gain", "nearest", "tie", "table"]),
+              default=None, help="search-quality: grid, search, retime or table; tuning-gain: gain, nearest, tie or "
+                                 "table (each run adds its part to the output folder's state.json).")
+@click.option("--shapes", "shape_indices", default="", callback=lambda ctx, param, value: _counts(value, True),
+              help="search-quality, tuning-gain: indices into the part's shape list, from 0 (default: all).")
+@click.option("--trials", type=click.IntRange(1), default=None,
+              help="search-quality, tuning-gain: trials per kernel of each search (default 50, 30).")
+@click.option("--seeds", default="0,1,2", show_default=True, callback=lambda ctx, param, value: _counts(value),
+              help="search-quality --part search: the search seeds.")
+@click.option("--sampler", default="tpe", show_default=True,
+              help="search-quality --part search: how trials are drawn (tpe, tpe-independent, random).")
+@click.option("--checkpoints", default="10,20,30,50", show_default=True, callback=int_list,
+              help="search-quality: the trial counts after which each study's best is timed.")
+@click.option("--kernels", default="fwd,dkdv,dq", show_default=True, callback=name_list,
+              help="search-quality --part grid/retime: the kernels (the forward's grid is the largest).")
+@click.option("--regrid", is_flag=True, help="search-quality --part grid: time again the grids of a space that "
+                                            "changed since they were stored.")
+@click.option("--compile-workers", type=click.IntRange(0), default=max(1, min(15, (os.cpu_count() or 2) - 1)),
+              show_default=True, help="search-quality, tuning-gain: processes compiling candidates ahead.")
+@click.option("--db", "db_path", default="tuned_db/nvidia-h200.sqlite", show_default=True,
+              help="tuning-gain --part tie: the tuned DB whose tied entries are timed.")
+@click.option("--merge", type=click.Path(exists=True, file_okay=False, path_type=Path), multiple=True,
+              help="search-quality, tuning-gain: another run's output folder whose state.json is merged in first.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for results.json, results.csv, bench.md and bench.png (default: bench-results/SUITE).")
+@click.option("--inference", is_flag=True, help="Deprecated: --suite inference.")
+@click.option("--overhead", is_flag=True, help="Deprecated: --suite overhead.")
+@click.option("--interpret", is_flag=True,
+              help="Run in Triton's interpreter on the CPU (a smoke run: tiny shapes, wall-clock timings that mean "
+                   "nothing; overhead: fatune's own host cost with no-op launches).")
+@click.option("--dry-run", is_flag=True, help="List what the run would time, and stop (no GPU needed).")
+def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_keys, documents, tokens,
+          model_dim, only, warmup_ms, rep_ms, calls, rounds, part, shape_indices, trials, seeds, sampler,
+          checkpoints, kernels, regrid, compile_workers, db_path, merge, output, inference, overhead, interpret,
+          dry_run) -> None:
+    """Measure fatune beside torch SDPA (each backend forced) and FlexAttention: one suite per run, the same
+    result files for all.
 
     Example:
 
     \b
         fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
         fatune bench --head-dims 128 --lengths 8192 --mask window --window 1024 --impls fatune,flex
-        fatune bench --head-dims 128 --lengths 8192 --causal yes --mask packed --documents 64 --impls fatune,flex
-        fatune bench --overhead --rounds 15
-        fatune bench --inference -o results/
+        fatune bench --suite masked --lengths 2048,8192 --only "window,packed"
+        fatune bench --suite inference -o results/inference
+        fatune bench --suite overhead --rounds 15
+        fatune bench --suite search-quality --part grid --shapes 0 -o sq/
+        fatune bench --suite tuning-gain --part gain --trials 30 -o tg/
     """
-    import torch
+    aliases = [name for name, flag in (("inference", inference), ("overhead", overhead)) if flag]
+    if len(aliases) > 1 or (aliases and suite not in (None, aliases[0])):
+        raise click.UsageError(f"--{aliases[0]} is --suite {aliases[0]}: give one suite")
+    suite = suite or (aliases[0] if aliases else "dense")
+    if aliases:
+        click.echo(f"--{suite} is deprecated: use --suite {suite}", err=True)
+    if part is not None and suite not in RESUMABLE:
+        raise click.UsageError("--part belongs to --suite search-quality or tuning-gain")
+    if suite in RESUMABLE:
+        parts = ("grid", "search", "retime", "table") if suite == "search-quality" else ("gain", "nearest", "tie",
+                                                                                          "table")
+        if part not in parts:
+            raise click.UsageError(f"--suite {suite} takes --part {'|'.join(parts)}")
+    output = output or Path("bench-results") / suite
+    planned = _plan(suite, head_dims, lengths, causal, dtypes, gqa, mask, window, valid_keys, documents, tokens,
+                    model_dim, only)
+    if dry_run:
+        click.echo("\n".join(_listing(suite, planned, part, shape_indices, interpret or interpreting())))
+        return
+    ctx = click.get_current_context()
+    if interpret:
+        reexec_interpreted(ctx)
+    interpret = interpret or interpreting()
+    if not interpret and not (suite in RESUMABLE and part == "table"):
+        import torch
 
-    from fatune import bench as runner
-    from fatune.spec import dtype_name
+        if not torch.cuda.is_available():
+            raise click.ClickException("fatune bench times CUDA kernels and needs a CUDA GPU; none is visible "
+                                       "(--interpret runs a suite in Triton's interpreter on the CPU)")
+    if interpret:
+        click.echo("Triton interpreter: the timings below are NOT meaningful (CPU emulation).", err=True)
+    report = _run(suite, planned, impls, warmup_ms, rep_ms, calls, rounds, part, shape_indices, trials, seeds,
+                  sampler, checkpoints, kernels, regrid, compile_workers, db_path, merge, output, interpret)
+    from fatune.bench import results
+
+    env = results.environment(ctx.meta.get(ARGV), "cpu" if interpret else None)
+    written = results.write(output, report, env)
+    click.echo(results.environment_line(env))
+    click.echo(report.echo or report.markdown)
+    missing = " (no plot: pip install 'fatune[plot]' for matplotlib)" if report.plot and len(written) == 3 else ""
+    click.echo(f"wrote {', '.join(str(path) for path in written)}{missing}")
+
+
+def _plan(suite, head_dims, lengths, causal, dtypes, gqa, mask, window, valid_keys, documents, tokens, model_dim,
+          only) -> list:
+    """The shapes (dense) or cases (masked) a run times; nothing for the other suites."""
+    from fatune.kernel.spec import dtype_name
+
+    if suite not in SUITE_DEFAULTS:
+        return []
+    default_dims, default_lengths = SUITE_DEFAULTS[suite]
+    head_dims = head_dims or [int(d) for d in default_dims.split(",")]
+    lengths = lengths or [int(n) for n in default_lengths.split(",")]
+    dtypes = tuple(dtype_name(d) for d in dtypes)
+    if suite == "masked":
+        from fatune.bench import masked
+
+        return masked.plan(lengths, head_dims, model_dim, tokens, dtypes, only)
+    from fatune.bench import dense
 
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[causal]
-    shapes = apply_mask(runner.default_shapes(tuple(head_dims), tuple(lengths), causal_values,
-                                              tuple(dtype_name(d) for d in dtypes), tokens, model_dim, gqa),
-                        mask, window, valid_keys, documents)
-    if dry_run:
-        click.echo("\n".join(shape.label() for shape in shapes))
-        return
-    if not torch.cuda.is_available():
-        raise click.ClickException("fatune bench times CUDA kernels and needs a CUDA GPU; none is visible")
-    if inference:
-        ceiling = runner.copy_bandwidth()
-        rows = runner.bench_inference(warmup_ms=warmup_ms, rep_ms=rep_ms)
-        meta = runner.environment()
-        lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}; forward only, "
-                 f"median of triton.testing.do_bench; device copy {ceiling:.2f} TB/s", "",
-                 runner.inference_table(rows, ceiling)]
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "inference.md").write_text("\n".join(lines) + "\n")
-        (output / "inference.json").write_text(json.dumps({"meta": meta, "copy_tb_s": ceiling, "rows": rows},
-                                                          indent=1))
-        click.echo("\n".join(lines))
-        return
-    if overhead:
-        click.echo("\n".join(runner.overhead_lines(runner.host_overhead(rounds=rounds), rounds=rounds)))
-        return
-    rows = []
-    with click.progressbar(shapes, label="bench", item_show_func=lambda s: s.label() if s else "") as bar:
-        for shape in bar:
-            rows += runner.bench_shape(shape, impls, warmup_ms, rep_ms)
-    output.mkdir(parents=True, exist_ok=True)
-    meta = runner.environment()
-    table, summary = runner.ratio_table(rows)
-    lines = [f"GPU {meta['gpu']} (sm {meta['capability']}), torch {meta['torch']}, Triton {meta['triton']}, "
-             f"CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, {meta['date']}", "", table, ""]
-    for name in summary.ratios:
-        values = summary.ratios[name]
-        lines.append(f"- fatune / {name}: geometric mean {summary.geomean(name):.3f}, worst {min(values):.3f}, "
-                     f"best {max(values):.3f} over {len(values)} shapes")
-    lines += ["", runner.detail_table(rows)]
-    (output / "bench.md").write_text("\n".join(lines) + "\n")
-    runner.write_json(rows, str(output / "bench.json"), meta)
+    return apply_mask(dense.default_shapes(tuple(head_dims), tuple(lengths), causal_values, dtypes, tokens,
+                                           model_dim, gqa), mask, window, valid_keys, documents)
+
+
+def _listing(suite: str, planned: list, part: str | None, indices: list[int], interpret: bool) -> list[str]:
+    """What --dry-run prints: one line per shape, case or workload."""
+    if suite == "dense":
+        return [shape.label() for shape in planned]
+    if suite == "masked":
+        return [f"{case.name}: {case.shape.label()}" for case in planned]
+    if suite == "inference":
+        from fatune.bench import inference
+
+        return [shape.label() for shape in (inference.INTERPRETER_SHAPES if interpret else inference.INFERENCE_SHAPES)]
+    if suite == "overhead":
+        from fatune.bench import overhead
+
+        return [f"{workload} {impl}: {overhead.SHAPE.label()}" for workload, impl in (
+            ("forward", "fatune"), ("forward", "sdpa"), ("step", "fatune"), ("step", "sdpa"),
+            ("step", "fatune bool mask"), ("step", "fatune prepared mask"), ("step", "sdpa bool mask"),
+            ("step", "empty autograd.Function"))]
+    from fatune.bench import resumable, search_quality, tuning_gain
+
+    if part == "table":
+        return []
+    if suite == "search-quality":
+        shapes = search_quality.INTERPRETER_SHAPES if interpret else search_quality.GPU_SHAPES
+    else:
+        shapes = {"gain": (tuning_gain.INTERPRETER_GAIN, tuning_gain.GAIN_SHAPES),
+                  "nearest": ([s for s, _ in tuning_gain.INTERPRETER_NEAREST], [s for s, _ in tuning_gain.NEAREST_SHAPES]),
+                  "tie": (tuning_gain.INTERPRETER_TIE, tuning_gain.TIE_SHAPES)}[part][0 if interpret else 1]
     try:
-        runner.plot(rows, str(output / "bench.png"))
-    except ImportError:
-        click.echo("matplotlib is not installed: no plot (pip install 'fatune[plot]')", err=True)
-    click.echo("\n".join(lines[:len(lines) - 2]))
-    click.echo(f"wrote {output / 'bench.md'}, bench.json, bench.png")
+        return [f"{part} {shape.label()}" for shape in resumable.pick(list(shapes), indices)]
+    except ValueError as error:
+        raise click.BadParameter(str(error).removeprefix("--shapes: "), param_hint="--shapes") from None
+
+
+def _run(suite, planned, impls, warmup_ms, rep_ms, calls, rounds, part, indices, trials, seeds, sampler,
+         checkpoints, kernels, regrid, compile_workers, db_path, merge, output, interpret):
+    """Run the suite; its Report."""
+    if suite == "dense":
+        from fatune.bench import dense
+
+        with click.progressbar(planned, label="bench", item_show_func=lambda s: s.label() if s else "") as bar:
+            return dense.run(planned, impls or dense.DEFAULT_IMPLS, warmup_ms, rep_ms, each=lambda _: bar)
+    if suite == "masked":
+        from fatune.bench import masked
+
+        with click.progressbar(planned, label="bench", item_show_func=lambda c: c.name if c else "") as bar:
+            return masked.run(planned, impls, warmup_ms, rep_ms, each=lambda _: bar)
+    if suite == "inference":
+        from fatune.bench import inference
+
+        return inference.run(tuple(impls) if impls else None, warmup_ms, rep_ms)
+    if suite == "overhead":
+        from fatune.bench import overhead
+
+        return overhead.run(calls, rounds)
+    from fatune.bench import resumable
+
+    if merge:
+        state = resumable.load(output)
+        for folder in merge:
+            resumable.merge(state, resumable.load(folder))
+        resumable.save(output, state)
+    echo = click.echo  # progress lines as they come
+    try:
+        if suite == "search-quality":
+            from fatune.bench import search_quality
+            from fatune.tuning.study import SAMPLERS
+
+            if sampler not in SAMPLERS:
+                raise click.BadParameter(f"expected one of {', '.join(SAMPLERS)}, got {sampler!r}",
+                                         param_hint="--sampler")
+            unknown = set(kernels) - set(search_quality.KERNELS)
+            if unknown:
+                raise click.BadParameter(f"expected a comma-separated subset of fwd,dkdv,dq, got {','.join(kernels)}",
+                                         param_hint="--kernels")
+            return search_quality.run(output, part, interpret=interpret, shapes=indices, kernels=tuple(kernels),
+                                      seeds=tuple(seeds), trials=trials or search_quality.TRIALS,
+                                      checkpoints=tuple(checkpoints), sampler=sampler, regrid=regrid,
+                                      compile_workers=compile_workers, echo=echo)
+        from fatune.bench import tuning_gain
+
+        return tuning_gain.run(output, part, interpret=interpret, shapes=indices, trials=trials or tuning_gain.TRIALS,
+                               db=db_path, compile_workers=compile_workers, echo=echo)
+    except ValueError as error:
+        if "--shapes" in str(error):
+            raise click.BadParameter(str(error).removeprefix("--shapes: "), param_hint="--shapes") from None
+        raise

@@ -6,10 +6,15 @@ from pathlib import Path
 
 import click
 
-from fatune import codegen as generator
-from fatune.cli.options import kernel_spec_options, launch_config_options, parse_capability
-from fatune.heuristics import default_config
-from fatune.spec import KernelSpec, LaunchConfig, with_runnable_split_d
+from fatune.cli.options import (
+    kernel_spec_options,
+    launch_config_options,
+    parse_capability,
+)
+from fatune.kernel.family import family
+from fatune.kernel.spec import KernelSpec, LaunchConfig
+from fatune.kernel.triton.heuristics import default_config
+from fatune.kernel.triton.structure import with_runnable_split_d
 
 
 @click.command()
@@ -43,7 +48,7 @@ def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
     config = with_runnable_split_d(config, spec)  # as a launch runs it
     kinds = ["fwd", "bwd"] if kernel == "all" else [kernel]
     for kind in kinds:
-        source = generator.render(kind, spec, config)
+        source = family().render(kind, spec, config)
         if output is None:
             click.echo(source, nl=False)
             continue

@@ -9,7 +9,12 @@ from typing import Callable
 
 import click
 
-from fatune.cli.options import MAX_LENGTH, parse_capability, parse_dtype, reexec_interpreted
+from fatune.cli.options import (
+    MAX_LENGTH,
+    parse_capability,
+    parse_dtype,
+    reexec_interpreted,
+)
 
 
 def db_option(fn: Callable) -> Callable:
@@ -200,8 +205,8 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
         with _open(db_path, readonly=False, create=False):  # a DB that cannot be used fails before the restart
             pass
         reexec_interpreted(click.get_current_context())
-    from fatune.refresh import none_refreshed, refresh_db
-    from fatune.search import Target
+    from fatune.tuning.refresh import none_refreshed, refresh_db
+    from fatune.tuning.target import Target
 
     try:
         target = Target.detect(interpret)
@@ -259,12 +264,13 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, sms, he
     """
     import torch
 
-    from fatune import codegen
-    from fatune.db import check_readable, is_decode, seqlen_bucket
-    from fatune.dispatch import Dispatcher, device_arch, device_identity, sm_count
-    from fatune.inputs import check_inputs
-    from fatune.measure import Shape
-    from fatune.spec import DTYPES
+    from fatune.call import check_inputs
+    from fatune.db import check_readable
+    from fatune.hardware import device_arch, device_identity, sm_count
+    from fatune.kernel.spec import DTYPES
+    from fatune.kernel.triton import codegen
+    from fatune.runtime.dispatch import Dispatcher
+    from fatune.tuning.shape import Shape
 
     if heads % (kv_heads or heads):
         raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}", param_hint="--kv-heads")
@@ -292,8 +298,7 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, sms, he
         raise click.UsageError(f"no such call: {error}") from None
     if sms is None and not (gpu or capability):
         sms = sm_count(device)  # this machine's GPU (the interpreter's 4 without one)
-    shares = sms is not None and is_decode(seqlen_bucket(seqlen)) and shape.decode_shares_sms(sms)
-    decision = Dispatcher(user_db=db_path).lookup(problem, name, cap, arch, shares)
+    decision = Dispatcher(user_db=db_path).lookup(problem, name, cap, arch, sms)
     click.echo(f"call: {shape.label()} on {name} (sm {cap})")
     click.echo(decision.describe())
     for kind in ("fwd", "bwd"):

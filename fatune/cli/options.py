@@ -9,8 +9,13 @@ from typing import Callable
 
 import click
 
-from fatune.spec import STRUCTURE_OWNER, LaunchConfig, dtype_name, misplaced_structure
-
+from fatune.kernel.spec import (
+    STRUCTURE_OWNER,
+    LaunchConfig,
+    dtype_name,
+    misplaced_structure,
+)
+from fatune.settings import INTERPRET_ENV, interpreting
 
 ARGV = "fatune.argv"  # the key of the command line's arguments in click's ctx.meta (FatuneGroup records them)
 
@@ -18,10 +23,10 @@ ARGV = "fatune.argv"  # the key of the command line's arguments in click's ctx.m
 def reexec_interpreted(ctx: click.Context) -> None:
     """Start this command again with TRITON_INTERPRET=1 unless it is set, for --interpret: triton.language decides
     between interpreted and compiled kernels when first imported, and compiled ones find no driver without a GPU."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return
     args = ctx.meta.get(ARGV, sys.argv[1:])
-    os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli", *args], {**os.environ, "TRITON_INTERPRET": "1"})
+    os.execvpe(sys.executable, [sys.executable, "-m", "fatune.cli", *args], {**os.environ, INTERPRET_ENV: "1"})
 
 
 def parse_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -21,12 +21,12 @@ from fatune.cli.options import (
 
 PROGRESS_S = 1.0  # the progress bar counts the storage's finished trials at most this often
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
-DECODE_QUERIES = 16  # fatune.heuristics.DECODE_QUERIES (not imported here: `fatune --help` stays fast)
+DECODE_QUERIES = 16  # fatune.kernel.triton.heuristics.DECODE_QUERIES (not imported here: `fatune --help` stays fast)
 
 
 def default_batch(tokens: int, seqlen_q: int, seqlen_k: int) -> int:
     """The batch when --batch is not given: B * L_q = tokens for prefill (training) shapes; for decode shapes
-    (L_q <= DECODE_QUERIES, the query bucket fatune.search.forward_only tests; searched forward-only),
+    (L_q <= DECODE_QUERIES, the query bucket fatune.tuning.study.forward_only tests; searched forward-only),
     B * L_k = tokens: a KV cache of that many tokens."""
     return max(1, tokens // (seqlen_k if seqlen_q <= DECODE_QUERIES else seqlen_q))
 
@@ -109,9 +109,9 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     if interpret:
         reexec_interpreted(click.get_current_context())
     from fatune import db as tuned_db
-    from fatune import storage as studies
-    from fatune import workers as hosts
-    from fatune.measure import Shape
+    from fatune.tuning import storage as studies
+    from fatune.tuning import workers as hosts
+    from fatune.tuning.shape import Shape
 
     # the interpreter runs tiles as numpy arrays: keep its default shapes small
     lengths = lengths_q or lengths_old or list(DEFAULT_LENGTHS if not interpret else (64, 128))
@@ -150,18 +150,19 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         workers = hosts.worker_count(workers, interpret)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--workers") from None
-    from fatune import compile_log
-    from fatune import search as tuner
+    from fatune.tuning import compile_log
+    from fatune.tuning.space import GPU_SPACE, INTERPRETER_SPACE
+    from fatune.tuning.target import Target
 
     log = compile_log.start()  # every worker's compiler output goes to this one file, if any is printed
     job = hosts.Job(tuple(shapes), trials, time_budget, storage, seed,
-                    tuner.INTERPRETER_SPACE if interpret else tuner.GPU_SPACE, interpret,
+                    INTERPRETER_SPACE if interpret else GPU_SPACE, interpret,
                     hosts.compile_worker_count(compile_workers, workers, interpret), str(log))
     try:
         database = tuned_db.TunedDB(db_path)
     except tuned_db.DBError as error:
         raise click.ClickException(str(error)) from None
-    from fatune.precompile import CompilePool
+    from fatune.tuning.precompile import CompilePool
 
     # started first: its processes import torch and Triton while this one opens the storage and the GPU and
     # starts the helpers (the first candidates' compiles wait for the pool's start)
@@ -171,7 +172,7 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
         except ValueError as error:
             raise click.ClickException(f"--storage {error}") from None
         try:
-            target = tuner.Target.detect(interpret)
+            target = Target.detect(interpret)
         except RuntimeError as error:
             raise click.ClickException(str(error)) from None
         started = time.time()
@@ -199,13 +200,15 @@ def _search(job, target, storage, database, pool) -> list:
     ETA) and store each one's winners as soon as they are measured; [(result, stored)]."""
     import optuna
 
-    from fatune import search as tuner
+    from fatune.tuning import search as tuner
+    from fatune.tuning.space import trial_budget
+    from fatune.tuning.study import shape_kernels
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a Ctrl-C'd trial's traceback is not the user's business
     shapes = list(job.shapes)
     results = []
-    total = sum(tuner.trial_budget(job.space, target, shape, kernel, job.trials)
-                for shape in shapes for kernel in tuner.shape_kernels(shape))
+    total = sum(trial_budget(job.space, target, shape, kernel, job.trials)
+                for shape in shapes for kernel in shape_kernels(shape))
     with click.progressbar(length=total, label="search", file=sys.stderr, show_pos=True,
                            show_eta=True) as bar:
         refreshed = [0.0]
@@ -220,7 +223,7 @@ def _search(job, target, storage, database, pool) -> list:
             bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
             refresh()
 
-        # shapes are pipelined (fatune.search.search_shapes): each result comes once its studies are done
+        # shapes are pipelined (fatune.tuning.search.search_shapes): each result comes once its studies are done
         found = tuner.search_shapes(shapes, target, trials=job.trials, seconds=job.seconds, storage=storage,
                                     seed=job.seed, space=job.space, pool=pool, on_trial=on_trial,
                                     warm=lambda shape: tuner.warm_starts(database, target, shape))
@@ -282,7 +285,7 @@ def _print_table(results, target, db_path, seconds: float, workers: int) -> None
                f"with {workers} worker{'s' if workers > 1 else ''} on this host")
 
 
-BREAKDOWN_COLUMNS = (  # (phase in ShapeResult.breakdown, column title); fatune.search.SHAPE_PHASES plus "other"
+BREAKDOWN_COLUMNS = (  # (phase in ShapeResult.breakdown, column title); fatune.tuning.search.SHAPE_PHASES plus "other"
     ("studies", "studies"), ("inputs", "inputs"), ("reference", "ref"), ("ask", "ask"),
     ("compile_wait", "compile"), ("build", "build"), ("check", "check"), ("quick", "quick"), ("full", "full"),
     ("tell", "tell"), ("census", "census"), ("wait", "wait"), ("progress", "progress"), ("sdpa", "sdpa"),

@@ -1,0 +1,262 @@
+"""`fatune.attention`: the public call, its autograd Function, `fatune.explain` and the module.
+
+The generated kernels read Q, K, V and dO through their strides, so no input is copied;
+outputs and gradients are allocated in the layout of the tensor they mirror. A call's
+checks, dispatch and kernel arguments are prepared once per call signature
+(fatune.runtime.plans); under torch.compile the call goes through the custom ops instead
+(fatune.ops), which prepare the same plans when they run; under torch.func transforms, through a
+Function that prepares them in its forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fatune import ops
+from fatune.call import PAGED_GRADIENTS, Call, check_flag
+from fatune.kernel.family import family
+from fatune.kernel.spec import AttentionConfig, KernelSpec
+from fatune.kernel.triton import dropout
+from fatune.kernel.triton.launch import NO_EXTRAS, Plan
+from fatune.runtime.dispatch import Decision
+from fatune.runtime.plans import dense_gradients, prepare, prepare_plain, run_without_kernels
+
+DOUBLE_BACKWARD = "fatune.attention: double backward (create_graph=True) is not supported"
+VMAP = ("fatune.attention does not support torch.func.vmap (nor jacrev/jacfwd, which vmap): fold the vmapped dim "
+        "into the batch dim (B) of one call, or loop over it; torch.func.grad and vjp are supported")
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Forward saves Q, K, V, O and the per-row LSE; backward recomputes P tile by tile.
+
+    The mask and index tensors (`extras`) are saved too, so that an in-place write to one between the forward and
+    the backward raises torch's "modified by an inplace operation" error instead of changing the gradients."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, plan: Plan, extras: tuple):
+        seed = dropout.draw_seed(query.device) if plan.uses_seed else None
+        out, lse, key_spans = plan.forward_with_spans(query, key, value, extras, seed)
+        ctx.save_for_backward(query, key, value, out, *(t for t in extras if t is not None))
+        ctx.state = plan, lse, extras, seed, key_spans  # LSE and a mask's key spans: not inputs or outputs
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD)
+        query, key, value, out, *_ = ctx.saved_tensors  # checks the saved tensors' versions
+        plan, lse, extras, seed, key_spans = ctx.state
+        grad_query, grad_key, grad_value = plan.backward(grad_out, query, key, value, out, lse, extras, seed,
+                                                         key_spans)
+        return grad_query, grad_key, grad_value, None, None
+
+
+def _unwrapped(tensor: torch.Tensor, levels: int = 1 << 30) -> torch.Tensor:
+    """The plain tensor inside torch.func's gradient-tracking wrappers (what the kernels read); vmap's batched
+    tensors are refused (VMAP), and so are more than `levels` wrappers (an outer transform that would
+    differentiate the result: DOUBLE_BACKWARD)."""
+    depth = 0
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        if torch._C._functorch.is_batchedtensor(tensor):
+            raise NotImplementedError(VMAP)
+        depth += 1
+        if depth > levels:
+            raise RuntimeError(f"{DOUBLE_BACKWARD}: torch.func.grad of a gradient")
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
+class _TransformedAttention(torch.autograd.Function):
+    """fatune.attention under torch.func transforms (grad, vjp), which take a Function with setup_context: the
+    call is prepared inside the forward, where the transforms have unwrapped the tensors. Outputs: O, and the
+    LSE, key spans and dropout seed the backward takes (empty where the call has none)."""
+
+    @staticmethod
+    def forward(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None):
+        prepared = prepare(query, key, value, call, config, strict)
+        none = query.new_empty((0,))
+        if prepared.plan is None:
+            return run_without_kernels(prepared, query, key, value, call), none, none, none
+        seed = dropout.draw_seed(query.device) if prepared.plan.uses_seed else None
+        out, lse, key_spans = prepared.plan.forward_with_spans(query, key, value, call.extras, seed)
+        return out, lse, none if key_spans is None else key_spans, none if seed is None else seed
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, call, config, strict = inputs
+        out, lse, key_spans, seed = output
+        ctx.mark_non_differentiable(lse, key_spans, seed)
+        ctx.save_for_backward(query, key, value, out, lse, key_spans, seed, *(t for t in call.extras if t is not None))
+        ctx.call = call, config, strict
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # torch.func.grad differentiates with create_graph=True
+    def backward(ctx, grad_out, *_):
+        saved = ctx.saved_tensors
+        # one wrapper: the torch.func.grad that runs this backward; more: a transform outside it differentiates too
+        grad_out, query, key, value, out, lse, key_spans, seed = (_unwrapped(t, 1) for t in (grad_out, *saved[:7]))
+        call, config, strict = ctx.call
+        call = Call(*(_unwrapped(x) if isinstance(x, torch.Tensor) else x for x in call))
+        with torch._C._DisableFuncTorch():  # the buffers the backward makes: plain tensors, as the kernels take
+            prepared = prepare(query, key, value, call, config, strict)
+            if prepared.plan is None:
+                grads = dense_gradients(prepared, query, key, value, call, grad_out)
+            else:
+                grads = prepared.plan.backward(grad_out, query, key, value, out, lse, call.extras,
+                                               seed if seed.numel() else None, key_spans if key_spans.numel() else None)
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError(VMAP)
+
+
+# `_FlashAttention.apply` is torch's Python wrapper around the C `_FunctionBase.apply`; for a
+# Function without setup_context, outside functorch transforms, it only unwraps dead functorch
+# wrappers among the tensor arguments. attention() does that itself and calls the C apply.
+_apply = super(torch.autograd.Function, _FlashAttention).apply
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# The autograd engine calls the node's `apply`, torch's Python method that looks up the user's
+# backward (or vjp) on every call; ours is `backward`, bound once.
+_FlashAttention._backward_cls.apply = _FlashAttention.backward
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    causal_alignment: str | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    block_table: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+    strict: bool | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention through fatune's generated FlashAttention kernels.
+
+    Shaped like ``torch.nn.functional.scaled_dot_product_attention``; differentiable in
+    query, key and value. See README.md ("fatune.attention") for the full table.
+
+    - query (B, H, L_q, D), key (B, H_kv, L_k, D), value (B, H_kv, L_k, D_v): any strides,
+      float16 / bfloat16 / float32, one device; H % H_kv == 0 with enable_gqa=True.
+      Packed variable-length batches: (total, H, D) tensors with cu_seqlens_q/k (int32).
+    - attn_mask: bool (True = keep) or additive float, broadcastable to (B, H, L_q, L_k).
+    - is_causal: key j visible to query i when j <= i + offset; window_size=(left, right)
+      keeps i + offset - left <= j <= i + offset + right (-1 = unbounded). offset is 0
+      for causal_alignment="top_left" (torch SDPA; default for is_causal alone) and
+      L_k - L_q for "bottom_right" (flash-attn; default with a window or packed inputs).
+      For L_q = 2, L_k = 4::
+
+          top_left      bottom_right
+          1 0 0 0       1 1 1 0
+          1 1 0 0       1 1 1 1
+
+    - alibi_slopes: float32 (H,) or (B, H); adds -slope * |i + offset - j| to the scores.
+    - seqlens_k: int32 (B,) keys per batch element; later keys are skipped, not computed.
+    - block_table: int32 (B, pages per sequence) for a paged K/V cache (inference, no gradients):
+      key and value are (pages, H_kv, page size, D) and sequence b's keys are the pages
+      block_table[b] names, in order (with seqlens_k: its first seqlens_k[b] keys).
+    - dropout_p: dropout on the attention probabilities (seeded from torch's generator on
+      the tensors' device).
+    - Rows that see no key return 0 (torch SDPA returns NaN there) and get zero gradients.
+    - config: force launch configs; strict (or $FATUNE_STRICT=1): raise instead of falling back.
+
+    On CPU tensors the kernels run in Triton's interpreter when TRITON_INTERPRET=1;
+    otherwise the call falls back to a dense torch implementation and logs why, once.
+    """
+    if block_table is not None and torch.is_grad_enabled() and \
+            (query.requires_grad or key.requires_grad or value.requires_grad):
+        raise ValueError(PAGED_GRADIENTS)
+    compiling, transformed = torch.compiler.is_compiling(), _functorch_active()
+    plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
+        cu_seqlens_k is None and block_table is None
+    if plain and not (compiling or transformed):  # the common call: no Call object, a shorter key
+        prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                 causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
+        if prepared.plan is not None:
+            return _run(prepared.plan, query, key, value, NO_EXTRAS)
+    call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
+                seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    if compiling:
+        check_flag("strict", strict, optional=True)
+        return ops.attention(query, key, value, call, config)
+    if transformed:
+        return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
+    if not plain:
+        prepared = prepare(query, key, value, call, config, strict)
+    if prepared.plan is None:
+        return run_without_kernels(prepared, query, key, value, call)
+    return _run(prepared.plan, query, key, value, call.extras)
+
+
+def _run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, extras: tuple) -> torch.Tensor:
+    """A prepared call's kernels: through the autograd Function where a gradient is wanted."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return _apply(_unwrap_if_dead(query), _unwrap_if_dead(key), _unwrap_if_dead(value), plan, extras)
+    seed = dropout.draw_seed(query.device) if plan.uses_seed else None
+    return plan.forward(query, key, value, extras, seed)[0]
+
+
+class FlashAttention(torch.nn.Module):
+    """Drop-in attention module: forward(query, key, value, **kwargs) = fatune.attention(..., **defaults, **kwargs)."""
+
+    def __init__(self, **defaults):
+        super().__init__()
+        self.defaults = defaults
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+        return attention(query, key, value, **{**self.defaults, **kwargs})
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What fatune.attention would run for a call, and why."""
+
+    backend: str  # "triton" (compiled), "triton-interpreter" or "torch-fallback"
+    spec: KernelSpec
+    decision: Decision | None
+    sources: dict[str, str]  # kernel module -> generated source file
+    reason: str
+    launched: AttentionConfig | None = None  # the config with its launch-time choices made (launch.resolve)
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend}", f"mask variant: {self.spec.mask_variant} ({self.spec.dtype}, "
+                 f"d={self.spec.head_dim}, dv={self.spec.head_dim_v})", f"why: {self.reason}"]
+        if self.decision is not None:
+            lines.append(self.decision.describe())
+            if self.launched is not None and self.launched != self.decision.config:
+                lines.append(f"launched: fwd {self.launched.fwd} | dkdv {self.launched.dkdv} | dq {self.launched.dq} "
+                             f"(choices made for these tensors, this GPU and torch's deterministic mode)")
+        lines += [f"source ({kind}): {path}" for kind, path in self.sources.items()]
+        return "\n".join(lines)
+
+
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, config: AttentionConfig | None = None,
+            strict: bool | None = None, **kwargs) -> Explanation:
+    """Which tuned entry, config, generated source file and DB layer fatune.attention(same arguments) would use."""
+    call = Call(*args, **kwargs)
+    spec = call.check(query, key, value).spec
+    prepared = prepare(query, key, value, call, config, strict)
+    if prepared.plan is None:
+        backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
+        return Explanation(backend, spec, None, {}, prepared.reason)
+    plan = prepared.plan
+    launched = plan.config if plan.adds_dq_atomically() else plan.deterministic_config()  # torch's mode now
+    sources = {kind: str(family(launched.family).source_path(kind, plan.spec, launched)) for kind in ("fwd", "bwd")}
+    backend = "triton" if query.device.type == "cuda" else "triton-interpreter"
+    reason = prepared.reason + (f"; {plan.build_failure}" if plan.build_failure else "")
+    return Explanation(backend, spec, prepared.decision, sources, reason, launched)

@@ -1,0 +1,62 @@
+"""Kernel families: the code generators fatune can run a call's kernels with, in one registry.
+
+A family renders its kernels from a template folder of its own, says which calls it can serve, gives its
+built-in config for a call, builds the plan that launches a call's kernels, and hashes the kernel sources a
+config can launch (what a tuned entry stores). The runtime, the search, the tuned DB and the CLI find a family
+here by name (a config names its own: AttentionConfig.family); a new family plugs in by joining FAMILIES below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from fatune.hardware import Arch
+from fatune.kernel.codegen import Templates
+from fatune.kernel.gluon.family import GLUON
+from fatune.kernel.problem import AttentionProblem
+from fatune.kernel.spec import AttentionConfig, KernelSpec
+from fatune.kernel.triton.family import TRITON
+
+DEFAULT_FAMILY = "triton"
+
+
+class KernelFamily(Protocol):
+    """What the runtime, the search, the tuned DB and the CLI ask of a kernel family."""
+
+    name: str
+    templates: Templates
+    kinds: tuple[str, ...]  # the modules it renders per call ("fwd", "bwd")
+
+    def serves(self, spec: KernelSpec, device: torch.device) -> str | None:
+        """None if the family can run calls of `spec` on `device`; else why not (one line)."""
+
+    def heuristic(self, problem: AttentionProblem, arch: Arch | None, sms: int | None) -> AttentionConfig:
+        """The built-in config for `problem` on a GPU of compute capability `arch` with `sms` multiprocessors."""
+
+    def render(self, kind: str, spec: KernelSpec, config: AttentionConfig) -> str:
+        """The source of one of its modules (`kind`) for `spec` and `config`."""
+
+    def source_path(self, kind: str, spec: KernelSpec, config: AttentionConfig) -> Path:
+        """The cache file that holds (or will hold) one of its modules for `spec` and `config`."""
+
+    def kernel_hashes(self, spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
+        """The code hashes of every source `config` can launch for `spec` ("KIND:HASH,..."; a tuned entry's)."""
+
+    def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
+             sources: frozenset[str] | None) -> Any:
+        """What launches `problem`'s kernels with `config` (forward_with_spans, backward; see the Triton plan)."""
+
+
+FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (TRITON, GLUON)}
+
+
+def family(name: str = DEFAULT_FAMILY) -> KernelFamily:
+    """The registered family `name`; ValueError naming the known ones otherwise."""
+    found = FAMILIES.get(name)
+    if found is None:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {name!r}")
+    return found

@@ -1,0 +1,42 @@
+"""The Gluon family's code generation: the options its forward template (templates/gluon/) renders from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from fatune.kernel import codegen
+from fatune.kernel.codegen import Templates
+from fatune.kernel.spec import GluonConfig, KernelSpec
+
+TEMPLATES = Templates("gluon")
+HEAD_DIMS = (64, 128, 256)
+
+
+def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
+    """The options the forward template renders from."""
+    return {
+        "template_name": f"{TEMPLATES.folder}/attn_fwd.py.jinja",
+        "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
+        "config_json": json.dumps(config.to_dict(), sort_keys=True),
+        "HEAD_DIM": spec.head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
+        "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs,
+        "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right,
+    }
+
+
+def render(spec: KernelSpec, config: GluonConfig) -> str:
+    """Gluon source of the forward kernel for one spec and config."""
+    return TEMPLATES.render("attn_fwd.py.jinja", template_options(spec, config))
+
+
+def source_path(spec: KernelSpec, config: GluonConfig) -> Path:
+    return codegen.cache_dir() / f"gluon_fwd_{TEMPLATES.source_key('fwd', template_options(spec, config))}.py"
+
+
+def load(spec: KernelSpec, config: GluonConfig) -> ModuleType:
+    """Import the generated forward for (spec, config), rendering it into the kernel cache if needed."""
+    return codegen.load(("gluon", "fwd", spec, config), lambda: source_path(spec, config),
+                        lambda: render(spec, config), interpreted=False)

@@ -1,0 +1,74 @@
+"""The Gluon family: the warp-specialized Hopper forward of templates/gluon/, the Triton family's backward after it.
+
+It serves the calls `unserved` lets through (Hopper, 16-bit, head dims 64/128/256, no mask or a causal one);
+a config with a Gluon forward for any other call runs the Triton family instead, said once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fatune.hardware import Arch
+from fatune.kernel.codegen import Templates
+from fatune.kernel.gluon import codegen
+from fatune.kernel.gluon.launch import GluonPlan, unserved
+from fatune.kernel.problem import AttentionProblem
+from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec, LaunchConfig
+from fatune.kernel.triton import resolve
+from fatune.kernel.triton.family import TRITON
+from fatune.kernel.triton.resolve import source_hash
+
+TRITON_FORWARD = LaunchConfig(64, 64)  # any Triton forward: only the backward's hashes are taken from its config
+
+
+def default_forward(spec: KernelSpec) -> GluonConfig:
+    """The forward's config before a search (an H100 sweep, bf16, B L = 16384, H D = 2048, forward beside cuDNN's):
+    128-key tiles two deep; at d64 without a causal mask three consumer warpgroups (0.96-0.98x cuDNN, two: 0.92);
+    64-key tiles at d256, whose 128-key tiles would not fit 227 KiB of shared memory."""
+    if spec.head_dim > 128:
+        return GluonConfig(block_n=64, num_stages=2)
+    if spec.head_dim <= 64 and not spec.causal:
+        return GluonConfig(block_n=128, num_stages=2, consumers=3, consumer_regs=160, maxnreg=128)
+    return GluonConfig(block_n=128, num_stages=2)
+
+
+@dataclass(frozen=True)
+class GluonFamily:
+    name: str = "gluon"
+    templates: Templates = codegen.TEMPLATES
+    kinds: tuple[str, ...] = ("fwd",)
+
+    def serves(self, spec: KernelSpec, device: torch.device) -> str | None:
+        return unserved(spec, device)
+
+    def heuristic(self, problem: AttentionProblem, arch: Arch | None, sms: int | None) -> AttentionConfig:
+        """The Triton family's heuristic with this family's forward (default_forward)."""
+        return TRITON.heuristic(problem, arch, sms).replace(fwd=default_forward(problem.spec))
+
+    def render(self, kind: str, spec: KernelSpec, config: AttentionConfig) -> str:
+        if kind == "fwd":
+            return codegen.render(spec, config.fwd)
+        return TRITON.render(kind, spec, config)
+
+    def source_path(self, kind: str, spec: KernelSpec, config: AttentionConfig) -> Path:
+        if kind == "fwd":
+            return codegen.source_path(spec, config.fwd)
+        return TRITON.source_path(kind, spec, config)
+
+    def kernel_hashes(self, spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
+        """The Gluon forward's code hash and the Triton backward's (as the Triton family hashes them)."""
+        triton_hashes = resolve.kernel_hashes(spec, config.replace(fwd=TRITON_FORWARD), grouped).split(",")
+        backward = [entry for entry in triton_hashes if entry.startswith("bwd:")]
+        return ",".join(sorted({source_hash("fwd", codegen.render(spec, config.fwd)), *backward}))
+
+    def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
+             sources: frozenset[str] | None) -> GluonPlan:
+        return GluonPlan(problem, config, device, q, k, v, fallback or TRITON.heuristic(problem, (9, 0), None),
+                         sources)
+
+
+GLUON = GluonFamily()

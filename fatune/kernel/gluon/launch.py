@@ -1,0 +1,130 @@
+"""Launching the Gluon forward, and the plan of a call whose forward it runs (the Triton backward after it).
+
+The kernel reads Q, K, V and writes O through four-dim TMA descriptors made per call from the tensors' own
+shapes and strides ((B, H, L, D), any dim order whose strides TMA can address), so no input is copied, a
+ragged last tile reads zeros and writes nothing past the sequence, and GQA reads K/V head h // GROUP. The O and
+LSE it writes are in the Triton family's layouts, so that family's backward runs after it unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from fatune.hardware import device_arch
+from fatune.kernel.gluon import codegen
+from fatune.kernel.problem import NO_EXTRAS, AttentionProblem
+from fatune.kernel.spec import GLUON_SPLIT_M, AttentionConfig, GluonConfig, KernelSpec
+from fatune.kernel.triton.launch import Plan, StaleKernels
+from fatune.kernel.triton.resolve import source_hash, tma_readable
+from fatune.logs import warn_once
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+SERVED_VARIANTS = ("none", "causal", "causal+bottom-right")
+
+
+def unserved(spec: KernelSpec, device: torch.device) -> str | None:
+    """None if the Gluon forward can run calls of `spec` on `device`; else why not (one line)."""
+    if device.type != "cuda" or device_arch(device) != (9, 0):
+        return "the Gluon forward runs on Hopper (sm_90) GPUs"
+    if spec.dtype not in ("float16", "bfloat16"):
+        return f"the Gluon forward takes float16 and bfloat16, not {spec.dtype}"
+    if spec.head_dim != spec.head_dim_v or spec.head_dim not in codegen.HEAD_DIMS:
+        return f"the Gluon forward takes head dims {codegen.HEAD_DIMS} (equal for q and v), not {spec.head_dim}/{spec.head_dim_v}"
+    if spec.mask_variant not in SERVED_VARIANTS or spec.paged:
+        return f"the Gluon forward does not take the {spec.mask_variant} variant yet"
+    return None
+
+
+class GluonForward:
+    """The Gluon forward of one call signature: its compiled kernel, grid and scalar arguments."""
+
+    def __init__(self, problem: AttentionProblem, config: GluonConfig, lse_strides: tuple[int, ...]):
+        self.config = config
+        self.kernel = codegen.load(problem.spec, config).attn_fwd
+        self.grid = (triton.cdiv(problem.seqlen_q, config.block_m), problem.batch * problem.heads)
+        self.scalars = (problem.scale, problem.heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
+                        lse_strides[0], lse_strides[1])
+        self.head_dim = problem.spec.head_dim
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor) -> None:
+        dtype = _GL_DTYPES[q.dtype]
+        rows, keys = [1, 1, GLUON_SPLIT_M, self.head_dim], [1, 1, self.config.block_n, self.head_dim]
+        row_layout = gl.NVMMASharedLayout.get_default_for(rows, dtype)
+        key_layout = gl.NVMMASharedLayout.get_default_for(keys, dtype)
+        descriptors = (TensorDescriptor.from_tensor(q, rows, row_layout), TensorDescriptor.from_tensor(k, keys, key_layout),
+                       TensorDescriptor.from_tensor(v, keys, key_layout), TensorDescriptor.from_tensor(out, rows, row_layout))
+        self.kernel[self.grid](*descriptors, lse, *self.scalars, num_warps=4, maxnreg=self.config.maxnreg)
+
+
+class GluonPlan:
+    """A call's plan with the Gluon forward. The Triton family's plan of the same call (its forward config the
+    heuristic's) lays out the outputs and runs the backward; a Gluon kernel that cannot be built here, or is not
+    the one a tuned entry measured, hands the whole call to it, said once."""
+
+    def __init__(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig, sources: frozenset[str] | None):
+        self.triton = Plan(problem, config.replace(fwd=fallback.fwd), device, q, k, v, fallback=fallback,
+                           sources=sources)
+        self.gluon_config, self.sources, self._forward, self._launched = config.fwd, sources, None, False
+        self.build_failure: str | None = None
+        reason = unserved(problem.spec, device) or (None if all(tma_readable(t, 2) for t in (q, k, v)) else
+                                                   "TMA cannot read these tensors (unit head-dim stride, 16-byte "
+                                                   "aligned strides)")
+        if reason is None:
+            try:
+                self._forward = GluonForward(problem, config.fwd, self.triton.lse_layout[1])
+                if sources is not None and source_hash("fwd", codegen.load(problem.spec, config.fwd)) not in sources:
+                    raise StaleKernels("the Gluon forward has changed since its tuned entry was measured")
+            except (StaleKernels, Exception) as error:  # noqa: BLE001 - any failure here costs speed, not the call
+                reason = f"{type(error).__name__}: {error}"
+                self._forward = None
+        if reason is not None:
+            self.build_failure = f"the Gluon forward {config.fwd} does not run here ({reason}): the Triton forward runs"
+            warn_once(f"fatune: {self.build_failure}")
+
+    def __getattr__(self, name: str):
+        return getattr(self.triton, name)  # the backward and everything about the call's layout
+
+    @property
+    def config(self) -> AttentionConfig:
+        return self.triton.config if self._forward is None else self.triton.config.replace(fwd=self.gluon_config)
+
+    def deterministic_config(self) -> AttentionConfig:
+        config = self.triton.deterministic_config()
+        return config if self._forward is None else config.replace(fwd=self.gluon_config)
+
+    def forward(self, q, k, v, extras=NO_EXTRAS, seed=None):
+        return self.forward_with_spans(q, k, v, extras, seed)[:2]
+
+    def forward_with_spans(self, q, k, v, extras=NO_EXTRAS, seed=None, fresh_workspace: bool = False):
+        if self._forward is not None:
+            out, lse = self.triton.allocate_forward()
+            if not self.triton.on_device():
+                with torch.cuda.device(self.triton.device):
+                    launched = self._launch(q, k, v, out, lse)
+            else:
+                launched = self._launch(q, k, v, out, lse)
+            if launched:
+                return out, lse, None
+        return self.triton.forward_with_spans(q, k, v, extras, seed, fresh_workspace)
+
+    def _launch(self, q, k, v, out, lse) -> bool:
+        """Launch the Gluon forward; False if its first launch cannot build it here (the Triton forward then runs,
+        from this call on)."""
+        try:
+            self._forward(q, k, v, out, lse)
+        except Exception as error:  # noqa: BLE001 - a kernel that cannot be built costs speed, not the call
+            if self._launched:
+                raise
+            self._forward = None
+            first = str(error).splitlines()[0][:160] if str(error) else ""
+            self.build_failure = (f"the Gluon forward {self.gluon_config} cannot be built here "
+                                  f"({type(error).__name__}: {first}): the Triton forward runs")
+            warn_once(f"fatune: {self.build_failure}")
+            return False
+        self._launched = True
+        return True

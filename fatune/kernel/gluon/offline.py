@@ -1,0 +1,90 @@
+"""Compile the Gluon forward for sm_90 without a GPU, and read what its SASS does.
+
+ptxas and cuobjdump ship in Triton's wheel, so CI (no GPU) compiles every structural variant, checks that it
+spills nothing, and reads the order of its main loop's instructions: the softmax's exponentials (MUFU.EX2) must
+issue before the wait for the last tensor-core product (WARPGROUP.DEPBAR), or the softmax does not overlap
+P V at all (ptxas hoists such waits unless the kernel pins the exponentials; see the template).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from fatune.kernel.gluon.codegen import load
+from fatune.kernel.spec import GLUON_SPLIT_M as SPLIT_M
+from fatune.kernel.spec import GluonConfig, KernelSpec
+from fatune.kernel.triton.offline import _cuobjdump
+
+_DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}
+
+
+@dataclass(frozen=True)
+class CompiledForward:
+    shared_bytes: int
+    registers: int
+    spill_bytes: int
+    sass: str  # the main loop's order: HGMMA, DEPBAR and MUFU.EX2 lines, runs collapsed
+
+    @property
+    def softmax_under_products(self) -> int:
+        """How many times the main loop's exponentials (MUFU.EX2) issue between a wait that leaves one product in
+        flight (DEPBAR ... 0x1: S_j retired, P_{j-1} V_{j-1} running) and the wait that retires it (0x0): the
+        softmax overlapping the tensor cores, once per consumer warpgroup's loop. 0: it does not overlap."""
+        lines = self.sass.splitlines()
+        return sum(1 for before, line, after in zip(lines, lines[1:], lines[2:])
+                   if line == "MUFU.EX2" and "DEPBAR" in before and before.endswith("0x1")
+                   and "DEPBAR" in after and after.endswith("0x0"))
+
+
+def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
+    """Argument types and constexprs as a launch passes them (four-dim TMA descriptors, the LSE, scalars)."""
+    dtype, name = _DTYPES[spec.dtype]
+    q_block, kv_block = [1, 1, SPLIT_M, spec.head_dim], [1, 1, config.block_n, spec.head_dim]
+    q_layout = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, dtype)
+    desc = lambda block, layout: f"tensordesc<{name}[{','.join(map(str, block))}],{layout!r}>"  # noqa: E731
+    types = {"desc_q": desc(q_block, q_layout), "desc_k": desc(kv_block, kv_layout), "desc_v": desc(kv_block, kv_layout),
+             "desc_o": desc(q_block, q_layout), "LSE": "*fp32", "sm_scale": "fp32", "H": "i32", "GROUP": "i32",
+             "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32", "num_warps": "constexpr"}
+    return types, {"num_warps": 4}
+
+
+def compile_forward(spec: KernelSpec, config: GluonConfig) -> CompiledForward:
+    """Compile the forward of `spec` with `config` for sm_90a; raises on failure."""
+    fn = load(spec, config).attn_fwd
+    types, constants = signature(spec, config)
+    constexprs = {(fn.arg_names.index(key),): value for key, value in constants.items()}
+    compiled = triton.compile(GluonASTSource(fn, types, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": config.maxnreg})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    registers, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return CompiledForward(int(compiled.metadata.shared), int(registers.group(1)) if registers else 0,
+                           int(stack.group(1)) if stack else 0, _order(sass))
+
+
+def _order(sass: str) -> str:
+    """The SASS lines that tell the overlap (HGMMA, WARPGROUP.DEPBAR, MUFU.EX2), runs of one kind collapsed."""
+    kept, previous = [], None
+    for line in sass.splitlines():
+        match = re.search(r"(HGMMA\S*|WARPGROUP\.DEPBAR\S*[^;]*|MUFU\.EX2)", line)
+        if match is None:
+            continue
+        kind = match.group(1).split()[0] if not match.group(1).startswith("WARPGROUP") else match.group(1).strip()
+        if kind == previous and kind in ("MUFU.EX2",) or (previous or "").startswith("HGMMA") and kind.startswith("HGMMA"):
+            continue
+        kept.append(kind)
+        previous = kind
+    return "\n".join(kept)

@@ -1,0 +1,153 @@
+"""fatune.attention as torch custom ops, so torch.compile(fullgraph=True) traces it without graph breaks.
+
+`fatune::attention_forward` returns (out, lse, a mask tensor's key spans: int32, empty without
+one, handed to the backward so that it does not scan the mask for them again) and
+`fatune::attention_backward` the three gradients; both have fake (meta) implementations, and
+the backward is registered as the forward's autograd formula. The ops' schemas are made from the call's
+argument table (fatune.call.ARGUMENTS). Nothing is decided while tracing: the ops' real implementations
+prepare their plan (checks, dispatch, kernel arguments; fatune.runtime.plans) when they run, so a compiled
+graph picks its configs per call shape, and `dynamic=True` does not recompile for a new sequence length.
+Eager calls do not come here: their autograd.Function costs less on the host (fatune.api).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fatune.call import ARGUMENTS, PAGED_GRADIENTS, Call, check_options
+from fatune.kernel.layout import layout_like
+from fatune.kernel.mask_spans import SPAN, compact, is_prepared
+from fatune.kernel.spec import KERNELS, AttentionConfig, LaunchConfig, lse_dtype
+from fatune.kernel.triton import dropout
+from fatune.runtime import plans
+
+Tensor = torch.Tensor
+_CONFIG_FIELDS = len(dataclasses.fields(LaunchConfig))
+# the forward op's inputs: q, k, v, the call's arguments (ARGUMENTS, in order), the dropout seed, a config
+_CALL = tuple(argument.name for argument in ARGUMENTS)
+_INPUTS = ("q", "k", "v", *_CALL, "seed", "config")
+_ARGUMENT_SCHEMA = ", ".join(f"{argument.op_type} {argument.name}" for argument in ARGUMENTS)
+FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_ARGUMENT_SCHEMA}, Tensor? seed, int[] config) -> (Tensor, Tensor, Tensor)"
+BACKWARD_SCHEMA = (f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor key_spans, "
+                   f"{_ARGUMENT_SCHEMA}, Tensor? seed, int[] config) -> (Tensor, Tensor, Tensor)")
+
+
+def config_to_list(config: AttentionConfig | None) -> list[int]:
+    """The op's flat form of a config ([] for none: the op dispatches when it runs)."""
+    if config is None:
+        return []
+    return [value for name in KERNELS for value in dataclasses.astuple(getattr(config, name))]
+
+
+def config_from_list(values: list[int]) -> AttentionConfig | None:
+    if not values:
+        return None
+    step = _CONFIG_FIELDS
+    return AttentionConfig(*(LaunchConfig(*values[i:i + step]) for i in range(0, len(values), step)))
+
+
+def _call(arguments: tuple) -> Call:
+    """The Call of an op's arguments (its schema's types: a window as a list)."""
+    call = Call(*arguments)
+    return call._replace(window_size=tuple(call.window_size))
+
+
+def _lse_rows(q: Tensor, packed: bool) -> tuple:
+    return (1, q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[1], q.shape[2])
+
+
+def _lse_dtype(q: Tensor, attn_mask: Tensor | None) -> torch.dtype:
+    return lse_dtype(q.dtype, attn_mask is not None and attn_mask.dtype != torch.bool)
+
+
+def _no_key_spans(q: Tensor, attn_mask: Tensor | None) -> Tensor:
+    """The key-spans output where no kernel made them: shaped as the kernels' would be (fatune.kernel.mask_spans),
+    empty without a mask tensor."""
+    if attn_mask is None:
+        return q.new_empty((0,), dtype=torch.int32)
+    return q.new_zeros((*compact(attn_mask).shape[:3], SPAN), dtype=torch.int32)
+
+
+def _forward(q, k, v, *rest):
+    *arguments, seed, config = rest
+    call = _call(arguments)
+    prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
+    if prepared.plan is None:
+        out = plans.run_without_kernels(prepared, q, k, v, call)
+        lse = q.new_zeros(_lse_rows(q, call.cu_seqlens_q is not None), dtype=_lse_dtype(q, call.attn_mask))
+        return out, lse, _no_key_spans(q, call.attn_mask)
+    out, lse, key_spans = prepared.plan.forward_with_spans(q, k, v, call.extras, seed, fresh_workspace=True)
+    if key_spans is None:
+        return out, lse, _no_key_spans(q, call.attn_mask)
+    return out, lse, key_spans.clone() if is_prepared(key_spans) else key_spans  # an output of its own
+
+
+def _forward_fake(q, k, v, *rest):
+    call = _call(rest[:-2])
+    out = torch.empty_strided(*layout_like(q.shape, q.stride(), v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = q.new_empty(_lse_rows(q, call.cu_seqlens_q is not None), dtype=_lse_dtype(q, call.attn_mask))
+    return out, lse, torch.empty_like(_no_key_spans(q, call.attn_mask))
+
+
+def _backward_op(grad_out, q, k, v, out, lse, key_spans, *rest):
+    *arguments, seed, config = rest
+    call = _call(arguments)
+    if call.block_table is not None:
+        raise ValueError(PAGED_GRADIENTS)
+    prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
+    if prepared.plan is None:
+        return plans.dense_gradients(prepared, q, k, v, call, grad_out)
+    spans = key_spans if call.attn_mask is not None and key_spans.numel() else None  # none made: made again
+    return prepared.plan.backward(grad_out, q, k, v, out, lse, call.extras, seed, spans)
+
+
+def _backward_fake(grad_out, q, k, v, *rest):
+    return tuple(torch.empty_strided(*layout_like(t.shape, t.stride()), dtype=t.dtype, device=t.device)
+                 for t in (q, k, v))
+
+
+attention_forward = torch.library.custom_op("fatune::attention_forward", _forward, mutates_args=(),
+                                            schema=FORWARD_SCHEMA)
+attention_forward.register_fake(_forward_fake)
+attention_backward = torch.library.custom_op("fatune::attention_backward", _backward_op, mutates_args=(),
+                                             schema=BACKWARD_SCHEMA)
+attention_backward.register_fake(_backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *rest = inputs
+    if rest[_CALL.index("block_table")] is not None and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(PAGED_GRADIENTS)
+    # the mask and index tensors are saved too: an in-place write to one before the backward raises torch's
+    # "modified by an inplace operation" error instead of changing the gradients
+    tensors = [i for i, value in enumerate(rest) if isinstance(value, Tensor)]
+    ctx.save_for_backward(q, k, v, *output, *(rest[i] for i in tensors))
+    ctx.rest, ctx.tensors = rest, tensors
+
+
+def _backward(ctx, grad_out, grad_lse, grad_key_spans):
+    q, k, v, out, lse, key_spans, *saved = ctx.saved_tensors
+    rest = list(ctx.rest)
+    for index, tensor in zip(ctx.tensors, saved):
+        rest[index] = tensor
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, key_spans, *rest)
+    grads = {"q": dq, "k": dk, "v": dv}
+    return tuple(grads.get(name) for name in _INPUTS)
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConfig | None) -> Tensor:
+    """fatune.attention through the custom ops (what torch.compile traces). The options are checked here, before
+    they become the ops' typed arguments (where is_causal="False" would read as True and a window of 1.5 as 1)."""
+    check_options(call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.window_size,
+                  call.causal_alignment)
+    seed = dropout.draw_seed(q.device) if call.dropout_p > 0 else None
+    window = [min(int(size), 2**62) for size in call.window_size]  # beyond any sequence
+    arguments = call._replace(dropout_p=float(call.dropout_p), scale=None if call.scale is None else float(call.scale),
+                              window_size=window)
+    out, _, _ = attention_forward(q, k, v, *arguments, seed, config_to_list(config))
+    return out

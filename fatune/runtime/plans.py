@@ -1,0 +1,207 @@
+"""Which plan a call of fatune.attention runs, decided once per call signature.
+
+A call's key holds every property that the argument checks, the dispatcher and the
+kernels' specialisation read: shapes, strides, dtypes and devices of all tensors, the 16-byte
+alignment of their data, the scalar options -- but no tensor values. The first call with a
+key runs the full checks (fatune.call), asks the dispatcher for launch configs and builds
+a `Plan` (fatune.kernel.triton.launch); later calls with that key are one dictionary lookup. The values of
+seqlens_k / cu_seqlens are still checked on every call that passes them (a host read),
+except under torch.compile and CUDA-graph capture, where the kernels clamp them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from fatune.call import Call, check_contents, check_flag, contents_readable, options_key, plan_key, qkv_key
+from fatune.kernel import reference
+from fatune.kernel.family import family
+from fatune.kernel.layout import layout_like
+from fatune.kernel.spec import AttentionConfig
+from fatune.kernel.triton.launch import Plan, new_buffer
+from fatune.logs import warn_once
+from fatune.runtime.dispatch import Decision, dispatcher
+from fatune.settings import STRICT_ENV, interpreting, strict_from_env
+
+MAX_PLANS = 4096  # distinct call signatures kept per process (the cache starts over past this)
+
+
+class FallbackError(RuntimeError):
+    """Strict mode: fatune would have fallen back to another implementation."""
+
+
+def strict_mode(strict: bool | None) -> bool:
+    """The `strict` argument, or else $FATUNE_STRICT (1/true/yes/on)."""
+    if check_flag("strict", strict, optional=True) is not None:
+        return strict
+    return strict_from_env()
+
+
+@dataclass
+class Prepared:
+    """What a call signature runs: `plan` (the kernels), or `mode` 'empty', 'meta' or 'fallback'."""
+
+    mode: str
+    plan: Plan | None = None
+    decision: Decision | None = None
+    reason: str = ""
+    lengths: tuple[int, int] = (0, 0)  # longest packed sequences (q, k) it was built for
+
+
+_BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values
+_plans: dict[tuple, Prepared] = {}  # by plan_key, and prepare_plain's shorter keys (never equal to one)
+_lock = threading.Lock()
+
+
+def clear() -> None:
+    """Forget every plan and dispatch decision (after the tuned DBs changed, say)."""
+    with _lock:
+        _plans.clear()
+    dispatcher().clear()
+
+
+def prepare(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> Prepared:
+    """The Prepared for this call: cached per plan key (fatune.call.plan_key), built (and fully checked) on the
+    first call.
+
+    With seqlens_k / cu_seqlens the values are checked on every call, and the longest packed
+    sequences (which size the grid) extend the key.
+    """
+    try:
+        base = plan_key(query, key, value, call, config, strict)
+        prepared = _plans.get(base)
+    except (TypeError, AttributeError, RuntimeError):  # odd arguments: the full checks say what is wrong
+        return _build(query, key, value, call, config, strict)
+    cache_key = base
+    if prepared is _BY_VALUES:
+        cache_key = base + _index_values(query, key, call)
+        prepared = _plans.get(cache_key)
+    if prepared is None:
+        prepared = _build(query, key, value, call, config, strict)
+        if prepared.mode != "fallback":
+            with _lock:
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
+                if call.seqlens_k is not None or call.cu_seqlens_q is not None:
+                    _plans[base] = _BY_VALUES
+                    cache_key = base + prepared.lengths
+                _plans[cache_key] = prepared
+    return prepared
+
+
+def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment,
+                  max_seqlen_q, max_seqlen_k, config: AttentionConfig | None, strict: bool | None) -> Prepared:
+    """prepare() for a call without optional tensors (attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q/k),
+    the common call, without building its Call: looked up by a key holding what plan_key holds for
+    such a call less the tensors' part (window_size as given; a list is not hashable and takes prepare()).
+    A key seen for the first time goes through prepare(), so its first call is fully checked. The keys share
+    prepare()'s cache: a plan_key has more elements, so the two kinds never match each other.
+    """
+    try:
+        base = (*qkv_key(query, key, value), *options_key(dropout_p, is_causal, scale, enable_gqa, window_size,
+                                                          causal_alignment, max_seqlen_q, max_seqlen_k, config,
+                                                          strict))
+        prepared = _plans.get(base)
+    except (TypeError, AttributeError, RuntimeError):  # odd arguments: prepare() deals with them
+        base = prepared = None
+    if prepared is None:
+        call = Call(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                    window_size=window_size, causal_alignment=causal_alignment, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k)
+        prepared = prepare(query, key, value, call, config, strict)
+        if base is not None and prepared.mode != "fallback":
+            with _lock:
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
+                _plans[base] = prepared
+    return prepared
+
+
+# Index tensors whose values were read and checked, by identity and version counter (what autograd relies on
+# to see in-place writes): an unchanged tensor is not read again, so the layers of a model that share one
+# cu_seqlens tensor cost one device-to-host copy (a sync of the GPU's queue) per step, not one per call.
+# Only where a stale check cannot size a grid wrongly: seqlens_k (the kernels clamp its values), and packed
+# sequences with max_seqlen_q/k given (they size the grid). A write the version counter does not see (through
+# .data, a raw pointer, a CUDA-graph replay) then skips the values' check, never the grid's cover.
+_checked: dict[tuple, tuple[tuple, tuple[int, int]]] = {}
+
+
+def _index_values(query, key, call: Call) -> tuple[int, int]:
+    """Check the seqlens_k / cu_seqlens values (a host read, unless these very tensors were checked and
+    not written since); the longest packed sequences, for the key."""
+    packed = call.cu_seqlens_q is not None
+    tensors = [t for t in (call.seqlens_k, call.cu_seqlens_q, call.cu_seqlens_k) if t is not None]
+    # a paged cache's keys: pages per sequence x page size (check_inputs has checked the table's shape)
+    seqlen_k = key.shape[-2] * (call.block_table.shape[-1] if call.block_table is not None else 1)
+    memo = None
+    if contents_readable() and (not packed or (call.max_seqlen_q is not None and call.max_seqlen_k is not None)):
+        try:
+            memo = (*((id(t), t._version) for t in tensors), seqlen_k, query.shape[0], key.shape[0],
+                    call.max_seqlen_q, call.max_seqlen_k)
+        except RuntimeError:  # inference tensors have no version counter: read every time
+            memo = None
+    seen = _checked.get(memo) if memo is not None else None
+    if seen is not None and all(ref() is t for ref, t in zip(seen[0], tensors)):
+        return seen[1]
+    lengths = check_contents(call.seqlens_k, seqlen_k, call.cu_seqlens_q, call.cu_seqlens_k,
+                             query.shape[0] if packed else 0, key.shape[0] if packed else 0,
+                             call.max_seqlen_q, call.max_seqlen_k)
+    if memo is not None and all(t.device.type != "meta" for t in tensors):
+        if len(_checked) >= MAX_PLANS:
+            _checked.clear()
+        _checked[memo] = (tuple(weakref.ref(t) for t in tensors), lengths)
+    return lengths
+
+
+def _build(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> Prepared:
+    strict = strict_mode(strict)  # $FATUNE_STRICT is read once per call signature
+    problem = call.check(query, key, value)
+    device = query.device
+    lengths = (problem.max_seqlen_q, problem.max_seqlen_k) if problem.packed else (0, 0)
+    if device.type == "meta":
+        return Prepared("meta", reason="meta tensors: shapes only", lengths=lengths)
+    if device.type != "cuda" and not interpreting():
+        reason = f"{device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1)"
+        if strict:
+            raise FallbackError(f"fatune.attention would fall back to a dense torch implementation: {reason} "
+                                f"(strict mode: strict=True or ${STRICT_ENV})")
+        return Prepared("fallback", reason=reason)
+    if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
+        return Prepared("empty", reason="no keys or no queries", lengths=lengths)
+    decision = dispatcher().decide(problem, device, config, strict)
+    # strict mode promises the tuned entry or an error: no quiet fallback past it
+    plan = family(decision.config.family).plan(problem, decision.config, device, query, key, value,
+                                               None if strict else decision.fallback, decision.sources)
+    return Prepared("kernels", plan, decision, decision.reason, lengths)
+
+
+def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:
+    """dQ, dK, dV of a call whose Prepared has no plan: its result recomputed with autograd."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+        result = run_without_kernels(prepared, *inputs, call)
+        grads = torch.autograd.grad(result, inputs, grad_out, allow_unused=True)
+    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (query, key, value)))
+
+
+def run_without_kernels(prepared: Prepared, query, key, value, call: Call) -> torch.Tensor:
+    """The result of a call whose Prepared has no plan: empty, meta or the dense fallback."""
+    if prepared.mode == "fallback":
+        warn_once(f"fatune.attention falls back to a dense torch implementation: {prepared.reason}")
+        problem = call.check(query, key, value)
+        keep = None
+        if problem.spec.dropout:
+            shape = (problem.batch, problem.heads, problem.max_seqlen_q, problem.max_seqlen_k)
+            keep = torch.rand(shape, device=query.device) >= problem.dropout_p
+        return reference.attention(query, key, value, problem, precision="float32", dropout_keep=keep)
+    out = new_buffer(*layout_like(query.shape, query.stride(), value.shape[-1]), query.dtype, query.device)
+    if prepared.mode == "meta":
+        return out
+    if call.block_table is not None:  # a paged cache's pool is not this call's keys (nor differentiable)
+        return out.zero_()
+    # no keys anywhere: every row is a row that sees no key (0), still connected to the inputs
+    return out.zero_() + (query.sum() + key.sum() + value.sum()) * 0
