@@ -50,6 +50,16 @@ def test_codegen_shows_the_backward_the_calls_gqa_group_runs(group, beside):
     assert ("def attn_bwd_prep(" in result.output) is beside
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_codegen_shows_the_gluon_forward_and_the_triton_backward_after_it(causal):
+    args = ["codegen", "--head-dim", "128", "--dtype", "bf16", "--family", "gluon", *(["--causal"] if causal else [])]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "templates/gluon/attn_fwd.py.jinja" in result.output and "warp_specialize" in result.output
+    assert "templates/triton/attn_bwd.py.jinja" in result.output
+    assert ('"causal": true' in result.output) is causal
+
+
 def test_codegen_rejects_bad_config():
     result = CliRunner().invoke(cli, ["codegen", "--head-dim", "64", "--fwd", "100x64"])
     assert result.exit_code == 2
@@ -112,6 +122,11 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("codegen-unwritable-output", ["codegen", "--head-dim", "64", "-o", "{tmp}/file/sub"], 1, "-o"),
     ("codegen-negative-arch", ["codegen", "--head-dim", "64", "--arch", "-1.-5"], 2, "--arch"),
     ("codegen-zero-group", ["codegen", "--head-dim", "64", "--group", "0"], 2, "--group"),
+    ("codegen-unknown-family", ["codegen", "--head-dim", "64", "--family", "cuda"], 2, "--family"),
+    ("codegen-gluon-head-dim", ["codegen", "--head-dim", "96", "--family", "gluon"], 2, "--family gluon"),
+    ("codegen-gluon-fp32", ["codegen", "--head-dim", "64", "--dtype", "fp32", "--family", "gluon"], 2, "float32"),
+    ("codegen-gluon-triton-fwd", ["codegen", "--head-dim", "64", "--family", "gluon", "--fwd", "64x64/w4/s2"], 2,
+     "--fwd"),
     ("refresh-zero-group", ["db", "refresh", "--db", "{tmp}/none.sqlite", "--group", "0", "--include-current"], 2,
      "--group"),
     ("export-json-missing-folder", ["db", "export", "--db", "{tmp}/good.sqlite", "{tmp}/missing/x.json"], 1,

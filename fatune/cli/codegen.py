@@ -1,4 +1,4 @@
-"""`fatune codegen`: show exactly the Triton source that will run."""
+"""`fatune codegen`: show exactly the kernel source that will run (either kernel family's)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from fatune.cli.options import (
     launch_config_options,
     parse_capability,
 )
-from fatune.kernel.family import family
+from fatune.kernel.family import FAMILIES, family
+from fatune.kernel.gluon.family import default_forward
+from fatune.kernel.gluon.launch import untemplated
 from fatune.kernel.spec import KernelSpec, LaunchConfig
 from fatune.kernel.triton.heuristics import default_config
 from fatune.kernel.triton.structure import with_runnable_split_d
@@ -26,16 +28,20 @@ from fatune.kernel.triton.structure import with_runnable_split_d
               help="Compute capability whose heuristic config fills unset --fwd/--dkdv/--dq.")
 @click.option("--group", type=click.IntRange(1, 65536), default=1, show_default=True,
               help="GQA group the call has (query heads per key/value head): the heuristic's choice can depend on it.")
+@click.option("--family", "family_name", type=click.Choice(sorted(FAMILIES)), default="triton", show_default=True,
+              help="Kernel family: triton, or gluon (the Hopper forward with its built-in config; the backward is "
+                   "Triton's).")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
               help="Write attn_fwd.py / attn_bwd.py into this folder instead of printing.")
 def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
             fwd_config: LaunchConfig | None, dkdv_config: LaunchConfig | None, dq_config: LaunchConfig | None,
-            kernel: str, arch: tuple[int, int], group: int, output: Path | None) -> None:
-    """Print (or write) the generated Triton source for one kernel spec and launch config.
+            kernel: str, arch: tuple[int, int], group: int, family_name: str, output: Path | None) -> None:
+    """Print (or write) the generated kernel source for one kernel spec and launch config.
 
     Example:
 
         fatune codegen --head-dim 64 --dtype bf16 --causal --fwd 128x64/w4/s3
+        fatune codegen --head-dim 128 --dtype bf16 --family gluon --kernel fwd
     """
     spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
     config = default_config(spec, arch, group=group)
@@ -46,9 +52,17 @@ def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
         given = " ".join(f"--{name} {value}" for name, value in overrides.items() if value is not None)
         raise click.UsageError(f"{given}: {error}") from None
     config = with_runnable_split_d(config, spec)  # as a launch runs it
+    if family_name == "gluon":
+        if fwd_config is not None:
+            raise click.UsageError(f"--fwd {fwd_config}: a Triton forward config; --family gluon renders the Gluon "
+                                   f"forward's built-in config")
+        why = untemplated(spec)
+        if why is not None:
+            raise click.UsageError(f"--family gluon: {why}")
+        config = config.replace(fwd=default_forward(spec))
     kinds = ["fwd", "bwd"] if kernel == "all" else [kernel]
     for kind in kinds:
-        source = family().render(kind, spec, config)
+        source = family(family_name).render(kind, spec, config)
         if output is None:
             click.echo(source, nl=False)
             continue

@@ -29,6 +29,11 @@ def unserved(spec: KernelSpec, device: torch.device) -> str | None:
     """None if the Gluon forward can run calls of `spec` on `device`; else why not (one line)."""
     if device.type != "cuda" or device_arch(device) != (9, 0):
         return "the Gluon forward runs on Hopper (sm_90) GPUs"
+    return untemplated(spec)
+
+
+def untemplated(spec: KernelSpec) -> str | None:
+    """None if the Gluon template renders a forward for `spec` (on any machine); else why not (one line)."""
     if spec.dtype not in ("float16", "bfloat16"):
         return f"the Gluon forward takes float16 and bfloat16, not {spec.dtype}"
     if spec.head_dim != spec.head_dim_v or spec.head_dim not in codegen.HEAD_DIMS:
