@@ -363,6 +363,8 @@ from fatune.cli import cli
 storage.HEARTBEAT_S, storage.GRACE_S = 1, 5  # a killed search's trials are found dead in seconds
 barrier, count, kill_in, signal_name, *args = sys.argv[1:]
 if kill_in:  # die the way Ctrl-C or `kill -9` would, in the first trial of this kernel
+    # as in a terminal: a process started in the background of a script inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     evaluate = search.KernelSearch.evaluate
 
     def dying(self, trial, *args):
