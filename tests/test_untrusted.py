@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,13 +182,23 @@ def _bad_row(rng: random.Random) -> dict:
     return row
 
 
-def test_fuzzed_rows_and_files_never_break_a_call(tmp_path, monkeypatch, caplog):
-    q, problem = _call()
-    match = {"gpu": GPU, "capability": CAPABILITY, "dtype": "float32", "head_dim": 16, "head_dim_v": 16,
-             "mask_variant": "none", "seqlen_q_bucket": 32, "seqlen_k_bucket": 32}
+def _call_key() -> dict:
+    """The key columns of _call()'s problem on this GPU."""
+    return {"gpu": GPU, "capability": CAPABILITY, "dtype": "float32", "head_dim": 16, "head_dim_v": 16,
+            "mask_variant": "none", "seqlen_q_bucket": 32, "seqlen_k_bucket": 32}
+
+
+def _shipped_16x16(tmp_path) -> Path:
+    """A shipped DB whose one entry, of _call()'s key, runs 16x16 tiles: the layer a bad user DB falls back to."""
     tiles = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
     shipped = tmp_path / "shipped.sqlite"
-    export_entries([make_entry(**match, fwd_config=tiles, bwd_config={"dkdv": tiles, "dq": tiles})], shipped)
+    export_entries([make_entry(**_call_key(), fwd_config=tiles, bwd_config={"dkdv": tiles, "dq": tiles})], shipped)
+    return shipped
+
+
+def test_fuzzed_rows_and_files_never_break_a_call(tmp_path, monkeypatch, caplog):
+    q, problem = _call()
+    match, shipped = _call_key(), _shipped_16x16(tmp_path)
     rng = random.Random(99)
     expected = torch.nn.functional.scaled_dot_product_attention(q, q, q)
     for case in range(CASES // 3):
@@ -229,11 +240,7 @@ def test_a_forged_fast_entry_is_refused_by_db_import_and_skipped_by_the_dispatch
     with TunedDB(target, readonly=True) as db:
         assert [asdict(e) for e in db.entries()] == before
     q, problem = _call()
-    match = {"gpu": GPU, "capability": CAPABILITY, "dtype": "float32", "head_dim": 16, "head_dim_v": 16,
-             "mask_variant": "none", "seqlen_q_bucket": 32, "seqlen_k_bucket": 32}
-    tiles = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
-    shipped = tmp_path / "shipped.sqlite"
-    export_entries([make_entry(**match, fwd_config=tiles, bwd_config={"dkdv": tiles, "dq": tiles})], shipped)
+    match, shipped = _call_key(), _shipped_16x16(tmp_path)
     current = make_entry(**match).template_hash  # otherwise usable: current, of the call's key
     sized = {"batch": 1 << 16, "heads": 64, "seqlen_q": 32, "seqlen_k": 32, "fwd_ms": 0.01}  # 27 PFLOP/s
     for number, changes in enumerate(({"fwd_ms": 1e-300}, sized)):
