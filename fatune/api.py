@@ -226,7 +226,7 @@ class FlashAttention(torch.nn.Module):
 class Explanation:
     """What fatune.attention would run for a call, and why."""
 
-    backend: str  # "triton" (compiled), "triton-interpreter" or "torch-fallback"
+    backend: str  # the kernel family that runs ("triton", "gluon"), "triton-interpreter" or "torch-fallback"
     spec: KernelSpec
     decision: Decision | None
     sources: dict[str, str]  # kernel module -> generated source file
@@ -257,6 +257,6 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     plan = prepared.plan
     launched = plan.config if plan.adds_dq_atomically() else plan.deterministic_config()  # torch's mode now
     sources = {kind: str(family(launched.family).source_path(kind, plan.spec, launched)) for kind in ("fwd", "bwd")}
-    backend = "triton" if query.device.type == "cuda" else "triton-interpreter"
+    backend = launched.family if query.device.type == "cuda" else "triton-interpreter"
     reason = prepared.reason + (f"; {plan.build_failure}" if plan.build_failure else "")
     return Explanation(backend, spec, prepared.decision, sources, reason, launched)

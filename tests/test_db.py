@@ -227,6 +227,7 @@ def test_seqlen_buckets_are_log_scale():
 # -- every entry validated: on upsert, on import and on read ---------------------------------
 
 GOOD_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+GLUON_CONFIG = {"family": "gluon", "block_n": 128, "num_stages": 2, "consumers": 2, "consumer_regs": 240, "maxnreg": 168}
 INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("fwd_config", {**GOOD_CONFIG, "block_m": 7}, "fwd_config.block_m"),
     ("fwd_config", {**GOOD_CONFIG, "num_warps": 3}, "fwd_config.num_warps"),
@@ -249,6 +250,15 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("bwd_config", {"dkdv": {**GOOD_CONFIG, "num_splits": 2}, "dq": GOOD_CONFIG}, "bwd_config.dkdv: ['num_splits']"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "tma": 1}}, "bwd_config.dq: ['tma']"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": {**GOOD_CONFIG, "retired_switch": 0}}, "bwd_config.dq: expected"),
+    # a Gluon forward: its family named, its fields ints, a register split the GPU can give (else setmaxnreg hangs)
+    ("fwd_config", {**GLUON_CONFIG, "consumers": 3}, "fwd_config.consumer_regs"),
+    ("fwd_config", {**GLUON_CONFIG, "maxnreg": 128}, "fwd_config.consumer_regs"),
+    ("fwd_config", {**GLUON_CONFIG, "block_n": 96}, "fwd_config.block_n"),
+    ("fwd_config", {**GLUON_CONFIG, "num_stages": "2"}, "fwd_config.num_stages"),
+    ("fwd_config", {**GLUON_CONFIG, "family": "cutlass"}, "fwd_config: expected"),
+    ("fwd_config", {**GLUON_CONFIG, "block_m": 128}, "fwd_config: expected"),
+    ("fwd_config", {"family": "gluon", "block_n": 128}, "fwd_config: expected"),
+    ("bwd_config", {"dkdv": GLUON_CONFIG, "dq": GOOD_CONFIG}, "bwd_config.dkdv"),
     ("fwd_bwd_ms", -1.0, "fwd_bwd_ms"),
     ("fwd_bwd_ms", 0.0, "fwd_bwd_ms"),
     ("fwd_bwd_ms", float("nan"), "fwd_bwd_ms"),

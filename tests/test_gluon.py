@@ -10,6 +10,7 @@ import torch
 
 import fatune
 from fatune.kernel.family import family
+from fatune.kernel.gluon import resources
 from fatune.kernel.gluon.family import default_forward
 from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.heuristics import default_config
@@ -25,6 +26,8 @@ COMPILED = [
     (KernelSpec("bfloat16", 256, causal=True, bottom_right=True), GluonConfig(block_n=64, num_stages=2), 0),
     (KernelSpec("bfloat16", 64), GluonConfig(block_n=128, num_stages=2, consumers=3, consumer_regs=160, maxnreg=128),
      256),
+    # the smallest register split the search draws for two warpgroups, with a one-deep ring of 64-key tiles
+    (KernelSpec("float16", 128, causal=True), GluonConfig(block_n=64, num_stages=1, consumer_regs=160), 0),
 ]
 
 
@@ -44,6 +47,7 @@ def test_forward_compiles_for_sm90_without_spills_and_overlaps_softmax(spec, con
     shared, spills, overlapped, sass = json.loads(compile_in_subprocess(script, tmp_path).splitlines()[-1])
     assert spills <= spills_allowed
     assert shared <= 232448  # sm_90's 227 KiB per block
+    assert 0 <= resources.shared_memory_bytes(spec, config) - shared <= 128  # the search's model: an upper bound
     assert overlapped >= config.consumers, sass
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -74,6 +75,9 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
               help="Processes per worker compiling the next candidates ahead (default: the CPU cores per worker "
                    "less one, at most 8; 0 with --interpret).")
 @click.option("--interpret", is_flag=True, help="Run in Triton's CPU interpreter: tiny shapes, timings not meaningful.")
+@click.option("--family", "families", type=click.Choice(["all", "triton"]), default="all", show_default=True,
+              help="Kernel families searched: all = the Triton family's kernels and, on Hopper GPUs, the Gluon "
+                   "forward beside the Triton forward (the faster is stored); triton = the Triton family alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--profile", is_flag=True,
               help="After the results, print where each shape's wall time went in this process, seconds per phase "
@@ -81,8 +85,8 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
                    "timing, telling, census, waiting for other workers, progress, SDPA, re-timing, DB write). "
                    "--json always includes it as each shape's \"breakdown\".")
 def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_heads, mask, window, valid_keys,
-           documents, trials, time_budget, seed, db_path, storage, workers, compile_workers, interpret, as_json,
-           profile) -> None:
+           documents, trials, time_budget, seed, db_path, storage, workers, compile_workers, interpret, families,
+           as_json, profile) -> None:
     """Search launch configs for each shape, timing forward+backward (decode: forward), and store the winners.
 
     Each kernel (forward, dK/dV, dQ) gets its own Optuna study; inference shapes (query
@@ -155,8 +159,10 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     from fatune.tuning.target import Target
 
     log = compile_log.start()  # every worker's compiler output goes to this one file, if any is printed
-    job = hosts.Job(tuple(shapes), trials, time_budget, storage, seed,
-                    INTERPRETER_SPACE if interpret else GPU_SPACE, interpret,
+    space = INTERPRETER_SPACE if interpret else GPU_SPACE
+    if families == "triton":
+        space = dataclasses.replace(space, families=("triton",))
+    job = hosts.Job(tuple(shapes), trials, time_budget, storage, seed, space, interpret,
                     hosts.compile_worker_count(compile_workers, workers, interpret), str(log))
     try:
         database = tuned_db.TunedDB(db_path)
@@ -208,7 +214,7 @@ def _search(job, target, storage, database, pool) -> list:
     shapes = list(job.shapes)
     results = []
     total = sum(trial_budget(job.space, target, shape, kernel, job.trials)
-                for shape in shapes for kernel in shape_kernels(shape))
+                for shape in shapes for kernel in shape_kernels(shape, target, job.space))
     with click.progressbar(length=total, label="search", file=sys.stderr, show_pos=True,
                            show_eta=True) as bar:
         refreshed = [0.0]

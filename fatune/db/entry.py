@@ -28,6 +28,7 @@ from fatune.kernel.spec import (
     MAX_HEAD_DIM,
     STRUCTURE_FIELDS,
     AttentionConfig,
+    GluonConfig,
     KernelSpec,
     LaunchConfig,
     misplaced_structure,
@@ -165,6 +166,9 @@ class Entry:
                                f"got {self.bwd_config!r:.80}")
         for kernel, name in (("fwd", "fwd_config"), ("dkdv", "bwd_config.dkdv"), ("dq", "bwd_config.dq")):
             data = self.fwd_config if kernel == "fwd" else self.bwd_config[kernel]
+            if kernel == "fwd" and isinstance(data, dict) and "family" in data:
+                _gluon_config(name, data)
+                continue
             misplaced = misplaced_structure(kernel, _launch_config(name, data))
             if misplaced:
                 raise InvalidEntry(f"{name}: {misplaced} do not apply to the {kernel} kernel")
@@ -214,9 +218,7 @@ class Entry:
 
     def attention_config(self) -> AttentionConfig:
         """The three kernels' launch configs this entry stores."""
-        return AttentionConfig(fwd=LaunchConfig.from_dict(self.fwd_config),
-                               dkdv=LaunchConfig.from_dict(self.bwd_config["dkdv"]),
-                               dq=LaunchConfig.from_dict(self.bwd_config["dq"]))
+        return AttentionConfig.from_dict({"fwd": self.fwd_config, **self.bwd_config})
 
     def to_row(self) -> dict[str, Any]:
         row = asdict(self)
@@ -350,11 +352,27 @@ def _launch_config(name: str, data: Any) -> LaunchConfig:
     if not isinstance(data, dict) or not set(required) <= set(data) <= set(fields):
         raise InvalidEntry(f"{name}: expected an object with {required} (and optionally {optional}), "
                            f"got {data!r:.80}")
-    for key in data:
+    return _config_of(name, data, list(data), lambda: LaunchConfig(**data))
+
+
+def _gluon_config(name: str, data: dict) -> GluonConfig:
+    """The Gluon forward config `data` holds (the family named, every field an int the kernel accepts, a register
+    split the GPU can give); InvalidEntry naming the field."""
+    fields = [f.name for f in dataclasses.fields(GluonConfig)]
+    if data.get("family") != "gluon" or set(data) != {"family", *fields}:
+        raise InvalidEntry(f"{name}: expected a Triton launch config or {{'family': 'gluon'}} with {fields}, "
+                           f"got {data!r:.80}")
+    return _config_of(name, data, fields, lambda: GluonConfig.from_dict(data))
+
+
+def _config_of(name: str, data: dict, ints: list[str], make: Callable[[], Any]) -> Any:
+    """make(), once the `ints` fields of `data` are ints; InvalidEntry naming the field that is not, or the one
+    the config refuses."""
+    for key in ints:
         if type(data[key]) is not int:
             raise InvalidEntry(f"{name}.{key}: expected an int, got {data[key]!r:.80}")
     try:
-        return LaunchConfig(**data)
+        return make()
     except ValueError as error:
         raise InvalidEntry(f"{name}.{error}") from None
 

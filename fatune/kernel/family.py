@@ -45,6 +45,10 @@ class KernelFamily(Protocol):
     def kernel_hashes(self, spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
         """The code hashes of every source `config` can launch for `spec` ("KIND:HASH,..."; a tuned entry's)."""
 
+    def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
+        """A hash of every source a search of this family's configs for `spec` can render (a study's name holds
+        it, so that a template edit starts new studies)."""
+
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
              sources: frozenset[str] | None) -> Any:

@@ -303,26 +303,48 @@ def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
 GLUON_SPLIT_M = 64  # query rows per consumer warpgroup of the Gluon forward (a wgmma's M per warpgroup)
 
 
+GLUON_PRODUCER_REGS = 24  # registers per thread the Gluon forward's producer warpgroup keeps (setmaxnreg)
+
+
+SM_REGISTERS = 65536  # 32-bit registers per Hopper multiprocessor, shared by the threads of one program
+
+
+def gluon_register_cap(consumers: int) -> int:
+    """The launch's register cap (maxnreg) of a Gluon forward with `consumers` warpgroups: all of an SM's
+    registers over its warpgroups (the producer's included), a multiple of 8 (168 for two, 128 for three)."""
+    return min(255, SM_REGISTERS // (128 * (consumers + 1))) // 8 * 8
+
+
 @dataclass(frozen=True)
 class GluonConfig:
     """A Gluon forward's launch: `consumers` warpgroups of 64 query rows each (block_m = 64 x consumers), key
     tiles of block_n rows streamed `num_stages` deep, the consumers' register budget (`consumer_regs`, set per
-    warpgroup with setmaxnreg; the producer warp keeps 24) and the launch's register cap (`maxnreg`)."""
+    warpgroup with setmaxnreg; the producer keeps GLUON_PRODUCER_REGS) and the launch's register cap (`maxnreg`;
+    0: gluon_register_cap). The consumers' and the producer's registers must fit the pool the cap launches
+    with (setmaxnreg waits for registers that never come otherwise)."""
 
     block_n: int = 128
     num_stages: int = 2
     consumers: int = 2
     consumer_regs: int = 240
-    maxnreg: int = 168
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_n", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
-        if not (isinstance(self.consumer_regs, int) and 24 <= self.consumer_regs <= 256 and self.consumer_regs % 8 == 0):
+        if not (_is_int(self.consumer_regs) and 24 <= self.consumer_regs <= 256 and self.consumer_regs % 8 == 0):
             raise ValueError(f"consumer_regs: expected a multiple of 8 in 24..256, got {self.consumer_regs!r}")
-        if not (isinstance(self.maxnreg, int) and 24 <= self.maxnreg <= 255):
+        if self.maxnreg == 0:
+            object.__setattr__(self, "maxnreg", gluon_register_cap(self.consumers))
+        if not (_is_int(self.maxnreg) and 24 <= self.maxnreg <= 255):
             raise ValueError(f"maxnreg: expected an int in 24..255, got {self.maxnreg!r}")
+        pool = 128 * (self.consumers + 1) * self.maxnreg
+        wanted = 128 * (self.consumers * self.consumer_regs + GLUON_PRODUCER_REGS)
+        if wanted > pool or pool > SM_REGISTERS:
+            raise ValueError(f"consumer_regs: {self.consumers} consumer warpgroups of {self.consumer_regs} registers "
+                             f"and a producer of {GLUON_PRODUCER_REGS} need {wanted} registers; maxnreg "
+                             f"{self.maxnreg} launches with {pool} (at most {SM_REGISTERS})")
 
     @property
     def block_m(self) -> int:

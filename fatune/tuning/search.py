@@ -25,8 +25,8 @@ import torch
 
 import fatune
 from fatune.db import Entry, TunedDB, bucket_distance, is_stale, key_columns
-from fatune.kernel.spec import AttentionConfig, LaunchConfig
-from fatune.kernel.triton.resolve import kernel_hashes
+from fatune.kernel.family import family
+from fatune.kernel.spec import AttentionConfig, GluonConfig, LaunchConfig
 from fatune.tuning import compile_log, precompile
 from fatune.tuning.competitors import sdpa
 from fatune.tuning.precompile import CompilePool
@@ -220,6 +220,38 @@ def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
     return result
 
 
+def choose_winners(shape: Shape, searches: list[KernelSearch]) -> tuple[dict[str, LaunchConfig | GluonConfig],
+                                                                         dict[str, float], dict[str, int]]:
+    """(each kernel's winning config, each study's best kernel time, trials rejected by reason) of a shape whose
+    studies are finished. The forward's winner is the faster of the families' forward studies (timed on the same
+    inputs); a Gluon forward study without a complete trial (its kernel could not be built here) leaves the
+    forward to the Triton family. The backward keeps the dQ kernel beside a non-atomic dK/dV where that beat the
+    atomic backward (separate_backward)."""
+    chosen: dict[str, LaunchConfig | GluonConfig] = {}
+    kernel_ms: dict[str, float] = {}  # per study: the forward's of each family
+    slot_ms: dict[str, float] = {}  # per kernel: its chosen config's
+    rejected: dict[str, int] = {}
+    for search in searches:
+        for kind, count in search.rejected().items():
+            rejected[kind] = rejected.get(kind, 0) + count
+        best = search.best_config()
+        if best is None and search.slot != search.kernel:
+            continue
+        if best is None:
+            raise RuntimeError(f"{shape.label()}: no {search.kernel} config passed the checks in "
+                               f"{len(search.study.trials)} trials ({search.rejected()}); give more trials or time")
+        kernel_ms[search.kernel] = search.best_ms
+        if search.best_ms < slot_ms.get(search.slot, math.inf):
+            chosen[search.slot], slot_ms[search.slot] = best, search.best_ms
+        search.census()  # known_best and known_best_separate from every process's trials
+    if not forward_only(shape):
+        dkdv, dq = (next(s for s in searches if s.kernel == kernel) for kernel in ("dkdv", "dq"))
+        separate = separate_backward(dkdv, dq)
+        if separate is not None:  # the dQ kernel beside a non-atomic dK/dV beat the atomic backward
+            chosen["dkdv"], kernel_ms["dkdv"] = separate, dkdv.known_best_separate[0]
+    return chosen, kernel_ms, rejected
+
+
 def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None) -> ShapeResult:
     """The winners of a shape whose studies are finished, measured end to end, and SDPA beside them.
 
@@ -229,24 +261,8 @@ def measure_shape(run: ShapeRun, target: Target, pool: CompilePool | None = None
     went, its trials' and its measurement's."""
     started = time.perf_counter()
     shape, clock, searches = run.shape, run.clock, run.searches
-    chosen: dict[str, LaunchConfig] = {}
-    kernel_ms: dict[str, float] = {}
-    rejected: dict[str, int] = {}
     with clock("census"):
-        for search in searches:
-            best = search.best_config()
-            if best is None:
-                raise RuntimeError(f"{shape.label()}: no {search.kernel} config passed the checks in "
-                                   f"{len(search.study.trials)} trials ({search.rejected()}); give more trials or time")
-            chosen[search.kernel], kernel_ms[search.kernel] = best, search.best_ms
-            search.census()  # known_best and known_best_separate from every process's trials
-            for kind, count in search.rejected().items():
-                rejected[kind] = rejected.get(kind, 0) + count
-        if not forward_only(shape):
-            dkdv, dq = (next(s for s in searches if s.kernel == kernel) for kernel in ("dkdv", "dq"))
-            separate = separate_backward(dkdv, dq)
-            if separate is not None:  # the dQ kernel beside a non-atomic dK/dV beat the atomic backward
-                chosen["dkdv"], kernel_ms["dkdv"] = separate, dkdv.known_best_separate[0]
+        chosen, kernel_ms, rejected = choose_winners(shape, searches)
     config = run.heuristic.replace(**chosen)  # every kernel searched, or the forward alone
     only_forward = forward_only(shape)
     compiled = pool.submit(shape, config, "fwd" if only_forward else "dkdv") if pool else None
@@ -279,7 +295,7 @@ def finished_trials(shapes: list[Shape], target: Target, trials: int, storage: o
     found with all their trials are added to it."""
     total = 0
     for shape in shapes:
-        kernels = shape_kernels(shape)
+        kernels = shape_kernels(shape, target, space)
         budget = sum(trial_budget(space, target, shape, kernel, trials) for kernel in kernels)
         if done is not None and shape in done:
             total += budget
@@ -315,8 +331,9 @@ def _interpreted_step(shape: Shape, config: AttentionConfig, inputs: dict[str, t
 
 def to_entry(result: ShapeResult, target: Target) -> Entry:
     """The tuned-DB entry of a shape's winners; its key is built by fatune.db like the dispatcher's, its
-    template_hash holds the code hashes of the kernels it measured (fatune.kernel.triton.resolve.kernel_hashes)."""
-    hashes = kernel_hashes(result.shape.spec, result.config, result.shape.heads > result.shape.kv_heads)
+    template_hash holds the code hashes of the kernels it measured (its family's kernel_hashes)."""
+    hashes = family(result.config.family).kernel_hashes(result.shape.spec, result.config,
+                                                        result.shape.heads > result.shape.kv_heads)
     return Entry(
         **key_columns(target.gpu, target.capability, shape_key(result.shape), hashes),
         fwd_config=result.config.fwd.to_dict(),

@@ -1,5 +1,9 @@
-"""The configs a search may try: each kernel's axes (SearchSpace) and the resource model that rejects, without
-compiling, configs that cannot fit a GPU (infeasible)."""
+"""The configs a search may try: each study's axes (SearchSpace) and the resource model that rejects, without
+compiling, configs that cannot fit a GPU (infeasible).
+
+A shape has a study per kernel of the Triton family ("fwd", "dkdv", "dq") and, where the Gluon family serves
+it, one of the Gluon forward (GLUON_FORWARD): the family is an axis of the search, decided by the forward
+studies' best times (fatune.tuning.search.measure_shape)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import math
 from dataclasses import dataclass
 
 from fatune.db import seqlen_bucket
-from fatune.kernel.spec import KernelSpec, LaunchConfig, lanes
+from fatune.kernel.gluon import resources as gluon_resources
+from fatune.kernel.spec import GluonConfig, KernelSpec, LaunchConfig, lanes
 from fatune.kernel.triton.resources import MIN_ELEMENTS_PER_THREAD, shared_memory_bytes
 from fatune.kernel.triton.structure import atomic_dq_kinds, split_d_searched
 from fatune.tuning.shape import Shape
@@ -22,6 +27,20 @@ SPLIT_WAVES = 4  # a forward whose fewest programs fill this many waves of the G
 # the dQ kernel's register cap is searched up to this many lanes: there its registers, not its shared memory,
 # limit the programs per SM (a cap of 128 fits two at d64; the forward and dK/dV lost with caps, H200, 2026-11-30)
 MAXNREG_LANES = 64
+
+
+GLUON_FORWARD = "fwd-gluon"  # the study of the Gluon family's forward
+
+
+def slot(kernel: str) -> str:
+    """The kernel (an AttentionConfig field) a study's configs fill: "fwd" for either family's forward."""
+    return "fwd" if kernel == GLUON_FORWARD else kernel
+
+
+def make_config(kernel: str, params: dict) -> LaunchConfig | GluonConfig:
+    """A study's config from its axes' values; ValueError for a combination the family refuses (registers
+    the consumer warpgroups cannot get)."""
+    return GluonConfig.from_dict(params) if kernel == GLUON_FORWARD else LaunchConfig.from_dict(params)
 
 
 @dataclass(frozen=True)
@@ -45,12 +64,23 @@ class SearchSpace:
     # kernel never runs and the switch is dropped (fatune.kernel.triton.structure.runnable_backward)
     concurrent: tuple[int, ...] = (0, 1, 2)
 
+    # the Gluon forward (GLUON_FORWARD): key tiles, ring depth, consumer warpgroups and their registers (the
+    # launch's register cap follows from the consumers: fatune.kernel.spec.gluon_register_cap)
+    gluon_block_n: tuple[int, ...] = (64, 128)
+    gluon_stages: tuple[int, ...] = (1, 2, 3, 4)
+    consumers: tuple[int, ...] = (2, 3)
+    consumer_regs: tuple[int, ...] = (160, 192, 216, 232, 240)
+    families: tuple[str, ...] = ("triton", "gluon")  # the kernel families whose studies a search runs
+
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
         """The axes searched for `kernel` on `shape`: tiles, warps, stages, and the structure fields it owns.
 
         On a GPU with `sms` multiprocessors, a shape whose forward fills SPLIT_WAVES waves even with
         its largest query tiles keeps only num_splits=0 (chosen at launch: no split there): splitting
         its keys would add partial results and merges to a grid that already has no idle multiprocessor."""
+        if kernel == GLUON_FORWARD:
+            return {"block_n": self.gluon_block_n, "num_stages": self.gluon_stages, "consumers": self.consumers,
+                    "consumer_regs": self.consumer_regs}
         axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
         if kernel == "fwd":
@@ -79,11 +109,18 @@ class SearchSpace:
         programs = math.ceil(rows / max(self.block_m)) * shape.kv_heads * shape.batch
         return programs >= SPLIT_WAVES * sms
 
-    def grid(self, kernel: str, shape: Shape, sms: int | None = None) -> list[LaunchConfig]:
+    def grid(self, kernel: str, shape: Shape, sms: int | None = None) -> list[LaunchConfig | GluonConfig]:
+        """Every config of the axes that the family accepts (make_config)."""
         axes = self.axes(kernel, shape, sms)
-        return [LaunchConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+        configs = []
+        for values in itertools.product(*axes.values()):
+            try:
+                configs.append(make_config(kernel, dict(zip(axes, values))))
+            except ValueError:
+                continue
+        return configs
 
-    def feasible(self, kernel: str, shape: Shape, target: Target) -> frozenset[LaunchConfig]:
+    def feasible(self, kernel: str, shape: Shape, target: Target) -> frozenset[LaunchConfig | GluonConfig]:
         """The grid's configs that the resource model (infeasible) lets run on `target`: the points a search
         may try, and so the most trials it can run."""
         return _feasible(self, kernel, shape, target.sms, target.shared_limit, target.arch)
@@ -96,13 +133,16 @@ GPU_SPACE = SearchSpace()
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4,), num_stages=(1,), num_splits=(0, 2),
                                 maxnreg=(0,),  # the interpreter compiles nothing: a cap changes nothing there
                                 concurrent=(0,),  # nor has it streams to run kernels side by side
-                                pack_gqa=(1,), atomic_dq=(0, 1, 2))
+                                pack_gqa=(1,), atomic_dq=(0, 1, 2),
+                                families=("triton",))  # nor does it run Gluon kernels
 
 
-def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig, shared_limit: int | None,
+def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig | GluonConfig, shared_limit: int | None,
                arch: tuple[int, int] = (9, 0)) -> str | None:
     """Why `config` cannot run well for `kernel` on a GPU of compute capability `arch` with `shared_limit` bytes
     per block (None: the interpreter, where only correctness matters), decided without compiling; None if it may."""
+    if isinstance(config, GluonConfig):
+        return gluon_resources.infeasible(spec, config, shared_limit)
     if shared_limit is None:
         return None
     if config.block_m * config.block_n < config.num_warps * 32 * MIN_ELEMENTS_PER_THREAD:
@@ -125,7 +165,7 @@ def default_space(target: Target) -> SearchSpace:
 
 @functools.lru_cache(maxsize=1024)
 def _feasible(space: SearchSpace, kernel: str, shape: Shape, sms: int | None, shared_limit: int | None,
-              arch: tuple[int, int]) -> frozenset[LaunchConfig]:
+              arch: tuple[int, int]) -> frozenset[LaunchConfig | GluonConfig]:
     return frozenset(config for config in space.grid(kernel, shape, sms)
                      if infeasible(kernel, shape.spec, config, shared_limit, arch) is None)
 

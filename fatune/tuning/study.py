@@ -30,14 +30,16 @@ import optuna
 import torch
 
 from fatune.db import is_decode, key_columns, seqlen_bucket
-from fatune.kernel.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig
-from fatune.kernel.triton.resolve import search_hash
+from fatune.kernel.family import family
+from fatune.kernel.gluon.family import default_forward
+from fatune.kernel.spec import KERNELS, AttentionConfig, GluonConfig, KernelSpec, LaunchConfig
 from fatune.kernel.triton.structure import runnable_backward
 from fatune.tuning import compile_log, precompile
 from fatune.tuning import storage as storage_module
 from fatune.tuning.precompile import CompilePool
 from fatune.tuning.shape import Shape, shape_key
-from fatune.tuning.space import SearchSpace, axes_digest, default_space, infeasible, trial_budget
+from fatune.tuning.space import (GLUON_FORWARD, SearchSpace, axes_digest, default_space, infeasible, make_config,
+                                  slot, trial_budget)
 from fatune.tuning.storage import Heartbeat, storage_lock
 from fatune.tuning.target import Checker, Stopwatch, Target
 from fatune.tuning.timing import KernelRunner
@@ -85,20 +87,31 @@ def forward_only(shape: Shape) -> bool:
     return is_decode(seqlen_bucket(shape.seqlen_q))
 
 
-def shape_kernels(shape: Shape) -> tuple[str, ...]:
-    """The kernels whose configs are searched for `shape`, in search order."""
-    return ("fwd",) if forward_only(shape) else KERNELS
+def shape_kernels(shape: Shape, target: Target | None = None, space: SearchSpace | None = None) -> tuple[str, ...]:
+    """The studies searched for `shape`, in search order: the Triton family's kernels (the forward's alone for a
+    forward-only shape), with the Gluon forward's (GLUON_FORWARD) after the forward's where `space` (default: the
+    target's) searches that family and it serves the shape on `target`'s GPU."""
+    kernels = ("fwd",) if forward_only(shape) else KERNELS
+    if target is None or "gluon" not in (space or default_space(target)).families or \
+            family("gluon").serves(shape.spec, target.device) is not None:
+        return kernels
+    return (kernels[0], GLUON_FORWARD, *kernels[1:])
+
+
+def study_family(kernel: str) -> str:
+    """The kernel family a study's configs belong to."""
+    return "gluon" if kernel == GLUON_FORWARD else "triton"
 
 
 def study_name(target: Target, shape: Shape, kernel: str, space: SearchSpace | None = None) -> str:
     """The Optuna study of one kernel of one shape: the installation and kernel spec of the tuned-DB key
-    (fatune.db), with the hash of the sources its search can render (fatune.kernel.triton.resolve.search_hash)
-    for the templates' part, the hash of its axes in `space` (default: the target's) so that a space that gains or loses an axis
+    (fatune.db), with the hash of the sources its search can render (its family's search_hash) for the
+    templates' part, the hash of its axes in `space` (default: the target's) so that a space that gains or loses an axis
     or a value starts new studies, and the shape itself (its lengths, window, padding and documents, batch and
     heads: two shapes that share a DB key are still different problems, whose trials must not mix in one study)."""
 
     key = key_columns(target.gpu, target.capability, shape_key(shape), "")
-    templates = search_hash(shape.spec, shape.kv_heads != shape.heads)
+    templates = family(study_family(kernel)).search_hash(shape.spec, shape.kv_heads != shape.heads)
     templates += "-" + axes_digest(space or default_space(target), target, shape, kernel)
     sizes = [f"w{shape.window}"] if "window" in key["mask_variant"] else []  # a window the call keeps
     sizes += [f"keys{shape.kept_keys}"] if shape.valid_keys < 1.0 else []
@@ -179,7 +192,7 @@ class Candidate:
 
     search: KernelSearch
     trial: optuna.Trial
-    config: LaunchConfig
+    config: LaunchConfig | GluonConfig
     compiled: Future | None
     seconds: dict[str, float] = field(default_factory=dict)  # TRIAL_PHASES so far
 
@@ -190,7 +203,14 @@ class Candidate:
 def heuristic_params(heuristic: AttentionConfig, kernel: str, spec: KernelSpec, axes: dict) -> dict[str, int]:
     """The heuristic's trial of `kernel` (its values on `axes`), as it runs for `spec`: an atomic-dQ kind the
     head dim cannot take runs as the next one down, which is what the space offers (TMA reductions exist
-    wherever a heuristic asks for them: Hopper)."""
+    wherever a heuristic asks for them: Hopper). The Gluon forward's study starts from `heuristic`'s forward if
+    it is a Gluon one, else from the family's default (default_forward); a config of the other family has no
+    values on a study's axes ({})."""
+    if kernel == GLUON_FORWARD:
+        forward = heuristic.fwd if isinstance(heuristic.fwd, GluonConfig) else default_forward(spec)
+        return {axis: value for axis, value in dataclasses.asdict(forward).items() if axis in axes}
+    if kernel == "fwd" and isinstance(heuristic.fwd, GluonConfig):
+        return {}
     if kernel == "dq":  # dQ trials run beside a dK/dV without atomic dQ (base_config): its structure as it is
         heuristic = heuristic.replace(dkdv=dataclasses.replace(heuristic.dkdv, atomic_dq=0))
     runs_as = runnable_backward(heuristic, spec, tma=True)
@@ -205,6 +225,7 @@ class KernelSearch:
                  storage: optuna.storages.RDBStorage, seed: int, trials: int, deadline: float,
                  warm: tuple[AttentionConfig, ...] = ()):
         self.target, self.shape, self.kernel, self.space = target, shape, kernel, space
+        self.slot = slot(kernel)  # the AttentionConfig field its configs fill
         self.storage, self.seed, self.deadline = storage, seed, deadline
         self.axes = space.axes(kernel, shape, target.sms)
         self.points = space.feasible(kernel, shape, target)
@@ -215,7 +236,7 @@ class KernelSearch:
         # what this process knows of the study without asking the storage again: the best trial as of its last
         # census or tell, when it last looked for dead trials, and until when a study it found with all its
         # trials finished or held need not be asked again (only a dead trial can change that, found in >= GRACE_S)
-        self.known_best: tuple[float, LaunchConfig | None] = (math.inf, None)
+        self.known_best: tuple[float, LaunchConfig | GluonConfig | None] = (math.inf, None)
         self.known_best_separate: tuple[float, LaunchConfig | None] = (math.inf, None)  # without atomic dQ
         self._stale_checked = -math.inf
         self._full_until = -math.inf
@@ -250,7 +271,7 @@ class KernelSearch:
             params = heuristic_params(config, self.kernel, self.spec, self.axes)
             if params == self.start or not all(params.get(axis) in values for axis, values in self.axes.items()):
                 continue
-            if infeasible(self.kernel, self.spec, LaunchConfig.from_dict(params), self.target.shared_limit,
+            if infeasible(self.kernel, self.spec, make_config(self.kernel, params), self.target.shared_limit,
                           self.target.arch):
                 continue  # it would only be rejected, spending a trial
             with storage_lock(self.storage.url):
@@ -287,8 +308,8 @@ class KernelSearch:
         """Note a complete trial in known_best, and in known_best_separate if it has no atomic dQ (a dQ study
         times its candidates beside that one: base_config)."""
         if value < self.known_best[0]:
-            self.known_best = (value, LaunchConfig.from_dict(params))
-        if not params.get("atomic_dq") and value < self.known_best_separate[0]:
+            self.known_best = (value, make_config(self.kernel, params))
+        if self.kernel == "dkdv" and not params.get("atomic_dq") and value < self.known_best_separate[0]:
             self.known_best_separate = (value, LaunchConfig.from_dict(params))
 
     def wants_trial(self) -> bool:
@@ -311,15 +332,21 @@ class KernelSearch:
         done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         return min((t.value for t in done), default=math.inf)
 
-    def best_config(self) -> LaunchConfig | None:
+    def best_config(self) -> LaunchConfig | GluonConfig | None:
         done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         if not done:
             return None
-        return LaunchConfig.from_dict(min(done, key=lambda t: t.value).params)
+        return make_config(self.kernel, min(done, key=lambda t: t.value).params)
 
-    def suggest(self, trial: optuna.Trial) -> LaunchConfig:
-        return LaunchConfig.from_dict({axis: trial.suggest_categorical(axis, list(values))
-                                       for axis, values in self.axes.items()})
+    def suggest(self, trial: optuna.Trial) -> tuple[LaunchConfig | GluonConfig | None, str | None]:
+        """The trial's config and why it cannot run (None if it may): a combination its family refuses (no
+        config) or the resource model rejects."""
+        params = {axis: trial.suggest_categorical(axis, list(values)) for axis, values in self.axes.items()}
+        try:
+            config = make_config(self.kernel, params)
+        except ValueError as error:
+            return None, str(error)
+        return config, infeasible(self.kernel, self.spec, config, self.target.shared_limit, self.target.arch)
 
     def ask(self, base: AttentionConfig, heartbeat: Heartbeat, pool: CompilePool | None,
             clock: Stopwatch | None = None) -> Candidate | None:
@@ -337,8 +364,7 @@ class KernelSearch:
             try:
                 heartbeat.hold(trial)
                 trial.set_user_attr("worker", _worker_name())
-                config = self.suggest(trial)
-                reason = infeasible(self.kernel, self.spec, config, self.target.shared_limit, self.target.arch)
+                config, reason = self.suggest(trial)
                 repeated = reason is None and config in self._held_or_tried(trial.number)
             except BaseException:
                 self._tell(trial, heartbeat, None, clock=clock)
@@ -350,18 +376,18 @@ class KernelSearch:
                 trial.set_user_attr("rejected", "repeated")
                 self._tell(trial, heartbeat, None, seconds, clock)
             else:
-                compiled = pool.submit(self.shape, base.replace(**{self.kernel: config}), self.kernel) if pool else None
+                compiled = pool.submit(self.shape, base.replace(**{self.slot: config}), self.slot) if pool else None
                 return Candidate(self, trial, config, compiled, seconds)
         raise AssertionError("unreachable")
 
-    def _held_or_tried(self, number: int | None = None) -> set[LaunchConfig]:
+    def _held_or_tried(self, number: int | None = None) -> set[LaunchConfig | GluonConfig]:
         """The configs of the study's trials that finished (infeasible draws aside), run or wait in its queue,
         but trial `number` (the one being asked)."""
         held = set()
         for trial in self.study.get_trials(deepcopy=False, states=(*FINISHED, RUNNING, WAITING)):
             params = trial.params or trial.system_attrs.get("fixed_params") or {}
             if trial.number != number and trial.user_attrs.get("rejected") != "infeasible" and set(self.axes) <= set(params):
-                held.add(LaunchConfig.from_dict({axis: params[axis] for axis in self.axes}))
+                held.add(make_config(self.kernel, {axis: params[axis] for axis in self.axes}))
         return held
 
     def _queue_untried(self) -> bool:
@@ -382,7 +408,7 @@ class KernelSearch:
             precompiled(self.describe(candidate.config), candidate.compiled), candidate.seconds),
             candidate.seconds, clock)
 
-    def describe(self, config: LaunchConfig) -> str:
+    def describe(self, config: LaunchConfig | GluonConfig) -> str:
         """A candidate as the terminal and the search log name it: shape, kernel, config."""
         return f"{self.shape.label()} {self.kernel} {config}"
 
@@ -415,7 +441,7 @@ class KernelSearch:
                 clock.merge(seconds)
                 clock.add("tell", time.perf_counter() - start)
 
-    def evaluate(self, trial: optuna.Trial, config: LaunchConfig, base: AttentionConfig,
+    def evaluate(self, trial: optuna.Trial, config: LaunchConfig | GluonConfig, base: AttentionConfig,
                  inputs: dict[str, torch.Tensor], checker: Checker, compile_failure: str | None = None,
                  seconds: dict[str, float] | None = None) -> float:
         """The candidate's time; TrialPruned if it does not compile or launch, is wrong, or is slow.
@@ -430,16 +456,17 @@ class KernelSearch:
         if compile_failure:
             kind = "out_of_resources" if compile_failure.startswith("OutOfResources") else "compile_error"
             return self._reject(trial, kind, compile_failure)
-        attention_config = base.replace(**{self.kernel: config})
+        attention_config = base.replace(**{self.slot: config})
         try:
             # its first launch compiles (unless the pool did): the compiler's output goes to the search log
             with clock("build"), compile_log.captured() as output:
                 runner = KernelRunner(self.shape, attention_config, inputs)
                 runner.prepare()
-                for name in Checker.KERNEL_OUTPUTS[self.kernel]:
+                for name in Checker.KERNEL_OUTPUTS[self.slot]:
                     getattr(runner.args, name).fill_(float("nan"))  # poison: an unwritten element fails the check
-                run = runner.run(self.kernel)
+                run = runner.run(self.slot)
                 run()
+                runner.check_built()
                 if self.target.device.type == "cuda":
                     torch.cuda.synchronize()
         except Exception as error:  # compile errors, OutOfResources (as a KernelBuildError's cause), launch failures
@@ -450,7 +477,7 @@ class KernelSearch:
             return self._reject(trial, kind, reason)
         compile_log.write(self.describe(config), output.text)
         with clock("check"):
-            error = checker.error(self.kernel, runner)
+            error = checker.error(self.slot, runner)
         if not error <= checker.tolerance:
             return self._reject(trial, "wrong_result", f"relative error {error:.3g} > {checker.tolerance}")
         best_ms = self.known_best[0]

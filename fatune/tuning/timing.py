@@ -17,9 +17,10 @@ import torch
 
 from fatune.call import Call
 from fatune.db import MIN_TIME_MS
+from fatune.kernel.family import family
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.triton import dropout
-from fatune.kernel.triton.launch import Plan
+from fatune.kernel.triton.launch import KernelBuildError
 from fatune.tuning.shape import Shape
 
 
@@ -89,7 +90,7 @@ class KernelRunner:
         self.shape, self.config = shape, config
         q, k, v = (inputs[name].detach() for name in ("q", "k", "v"))
         call = Call(**shape.attention_kwargs(q.device))
-        self.plan = Plan(call.check(q, k, v), config, q.device, q, k, v)
+        self.plan = family(config.family).plan(call.check(q, k, v), config, q.device, q, k, v, None, None)
         out, lse = self.plan.allocate_forward()
         buffers = self.plan.allocate_backward(atomic=True)  # the config's kernels as configured, whatever torch's mode
         delta, grad_q, grad_k, grad_v, _ = buffers
@@ -114,6 +115,13 @@ class KernelRunner:
     def prepare(self) -> None:
         """Run the forward once so the backward reads a real O and LSE."""
         self.run("fwd")()
+
+    def check_built(self) -> None:
+        """KernelBuildError if a kernel of the config did not run as configured: a Gluon forward that could not
+        be built here hands its calls to the Triton forward, whose time must not count as the Gluon config's."""
+        failure = getattr(self.plan, "build_failure", None)
+        if failure:
+            raise KernelBuildError(failure)
 
 
 def compile_seconds(fn: Callable[[], object]) -> float:

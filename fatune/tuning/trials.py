@@ -22,7 +22,7 @@ from fatune.kernel.family import family
 from fatune.kernel.spec import KERNELS, AttentionConfig, LaunchConfig
 from fatune.tuning.precompile import CompilePool
 from fatune.tuning.shape import Shape, make_inputs
-from fatune.tuning.space import SearchSpace
+from fatune.tuning.space import SearchSpace, slot
 from fatune.tuning.storage import Heartbeat
 from fatune.tuning.study import POLL_S, Candidate, KernelSearch, forward_only, shape_kernels
 from fatune.tuning.target import Checker, Stopwatch, Target
@@ -35,7 +35,9 @@ def base_config(searches: list[KernelSearch], heuristic: AttentionConfig, kernel
     kernel's tile would only size Delta's rows): the dQ study tunes the separate backward, which
     measure_shape weighs against the atomic one."""
     base = heuristic
-    for search in searches[:KERNELS.index(kernel)]:
+    for search in searches:
+        if search.kernel not in KERNELS or KERNELS.index(search.kernel) >= KERNELS.index(slot(kernel)):
+            continue  # a kernel searched later, or the Gluon forward (the backward reads either forward's LSE)
         if kernel == "dq" and search.kernel == "dkdv":
             best = search.known_best_separate[1] or dataclasses.replace(heuristic.dkdv, atomic_dq=0)
         else:
@@ -182,7 +184,7 @@ def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float
     try early (KernelSearch.warm_start)."""
     started = time.time()
     heuristic = shape_heuristic(shape, target)
-    kernels = shape_kernels(shape)
+    kernels = shape_kernels(shape, target, space)
     searches = [KernelSearch(target, shape, kernel, heuristic, space, storage, seed, trials,
                              deadline=started + seconds * (index + 1) / len(kernels), warm=warm)
                 for index, kernel in enumerate(kernels)]

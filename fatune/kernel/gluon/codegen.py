@@ -9,7 +9,7 @@ from typing import Any
 
 from fatune.kernel import codegen
 from fatune.kernel.codegen import Templates
-from fatune.kernel.spec import GluonConfig, KernelSpec
+from fatune.kernel.spec import GLUON_PRODUCER_REGS, GluonConfig, KernelSpec
 
 TEMPLATES = Templates("gluon")
 HEAD_DIMS = (64, 128, 256)
@@ -22,7 +22,7 @@ def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(config.to_dict(), sort_keys=True),
         "HEAD_DIM": spec.head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
-        "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs,
+        "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
         "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right,
     }
 

@@ -6,6 +6,7 @@ a config with a Gluon forward for any other call runs the Triton family instead,
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,13 @@ class GluonFamily:
         triton_hashes = resolve.kernel_hashes(spec, config.replace(fwd=TRITON_FORWARD), grouped).split(",")
         backward = [entry for entry in triton_hashes if entry.startswith("bwd:")]
         return ",".join(sorted({source_hash("fwd", codegen.render(spec, config.fwd)), *backward}))
+
+    def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
+        """The forward's sources with two and three consumer warpgroups (what its study renders; the tiles and
+        registers only fill in numbers)."""
+        sources = [source_hash("fwd", codegen.render(spec, GluonConfig(consumers=consumers, consumer_regs=160)))
+                   for consumers in (2, 3)]
+        return hashlib.sha256(",".join(sources).encode()).hexdigest()[:16]
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,

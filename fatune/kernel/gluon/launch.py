@@ -17,6 +17,7 @@ from fatune.hardware import device_arch
 from fatune.kernel.gluon import codegen
 from fatune.kernel.problem import NO_EXTRAS, AttentionProblem
 from fatune.kernel.spec import GLUON_SPLIT_M, AttentionConfig, GluonConfig, KernelSpec
+from fatune.kernel.triton import launch
 from fatune.kernel.triton.launch import Plan, StaleKernels
 from fatune.kernel.triton.resolve import source_hash, tma_readable
 from fatune.logs import warn_once
@@ -62,6 +63,9 @@ class GluonForward:
         key_layout = gl.NVMMASharedLayout.get_default_for(keys, dtype)
         descriptors = (TensorDescriptor.from_tensor(q, rows, row_layout), TensorDescriptor.from_tensor(k, keys, key_layout),
                        TensorDescriptor.from_tensor(v, keys, key_layout), TensorDescriptor.from_tensor(out, rows, row_layout))
+        if launch.compiling_only():
+            self.kernel.warmup(*descriptors, lse, *self.scalars, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
+            return
         self.kernel[self.grid](*descriptors, lse, *self.scalars, num_warps=4, maxnreg=self.config.maxnreg)
 
 
@@ -116,6 +120,12 @@ class GluonPlan:
             if launched:
                 return out, lse, None
         return self.triton.forward_with_spans(q, k, v, extras, seed, fresh_workspace)
+
+    def run_forward(self, slots: tuple, fresh_workspace: bool = False) -> None:
+        """The forward into the buffers of `slots` (the Triton plan's: q, k, v, out, lse first), as the search
+        times it; the Triton forward if the Gluon one cannot be built here."""
+        if self._forward is None or not self._launch(*slots[:5]):
+            self.triton.run_forward(slots, fresh_workspace)
 
     def _launch(self, q, k, v, out, lse) -> bool:
         """Launch the Gluon forward; False if its first launch cannot build it here (the Triton forward then runs,

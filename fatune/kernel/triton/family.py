@@ -40,6 +40,9 @@ class TritonFamily:
     def kernel_hashes(self, spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
         return resolve.kernel_hashes(spec, config, grouped)
 
+    def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
+        return resolve.search_hash(spec, grouped)
+
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
              sources: frozenset[str] | None) -> launch.Plan:

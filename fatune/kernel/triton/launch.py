@@ -162,6 +162,11 @@ def compile_only() -> None:
     _compile_only = True
 
 
+def compiling_only() -> bool:
+    """Whether launches in this process only compile (compile_only)."""
+    return _compile_only
+
+
 def current_stream(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None

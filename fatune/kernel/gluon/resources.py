@@ -1,0 +1,26 @@
+"""What a Gluon forward config needs of a Hopper GPU, decided without compiling: the search rejects a config
+that cannot fit before it spends a trial on it."""
+
+from __future__ import annotations
+
+from fatune.kernel.spec import GLUON_SPLIT_M, GluonConfig, KernelSpec
+
+ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
+
+
+def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
+    """Shared memory of one program, an upper bound within 128 bytes of what Triton allocates: the consumers' Q
+    tiles (reused for O), the K and V ring, each consumer's pinned row sums and the mbarriers."""
+    tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * spec.head_dim * ELEMENT_BYTES
+    pinned = config.consumers * GLUON_SPLIT_M * 4
+    barriers = 8 * (config.consumers + 4 * config.num_stages)
+    return tiles + pinned + barriers + 64  # alignment
+
+
+def infeasible(spec: KernelSpec, config: GluonConfig, shared_limit: int | None) -> str | None:
+    """Why `config` cannot run for `spec` on a GPU with `shared_limit` bytes of shared memory per block (None:
+    unknown, anything goes); None if it may."""
+    needed = shared_memory_bytes(spec, config)
+    if shared_limit is not None and needed > shared_limit:
+        return f"needs ~{needed // 1024} KiB shared memory, the GPU has {shared_limit // 1024} KiB per block"
+    return None

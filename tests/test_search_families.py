@@ -1,0 +1,221 @@
+"""The kernel family as a search axis: the Gluon forward's study beside the Triton forward's, its axes and
+resource model, the faster family's forward stored, and the entry the dispatcher serves from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import optuna
+import pytest
+import torch
+
+from fatune.db import TunedDB
+from fatune.kernel.gluon import codegen as gluon_codegen
+from fatune.kernel.gluon import launch as gluon_launch
+from fatune.kernel.gluon import resources
+from fatune.kernel.gluon.family import default_forward
+from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec, LaunchConfig, gluon_register_cap
+from fatune.kernel.triton.heuristics import default_config
+from fatune.kernel.triton.resolve import source_hash
+from fatune.tuning import search, study
+from fatune.tuning.shape import Shape
+from fatune.tuning.space import GLUON_FORWARD, GPU_SPACE, INTERPRETER_SPACE, infeasible, make_config
+from fatune.tuning.storage import Heartbeat, open_storage
+from fatune.tuning.target import Target
+
+H100_SHARED = 227 * 1024
+# a Hopper GPU as a search sees it; its device is "cuda" so that the family's serves() decides (the test patches
+# the compute capability it reads, as the GPU would answer it)
+HOPPER = Target(torch.device("cuda"), False, "NVIDIA H100 80GB HBM3", "9.0", H100_SHARED, 132)
+SHAPE = Shape(4, 16, 4096, 4096, 128, "bfloat16")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(gluon_launch, "device_arch", lambda device: (9, 0))
+    return HOPPER
+
+
+@pytest.mark.parametrize("shape, families, expected", [
+    (SHAPE, ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (dataclasses.replace(SHAPE, causal=True, kv_heads=4), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (SHAPE, ("triton",), ("fwd", "dkdv", "dq")),  # fatune search --family triton
+    (dataclasses.replace(SHAPE, dtype="float32"), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # 16-bit only
+    (dataclasses.replace(SHAPE, head_dim=96), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # no d96 template
+    (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # no windows
+    (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
+])
+def test_a_shape_the_gluon_family_serves_gets_a_gluon_forward_study(hopper, shape, families, expected):
+    space = dataclasses.replace(GPU_SPACE, families=families)
+    assert study.shape_kernels(shape, hopper, space) == expected
+
+
+def test_no_gluon_study_off_hopper_or_in_the_interpreter(monkeypatch):
+    monkeypatch.setattr(gluon_launch, "device_arch", lambda device: (8, 0))
+    ampere = dataclasses.replace(HOPPER, capability="8.0", gpu="NVIDIA A100")
+    assert study.shape_kernels(SHAPE, ampere, GPU_SPACE) == ("fwd", "dkdv", "dq")
+    interpreter = Target(torch.device("cpu"), True, "triton-interpreter", "cpu", None)
+    assert study.shape_kernels(SHAPE, interpreter, INTERPRETER_SPACE) == ("fwd", "dkdv", "dq")
+    assert study.shape_kernels(SHAPE) == ("fwd", "dkdv", "dq")
+
+
+def test_the_gluon_axes_hold_only_register_splits_the_sm_can_give():
+    """Three consumer warpgroups get at most 160 registers each (with the producer's 24, an SM's 64K over 512
+    threads); every config's launch cap leaves room for its split, and the cap follows the consumers."""
+    grid = GPU_SPACE.grid(GLUON_FORWARD, SHAPE, 132)
+    assert set(GPU_SPACE.axes(GLUON_FORWARD, SHAPE, 132)) == {"block_n", "num_stages", "consumers", "consumer_regs"}
+    assert grid and all(isinstance(config, GluonConfig) for config in grid)
+    assert {c.consumer_regs for c in grid if c.consumers == 3} == {160}
+    assert {c.consumer_regs for c in grid if c.consumers == 2} == set(GPU_SPACE.consumer_regs)
+    assert {(c.consumers, c.maxnreg) for c in grid} == {(2, 168), (3, 128)}
+    assert gluon_register_cap(2) == 168 and gluon_register_cap(3) == 128
+
+
+@pytest.mark.parametrize("fields, argument", [
+    ({"consumers": 3, "consumer_regs": 240}, "consumer_regs"),  # 3 x 240 + 24 registers per lane: over 64K
+    ({"consumers": 2, "consumer_regs": 240, "maxnreg": 128}, "consumer_regs"),  # a cap too low for the split
+    ({"consumers": 2, "consumer_regs": 240, "maxnreg": 255}, "consumer_regs"),  # a pool over the SM's registers
+    ({"consumers": 4}, "consumers"),
+    ({"block_n": 96}, "block_n"),
+    ({"consumer_regs": 100}, "consumer_regs"),
+    ({"maxnreg": 300}, "maxnreg"),
+])
+def test_a_gluon_config_that_would_hang_or_cannot_launch_is_refused_by_name(fields, argument):
+    """setmaxnreg waits for registers the launch never gave: a tuned DB naming such a split must be refused,
+    never launched."""
+    with pytest.raises(ValueError, match=f"^{argument}:"):
+        GluonConfig(**fields)
+    with pytest.raises(ValueError, match=f"^{argument}:"):
+        AttentionConfig.from_dict({"fwd": {"family": "gluon", **fields}, "dkdv": LaunchConfig(64, 64).to_dict(),
+                                   "dq": LaunchConfig(64, 64).to_dict()})
+
+
+@pytest.mark.parametrize("head_dim, config, fits", [
+    (256, GluonConfig(block_n=128, num_stages=2), False),
+    (256, GluonConfig(block_n=64, num_stages=2), True),
+    (256, GluonConfig(block_n=64, num_stages=3), False),
+    (128, GluonConfig(block_n=128, num_stages=3), True),
+    (128, GluonConfig(block_n=128, num_stages=4), False),
+    (64, GluonConfig(block_n=128, num_stages=4, consumers=3, consumer_regs=160), True),
+])
+def test_the_resource_model_rejects_rings_that_cannot_fit_before_compiling(head_dim, config, fits):
+    spec = KernelSpec("bfloat16", head_dim)
+    assert (infeasible(GLUON_FORWARD, spec, config, H100_SHARED) is None) == fits
+    assert infeasible(GLUON_FORWARD, spec, config, None) is None
+
+
+def test_the_gluon_study_is_its_own_and_starts_from_the_familys_default(hopper, tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    heuristic = default_config(SHAPE.spec, (9, 0))
+    assert study.study_name(hopper, SHAPE, GLUON_FORWARD) != study.study_name(hopper, SHAPE, "fwd")
+    assert study.study_name(hopper, SHAPE, GLUON_FORWARD).endswith(":fwd-gluon")
+    gluon = study.KernelSearch(hopper, SHAPE, GLUON_FORWARD, heuristic, GPU_SPACE, storage, seed=0, trials=30,
+                               deadline=time.time() + 600)
+    assert gluon.slot == "fwd"
+    assert make_config(GLUON_FORWARD, gluon.start) == default_forward(SHAPE.spec)
+    (queued,) = gluon.study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert queued.system_attrs["fixed_params"] == gluon.start
+    # its draws are Gluon configs the GPU can hold, each tried once
+    seen = set()
+    with Heartbeat(storage) as heartbeat:
+        for _ in range(12):
+            candidate = gluon.ask(heuristic, heartbeat, None)
+            assert isinstance(candidate.config, GluonConfig) and candidate.config not in seen
+            assert resources.shared_memory_bytes(SHAPE.spec, candidate.config) <= H100_SHARED
+            seen.add(candidate.config)
+            gluon._tell(candidate.trial, heartbeat, lambda: 1.0)
+    assert all(trial.user_attrs.get("rejected") in (None, "infeasible", "repeated") for trial in gluon.study.trials)
+
+
+def test_warm_starts_of_the_other_family_are_not_queued_in_a_study(hopper, tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    heuristic = default_config(SHAPE.spec, (9, 0))
+    tuned_gluon = heuristic.replace(fwd=GluonConfig(block_n=64, num_stages=3))
+    tuned_triton = heuristic.replace(fwd=LaunchConfig(64, 128, num_warps=4, num_stages=3, num_splits=0))
+    gluon = study.KernelSearch(hopper, SHAPE, GLUON_FORWARD, heuristic, GPU_SPACE, storage, seed=0, trials=30,
+                               deadline=time.time() + 600, warm=(tuned_triton, tuned_gluon))
+    triton = study.KernelSearch(hopper, SHAPE, "fwd", heuristic, GPU_SPACE, storage, seed=0, trials=30,
+                                deadline=time.time() + 600, warm=(tuned_triton, tuned_gluon))
+    warm = lambda search: [t.system_attrs["fixed_params"] for t in search.study.trials  # noqa: E731
+                           if t.user_attrs.get("warm_start")]
+    assert [make_config(GLUON_FORWARD, params) for params in warm(gluon)] == [tuned_gluon.fwd]
+    assert [make_config("fwd", params) for params in warm(triton)] == [tuned_triton.fwd]
+
+
+def _finished(search_: study.KernelSearch, configs_ms: list[tuple[object, float]]) -> None:
+    """Trials of `search_` that finished with these times, as a GPU's would have (the selection reads only
+    the studies)."""
+    distributions = {axis: optuna.distributions.CategoricalDistribution(list(values))
+                     for axis, values in search_.axes.items()}
+    for config, ms in configs_ms:
+        params = {axis: getattr(config, axis) for axis in search_.axes}
+        search_.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=ms))
+
+
+@pytest.mark.parametrize("triton_ms, gluon_ms, family", [(1.0, 0.8, "gluon"), (0.8, 1.0, "triton"), (1.0, None, "triton")])
+def test_the_faster_familys_forward_wins_and_its_entry_is_served(hopper, tmp_path, triton_ms, gluon_ms, family):
+    """The forward studies time their kernels on the same inputs: the faster family's best is the shape's
+    forward; a Gluon study none of whose configs ran leaves it to the Triton family. The stored entry holds the
+    winner's family and the code hashes of the kernels it measured, and the DB gives the config back."""
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    heuristic = default_config(SHAPE.spec, (9, 0))
+    searches = [study.KernelSearch(hopper, SHAPE, kernel, heuristic, GPU_SPACE, storage, seed=0, trials=30,
+                                   deadline=time.time() + 600) for kernel in study.shape_kernels(SHAPE, hopper)]
+    by_kernel = {s.kernel: s for s in searches}
+    triton_forward = make_config("fwd", by_kernel["fwd"].start)  # the heuristic's forward, as its study holds it
+    _finished(by_kernel["fwd"], [(triton_forward, triton_ms), (dataclasses.replace(triton_forward, num_stages=2), 3.0)])
+    gluon_forward = GluonConfig(block_n=128, num_stages=3)
+    if gluon_ms is not None:
+        _finished(by_kernel[GLUON_FORWARD], [(gluon_forward, gluon_ms), (GluonConfig(64, 2), 2.0)])
+    _finished(by_kernel["dkdv"], [(heuristic.dkdv, 2.0)])
+    _finished(by_kernel["dq"], [(heuristic.dq, 2.5)])
+
+    chosen, kernel_ms, _ = search.choose_winners(SHAPE, searches)
+    assert chosen["fwd"] == (gluon_forward if family == "gluon" else triton_forward)
+    assert kernel_ms["fwd"] == triton_ms and kernel_ms.get(GLUON_FORWARD) == gluon_ms
+
+    config = heuristic.replace(**chosen)
+    result = search.ShapeResult(SHAPE, config, kernel_ms, 1.0, 2.0, 3.0, trials=4)
+    entry = search.to_entry(result, hopper)
+    fwd_hash = source_hash("fwd", gluon_codegen.render(SHAPE.spec, gluon_forward))
+    assert (fwd_hash in entry.template_hash.split(",")) == (family == "gluon")
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        assert db.upsert(entry)
+        (stored,) = db.entries()
+    assert stored.attention_config() == config and stored.attention_config().family == family
+
+
+@pytest.mark.gpu
+def test_gpu_a_search_over_both_families_stores_and_serves_its_winner(tmp_path, monkeypatch):
+    """On a Hopper GPU one shape's search runs the Gluon forward's study beside the Triton forward's; some
+    Gluon config compiles, passes the check and is timed; the stored entry is what the dispatcher serves, and
+    fatune.explain names the family that runs."""
+    import fatune
+    from fatune.tuning.target import Target as GpuTarget
+
+    target = GpuTarget.detect(interpret=False)
+    if target.arch != (9, 0):
+        pytest.skip("the Gluon family runs on Hopper")
+    shape = Shape(4, 16, 2048, 2048, 128, "bfloat16", causal=True)
+    storage = f"sqlite:///{tmp_path / 'studies.sqlite'}"
+    started = time.perf_counter()
+    result = search.search_shape(shape, target, trials=8, seconds=300, storage=storage, seed=0, space=GPU_SPACE)
+    seconds = time.perf_counter() - started
+    assert result.kernel_ms.get(GLUON_FORWARD, float("inf")) < float("inf"), result.kernel_ms
+    faster = "gluon" if result.kernel_ms[GLUON_FORWARD] < result.kernel_ms["fwd"] else "triton"
+    assert result.config.family == faster
+    monkeypatch.setenv("FATUNE_DB", str(tmp_path / "tuned.sqlite"))
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        search.store(db, result, target)
+    from fatune.runtime.plans import clear
+
+    clear()  # the dispatcher reads the DB again
+    try:
+        q = torch.randn(4, 16, 2048, 128, device="cuda", dtype=torch.bfloat16)
+        explanation = fatune.explain(q, q, q, is_causal=True)
+        assert explanation.backend == faster and explanation.decision.config == result.config, str(explanation)
+    finally:
+        clear()
+    print(f"search of {shape.label()} over both families, 8 trials per study: {seconds:.1f} s; "
+          f"forward {result.kernel_ms}")
