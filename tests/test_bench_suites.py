@@ -101,3 +101,17 @@ def test_overhead_times_the_host_path_with_no_op_launches(tmp_path):
     after = (plans._plans, launch.KernelLaunch.__call__, mask_spans._jitted)
     assert all(now is then for now, then in zip(after, before)), \
         "launches are real again after the suite, and no plan it built (with no-op launches) is kept"
+
+
+def test_transformers_trains_and_generates_a_tiny_llama_on_both_implementations(tmp_path):
+    pytest.importorskip("transformers")
+    data, printed = run(tmp_path, "--suite", "transformers")
+    losses = {impl: [row["loss"] for row in data["rows"] if row["part"] == "train" and row["impl"] == impl]
+              for impl in ("sdpa", "fatune")}
+    assert len(losses["fatune"]) == len(losses["sdpa"]) == 3
+    assert data["summary"]["loss_gap"] < 1e-3  # float32: the same curve
+    assert data["summary"]["token_agreement"] == 1.0
+    summary = [row for row in data["rows"] if row["part"] == "summary"]
+    assert [row["impl"] for row in summary] == ["sdpa", "fatune"]
+    assert all(measured(row, "tokens_per_s", "prefill_ms", "ms_per_token") for row in summary)
+    assert "| fatune |" in printed

@@ -10,6 +10,8 @@ Suites (`fatune bench --suite NAME`), one module each:
 - overhead (fatune.bench.overhead): the host cost of a call, forward and training step.
 - search-quality (fatune.bench.search_quality): how fast a search finds the best config of a kernel's space.
 - tuning-gain (fatune.bench.tuning_gain): tuned entries against the built-in heuristic.
+- transformers (fatune.bench.models): a Hugging Face Llama-style model trained and generating on fatune and
+  on SDPA.
 
 Every suite writes the same files (fatune.bench.results: results.json, results.csv, bench.md, and bench.png
 where it plots). Timing follows fatune.tuning.timing: random inputs, warm-up and compile outside the timed
@@ -18,5 +20,5 @@ region, CUDA events and medians. Only fatune.cli imports this package.
 
 from __future__ import annotations
 
-SUITES = ("dense", "masked", "inference", "overhead", "search-quality", "tuning-gain")
+SUITES = ("dense", "masked", "inference", "overhead", "search-quality", "tuning-gain", "transformers")
 

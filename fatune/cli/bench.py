@@ -195,6 +195,11 @@ def _listing(suite: str, planned: list, part: str | None, indices: list[int], in
         from fatune.bench import inference
 
         return [shape.label() for shape in (inference.INTERPRETER_SHAPES if interpret else inference.INFERENCE_SHAPES)]
+    if suite == "transformers":
+        from fatune.bench import models
+
+        workload = models.INTERPRETER_WORKLOAD if interpret else models.GPU_WORKLOAD
+        return [f"{part} {impl}: {workload.label()}" for part in ("train", "generate") for impl in models.IMPLS]
     if suite == "overhead":
         from fatune.bench import overhead
 
@@ -239,6 +244,10 @@ def _run(suite, planned, impls, warmup_ms, rep_ms, calls, rounds, part, indices,
         from fatune.bench import overhead
 
         return overhead.run(calls, rounds)
+    if suite == "transformers":
+        from fatune.bench import models
+
+        return models.run(interpret)
     from fatune.bench import resumable
 
     if merge:

@@ -1,0 +1,281 @@
+"""Hugging Face transformers models on fatune: ``attn_implementation="fatune"``.
+
+`register()` adds fatune to transformers' public registries: the attention function (`AttentionInterface`) and
+the mask function the models build their masks with (`AttentionMaskInterface`). `import fatune` registers it
+without importing transformers: at once when transformers' modeling code is already loaded, else right after it
+loads (an import hook that removes itself), so `import fatune` costs nothing where transformers is unused.
+
+The mask function hands the attention function the cheapest form of each mask that says exactly what the model
+asked for; anything else is transformers' own boolean mask (SDPA's), which fatune takes as it is:
+
+- a causal or sliding-window layer without padding: no mask (is_causal, window_size);
+- right-padded batches without a cache: the (B, L) padding mask, run as key lengths (seqlens_k);
+- packed batches (DataCollatorWithFlattening's position_ids): the (B, L) sequence ids, run as packed
+  variable-length sequences (cu_seqlens);
+- everything else (left padding, a KV cache's offsets, a model's own mask functions): the (B, 1, L_q, L_k)
+  boolean mask from transformers' `sdpa_mask`.
+
+What fatune cannot express (attention-logit soft-capping, attention sinks) raises an error naming the model
+feature; it never runs a call it would get wrong.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from fatune.api import attention
+from fatune.kernel.mask_spans import prepare_mask
+from fatune.logs import warn_once
+
+NAME = "fatune"
+_HOOKED_MODULE = "transformers.modeling_utils"  # AttentionInterface's home: loaded before any model is built
+_registered = False
+_lock = threading.Lock()
+
+
+def register() -> bool:
+    """Register ``attn_implementation="fatune"`` with transformers (imported here); False if transformers is not
+    installed or too old to have the registries (transformers >= 5)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        try:
+            from transformers import masking_utils
+            from transformers.modeling_utils import AttentionInterface
+        except ImportError:
+            return False
+        if not hasattr(masking_utils, "AttentionMaskInterface"):
+            return False
+        AttentionInterface.register(NAME, attention_forward)
+        masking_utils.AttentionMaskInterface.register(NAME, mask)
+        _registered = True
+        return True
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Registers fatune once transformers' modeling code has loaded (and leaves sys.meta_path then)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname != _HOOKED_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _RegisteringLoader(spec.loader)
+        return spec
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        try:
+            register()
+        except Exception as error:  # noqa: BLE001 - registering may fail; importing transformers must not
+            warn_once(f"fatune: attn_implementation='fatune' is not available ({type(error).__name__}: {error})")
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
+def install() -> None:
+    """What `import fatune` runs: register now if transformers' modeling code is loaded, else once it loads (if
+    transformers is installed at all)."""
+    if _HOOKED_MODULE in sys.modules:
+        register()
+    elif importlib.util.find_spec("transformers") is not None and \
+            not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+# -- the mask function ------------------------------------------------------------------------------------------
+
+def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+         mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+         local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask function for fatune (AttentionMaskInterface): the (B, L) padding mask or sequence ids
+    where they say all there is to say (see the module's docstring), else transformers' `sdpa_mask`."""
+    from transformers import masking_utils
+
+    arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function or masking_utils.causal_mask_function,
+                     attention_mask=attention_mask, local_size=local_size,
+                     allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    compact = None
+    if not torch.compiler.is_compiling() and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        compact = _compact(arguments["mask_function"], attention_mask, local_size, allow_is_causal_skip, kv_length)
+    if compact is not None:
+        return None if compact is _NO_MASK else compact
+    dense = masking_utils.sdpa_mask(**arguments)
+    heads = getattr(kwargs.get("config"), "num_attention_heads", None)
+    if isinstance(dense, torch.Tensor) and isinstance(heads, int) and not torch.compiler.is_compiling():
+        try:  # its tiles' spans made once for every layer (fatune.prepare_mask), not scanned again by each
+            dense = prepare_mask(dense, (batch_size, heads, q_length, kv_length))
+        except (TypeError, ValueError):
+            pass  # a mask it does not take is scanned per call, as any mask
+    return dense
+
+
+_NO_MASK = object()
+
+
+def _compact(mask_function: Callable, padding: torch.Tensor | None, window: int | None, skip: bool,
+             length: int) -> Any:
+    """_NO_MASK, the padding mask or the sequence ids that say what `mask_function` over `padding` does for a
+    call without a cache (queries and keys the same `length` tokens); None where they cannot."""
+    from transformers import masking_utils
+
+    base = masking_utils.causal_mask_function if window is None else \
+        masking_utils.sliding_window_causal_mask_function(window)
+    if _same_function(mask_function, base, []):
+        if padding is None:
+            return _NO_MASK if skip else None
+        padding = padding[:, -length:] if padding.shape[-1] >= length else None
+        if padding is None or padding.dtype != torch.bool:
+            return None
+        lengths = padding.sum(-1, keepdim=True)
+        prefix = torch.arange(length, device=padding.device) < lengths
+        return padding if torch.equal(padding, prefix) else None
+    if padding is not None:
+        return None
+    tensors: list[torch.Tensor] = []  # a packed batch's position ids, then its sequence ids
+    placeholder = torch.zeros((1, 1), dtype=torch.long)
+    packed = masking_utils.and_masks(masking_utils.remap_positions_for_packed_sequence(base, placeholder),
+                                     masking_utils.packed_sequence_mask_function(placeholder))
+    if _same_function(mask_function, packed, tensors) and len(tensors) == 2 and tensors[1].shape[-1] == length:
+        return tensors[1]
+    return None
+
+
+def _same_function(function: Any, reference: Any, tensors: list[torch.Tensor]) -> bool:
+    """Whether `function` is `reference` or a closure of the same code over the same values (functions compared
+    alike, any tensor matching a tensor: those of `function` are appended to `tensors`)."""
+    if function is reference:
+        return True
+    if isinstance(reference, torch.Tensor):
+        if isinstance(function, torch.Tensor):
+            tensors.append(function)
+            return True
+        return False
+    if isinstance(reference, tuple):
+        return isinstance(function, tuple) and len(function) == len(reference) and \
+            all(_same_function(f, r, tensors) for f, r in zip(function, reference))
+    code = getattr(reference, "__code__", None)
+    if code is None:
+        return type(function) is type(reference) and function == reference
+    if getattr(function, "__code__", None) is not code:
+        return False
+    cells = [cell.cell_contents for cell in function.__closure__ or ()]
+    reference_cells = [cell.cell_contents for cell in reference.__closure__ or ()]
+    return len(cells) == len(reference_cells) and \
+        all(_same_function(c, r, tensors) for c, r in zip(cells, reference_cells))
+
+
+# -- the attention function -------------------------------------------------------------------------------------
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for fatune (AttentionInterface): query (B, H, L_q, D), key and value
+    (B, H_kv, L_k, D) not repeated for GQA; returns (B, L_q, H, D_v) and no weights."""
+    _refuse_unsupported(module, kwargs)
+    q_length, kv_length = query.shape[2], key.shape[2]
+    window = kwargs.get("sliding_window")
+    window_size = (window - 1, 0) if isinstance(window, int) and not isinstance(window, bool) and window > 0 \
+        else (-1, -1)
+    # SDPA's alignment: query i sees keys up to i (with seqlens_k, a window or packed sequences fatune would align
+    # the last query with the last key)
+    common = dict(dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+                  causal_alignment="top_left")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        if attention_mask.dtype == torch.bool:  # a right-padded batch (mask): its key lengths
+            seqlens = attention_mask.sum(-1, dtype=torch.int32)
+            out = attention(query, key, value, is_causal=True, window_size=window_size, seqlens_k=seqlens,
+                                   **common)
+            return out.transpose(1, 2), None
+        return _packed(query, key, value, attention_mask, window_size, common), None
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_length > 1 and attention_mask is None and causal)
+    offsets = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if causal and query.shape[0] == 1 and q_length == kv_length and all(isinstance(t, torch.Tensor) for t in offsets):
+        # a packed batch whose collator gave the sequences' offsets (return_flash_attn_kwargs=True) and no
+        # position_ids: the sequences flash-attn's path would run
+        return _varlen(query, key, value, offsets[0].to(torch.int32), offsets[1].to(torch.int32),
+                       kwargs.get("max_length_q"), kwargs.get("max_length_k"), window_size, common), None
+    if causal and kv_length > q_length:  # an empty static cache's prefill: the keys past the queries are unwritten
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    if window_size != (-1, -1) and causal:
+        out = attention(query, key, value, is_causal=True, window_size=window_size, **common)
+    else:
+        out = attention(query, key, value, attention_mask, is_causal=causal, **common)
+    return out.transpose(1, 2), None
+
+
+_UNSUPPORTED = {
+    "softcap": "attention-logit soft-capping (config.attn_logit_softcapping)",
+    "s_aux": "attention sinks (the model's `sinks` parameter)",
+}
+
+
+def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    for name, feature in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"attn_implementation='fatune' does not support {feature}, which {type(module).__name__} uses; "
+                f"load the model with attn_implementation='eager'")
+
+
+def _packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequence_ids: torch.Tensor,
+            window_size: tuple[int, int], common: dict[str, Any]) -> torch.Tensor:
+    """A packed batch's attention as fatune's variable-length call: each row's tokens split where its sequence id
+    changes, all rows' sequences one after another; (B, L, H, D_v) as transformers takes it."""
+    cu_seqlens, longest = _sequence_offsets(sequence_ids)
+    return _varlen(query, key, value, cu_seqlens, cu_seqlens, longest, longest, window_size, common)
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, longest_q: int | None, longest_k: int | None, window_size: tuple[int, int],
+            common: dict[str, Any]) -> torch.Tensor:
+    """fatune's variable-length causal call on the batch's rows one after another; (B, L, H, D_v)."""
+    batch, heads, length, _ = query.shape
+    tokens = lambda t: t.transpose(1, 2).reshape(batch * t.shape[2], t.shape[1], t.shape[3])  # noqa: E731
+    out = attention(tokens(query), tokens(key), tokens(value), is_causal=True, window_size=window_size,
+                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=longest_q,
+                           max_seqlen_k=longest_k, **common)
+    return out.view(batch, length, heads, -1)
+
+
+_offsets: dict[int, tuple[weakref.ref, int, tuple[torch.Tensor, int]]] = {}  # by id of the sequence ids
+
+
+def _sequence_offsets(sequence_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32, the longest sequence) of a (B, L) tensor of sequence ids: worked out once per model
+    forward (every layer gets the same tensor)."""
+    cached = _offsets.get(id(sequence_ids))
+    if cached is not None and cached[0]() is sequence_ids and cached[1] == sequence_ids._version:
+        return cached[2]
+    batch, length = sequence_ids.shape
+    flat = sequence_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::length] = True  # a row starts a sequence
+    cu_seqlens = torch.cat([starts.nonzero().flatten(), flat.new_tensor([batch * length])]).to(torch.int32)
+    result = (cu_seqlens, int(cu_seqlens.diff().max()))
+    if len(_offsets) >= 8:
+        _offsets.clear()
+    _offsets[id(sequence_ids)] = (weakref.ref(sequence_ids), sequence_ids._version, result)
+    return result
