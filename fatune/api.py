@@ -21,6 +21,7 @@ from fatune.kernel.spec import AttentionConfig, KernelSpec
 from fatune.kernel.triton import dropout
 from fatune.kernel.triton.launch import NO_EXTRAS, Plan
 from fatune.runtime.dispatch import Decision
+from fatune.runtime import routes
 from fatune.runtime.plans import dense_gradients, prepare, prepare_plain, run_without_kernels
 
 DOUBLE_BACKWARD = "fatune.attention: double backward (create_graph=True) is not supported"
@@ -187,6 +188,8 @@ def attention(
     if plain and not (compiling or transformed):  # the common call: no Call object, a shorter key
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                  causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
+        if prepared.route:
+            return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa)
         if prepared.plan is not None:
             return _run(prepared.plan, query, key, value, NO_EXTRAS)
     call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
@@ -198,6 +201,9 @@ def attention(
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if not plain:
         prepared = prepare(query, key, value, call, config, strict)
+    if prepared.route:
+        return routes.run(prepared.route, query, key, value, call.dropout_p, call.is_causal, call.scale,
+                          call.enable_gqa)
     if prepared.plan is None:
         return run_without_kernels(prepared, query, key, value, call)
     return _run(prepared.plan, query, key, value, call.extras)
@@ -226,7 +232,8 @@ class FlashAttention(torch.nn.Module):
 class Explanation:
     """What fatune.attention would run for a call, and why."""
 
-    backend: str  # the kernel family that runs ("triton", "gluon"), "triton-interpreter" or "torch-fallback"
+    backend: str  # the kernel family that runs ("triton", "gluon"), "triton-interpreter", "torch-fallback", or the
+    # torch SDPA backend a tuned entry routes the call to ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
     spec: KernelSpec
     decision: Decision | None
     sources: dict[str, str]  # kernel module -> generated source file
@@ -254,6 +261,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     if prepared.plan is None:
         backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
         return Explanation(backend, spec, None, {}, prepared.reason)
+    if prepared.route:
+        return Explanation(f"sdpa-{prepared.route}", spec, prepared.decision, {}, prepared.reason)
     plan = prepared.plan
     launched = plan.config if plan.adds_dq_atomically() else plan.deterministic_config()  # torch's mode now
     sources = {kind: str(family(launched.family).source_path(kind, plan.spec, launched)) for kind in ("fwd", "bwd")}

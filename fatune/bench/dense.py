@@ -40,8 +40,11 @@ from fatune.tuning.timing import tflops
 NAME = "dense"
 # fatune: dispatched (tuned DB or heuristic); -heuristic: the built-in heuristic; -plain: the heuristic's tiles
 # without forward structure (no split-KV, no GQA packing), to show what the structure variants change
-FATUNE_IMPLS = ("fatune", "fatune-heuristic", "fatune-plain", "fatune-gluon", "fatune-triton")
-DEFAULT_IMPLS = ("fatune", "fatune-heuristic", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "flex")
+# fatune-kernels: the dispatched configs on fatune's own kernels, where a tuned entry routes the call to an SDPA
+# backend it measured faster (fatune.runtime.routes)
+FATUNE_IMPLS = ("fatune", "fatune-kernels", "fatune-heuristic", "fatune-plain", "fatune-gluon", "fatune-triton")
+DEFAULT_IMPLS = ("fatune", "fatune-kernels", "fatune-heuristic", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
+                 "sdpa-math", "flex")
 PLOT = PlotSpec(x="seqlen_q", y="fwd_bwd_tflops", panel=("dtype", "head_dim", "causal", "window", "documents"),
                 xlabel="sequence length L", ylabel="fwd+bwd TFLOP/s")
 
@@ -100,6 +103,15 @@ def _fatune_config(name: str, shape: Shape, device: torch.device):
 def fatune_impl(name: str, shape: Shape, device: torch.device | str = "cuda") -> Attention:
     config = _fatune_config(name, shape, torch.device(device))
     kwargs = shape.attention_kwargs(device)
+    if name == "fatune-kernels":
+        decided = []  # the configs the dispatcher picks, passed as an argument (never routed), looked up once
+
+        def kernels(q, k, v):
+            if not decided:
+                decided.append(fatune.explain(q, k, v, **kwargs).decision)
+            return fatune.attention(q, k, v, config=decided[0].config if decided[0] else None, **kwargs)
+
+        return kernels
     return lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs)
 
 
@@ -108,6 +120,8 @@ def fatune_note(name: str, shape: Shape, inputs: dict[str, torch.Tensor]) -> str
     'shipped-db: fwd 64x64/w4/s3/t, dkdv 64x64/w4/s2/t, dq 128x64/w8/s3' (no dq with atomic dQ)."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     explained = fatune.explain(q, k, v, config=_fatune_config(name, shape, q.device), **shape.attention_kwargs(q.device))
+    if explained.decision is not None and explained.decision.route and name == "fatune":
+        return f"{explained.decision.layer}: {explained.backend} ({explained.decision.margin:.2f}x fatune's kernels)"
     if explained.decision is None or explained.launched is None:
         return explained.backend
     launched = explained.launched

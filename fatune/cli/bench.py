@@ -50,8 +50,9 @@ def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option("--dtypes", default="bf16", show_default=True, callback=name_list, help="Comma-separated: bf16, fp16.")
 @click.option("--impls", default=None, callback=lambda ctx, param, value: None if value is None else
               name_list(ctx, param, value),
-              help="Implementations to compare (dense: fatune,fatune-heuristic,sdpa-cudnn,sdpa-flash,"
-                   "sdpa-efficient,sdpa-math,flex; fatune-plain too; masked: fatune,flex,sdpa-cudnn,sdpa-flash,"
+              help="Implementations to compare (dense: fatune,fatune-kernels,fatune-heuristic,sdpa-cudnn,sdpa-flash,"
+                   "sdpa-efficient,sdpa-math,flex; fatune-plain, fatune-gluon, fatune-triton too; fatune is what the "
+                   "dispatcher runs, a faster SDPA backend included, fatune-kernels fatune's own kernels; masked: fatune,flex,sdpa-cudnn,sdpa-flash,"
                    "sdpa-efficient; inference: fatune,fatune-unsplit,fatune-paged,sdpa-flash,sdpa-cudnn,"
                    "sdpa-efficient).")
 @click.option("--gqa", type=click.IntRange(1, 64), default=1, show_default=True,

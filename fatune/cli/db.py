@@ -69,7 +69,7 @@ def list_entries(db_path, gpu, dtype, head_dim, mask_variant, as_json) -> None:
         click.echo(json.dumps([asdict(entry) for entry in entries], indent=1))
         return
     click.echo(f"{'gpu':14} {'dtype':9} {'d':>4} {'mask':18} {'g':>2} {'Lq<=':>6} {'Lk<=':>6} {'fwd ms':>8} "
-               f"{'f+b ms':>8} {'TFLOP/s':>8} {'speedup':>8} {'trials':>6}  stale")
+               f"{'f+b ms':>8} {'TFLOP/s':>8} {'speedup':>8} {'runs':>14} {'trials':>6}  stale")
     from fatune.db import is_stale
 
     for e in entries:
@@ -77,8 +77,18 @@ def list_entries(db_path, gpu, dtype, head_dim, mask_variant, as_json) -> None:
         click.echo(f"{e.gpu[:14]:14} {e.dtype:9} {e.head_dim:4d} {e.mask_variant[:18]:18} {e.group_size:2d} "
                    f"{e.seqlen_q_bucket:6d} {e.seqlen_k_bucket:6d} {e.fwd_ms:8.3f} "
                    f"{'–' if e.forward_only else f'{e.fwd_bwd_ms:.3f}':>8} {e.tflops:8.1f} "
-                   f"{e.speedup:8.2f} {e.trials:6d}  {stale}{' (interpreter)' if e.interpreted else ''}")
+                   f"{e.speedup:8.2f} {_runs(e):>14} {e.trials:6d}  {stale}{' (interpreter)' if e.interpreted else ''}")
     click.echo(f"{len(entries)} entries")
+
+
+def _runs(entry) -> str:
+    """What a call of the entry's key runs: the torch SDPA backend it routes to, else fatune's kernel family."""
+    if entry.route():
+        return f"sdpa-{entry.route()}"
+    try:
+        return entry.attention_config().family
+    except ValueError:
+        return "?"
 
 
 @db.command()

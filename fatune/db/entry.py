@@ -139,6 +139,12 @@ class Entry:
             return self.fwd_bwd_ms < other.fwd_bwd_ms
         return (self.created_at or _now()) > (other.created_at or _now())
 
+    def route(self) -> str:
+        """The torch SDPA backend a call of this entry's key runs on ("" for fatune's kernels): the one measured
+        beside fatune's winners, where it was faster on a GPU (an interpreter's timings decide nothing)."""
+        faster = math.isfinite(self.sdpa_ms) and math.isfinite(self.time_ms) and self.sdpa_ms < self.time_ms
+        return self.sdpa_backend if faster and self.sdpa_backend and not self.interpreted else ""
+
     @property
     def sized(self) -> bool:
         """Whether the stored batch, heads and lengths describe the whole problem this entry timed: its mask

@@ -57,11 +57,18 @@ class Decision:
     fallback: AttentionConfig | None = field(default=None, compare=False)
     # a tuned entry's kernel sources (fatune.db.entry.Entry.sources), which the launched kernels must be among
     sources: frozenset[str] | None = field(default=None, compare=False)
+    # the torch SDPA backend the entry measured faster than fatune's kernels ("" if none: fatune.db.entry.Entry.route),
+    # and by how much (fatune's time over the backend's)
+    route: str = ""
+    margin: float = 1.0
 
     def describe(self) -> str:
         lines = [f"layer: {self.layer}", f"reason: {self.reason}"]
         if self.db_path:
             lines.append(f"db: {self.db_path}")
+        if self.route:
+            lines.append(f"route: torch SDPA's {self.route} backend, measured {self.margin:.2f}x faster than "
+                         f"fatune's kernels (which run where it cannot)")
         lines.append(f"config: {self.config}")
         lines += [f"skipped: {line}" for line in self.skipped]
         return "\n".join(lines)
@@ -133,8 +140,11 @@ class Dispatcher:
                     continue
                 if found is not None:
                     entry, reason = found
+                    route = entry.route()
                     return (Decision(entry.attention_config(), layer, reason, str(path), entry.to_row(),
-                                     tuple(skipped), heuristic, entry.sources), skipped[0] if skipped else None)
+                                     tuple(skipped), heuristic, entry.sources, route,
+                                     entry.time_ms / entry.sdpa_ms if route else 1.0),
+                            skipped[0] if skipped else None)
         return (Decision(heuristic, "heuristic", f"no tuned entry matched; built-in heuristic for sm {arch}", None,
                          None, tuple(skipped), heuristic), skipped[0] if skipped else None)
 

@@ -24,6 +24,7 @@ from fatune.kernel.layout import layout_like
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.triton.launch import Plan, new_buffer
 from fatune.logs import warn_once
+from fatune.runtime import routes
 from fatune.runtime.dispatch import Decision, dispatcher
 from fatune.settings import STRICT_ENV, interpreting, strict_from_env
 
@@ -50,6 +51,7 @@ class Prepared:
     decision: Decision | None = None
     reason: str = ""
     lengths: tuple[int, int] = (0, 0)  # longest packed sequences (q, k) it was built for
+    route: str = ""  # the torch SDPA backend an eager call runs instead of `plan` (fatune.runtime.routes)
 
 
 _BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values
@@ -176,7 +178,8 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     # strict mode promises the tuned entry or an error: no quiet fallback past it
     plan = family(decision.config.family).plan(problem, decision.config, device, query, key, value,
                                                None if strict else decision.fallback, decision.sources)
-    return Prepared("kernels", plan, decision, decision.reason, lengths)
+    route = routes.choose(decision.route, problem, query, key, value)
+    return Prepared("kernels", plan, decision, decision.reason, lengths, route)
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:

@@ -1,0 +1,72 @@
+"""Calls routed whole to one of torch SDPA's backends, where a tuned entry measured that backend faster.
+
+A search times torch's best SDPA backend beside fatune's winners on the same inputs and stores both in the
+entry (its `sdpa_backend`, `sdpa_ms`). Where that backend was faster (fatune.db.entry.Entry.route), the call's
+forward and backward run on it, through torch's own autograd: fatune is then never slower than the call it
+replaced. A route is taken only where SDPA computes exactly what fatune would:
+
+- no mask tensor, no ALiBi, window, key lengths, packed or paged inputs, and causal (if at all) aligned
+  top-left (SDPA's is_causal): the mask variants "none" and "causal", with dropout or without;
+- an eager call (torch.compile and torch.func transforms run fatune's kernels);
+- on a GPU whose torch has the backend and takes these tensors (torch.backends.cuda.can_use_*).
+
+Anywhere else fatune's kernels run, said once per reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fatune.kernel.problem import AttentionProblem
+from fatune.logs import warn_once
+
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+ROUTABLE_VARIANTS = ("none", "causal", "dropout", "causal+dropout")
+_CAN_USE = {"cudnn": "can_use_cudnn_attention", "flash": "can_use_flash_attention",
+            "efficient": "can_use_efficient_attention"}
+
+
+def unroutable(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> str | None:
+    """Why the call `problem` on these tensors cannot run on SDPA's `backend` as fatune would run it (None:
+    it can)."""
+    if backend not in BACKENDS:
+        return f"torch SDPA has no backend {backend!r} (expected one of {sorted(BACKENDS)})"
+    spec = problem.spec
+    if spec.mask_variant not in ROUTABLE_VARIANTS or problem.alibi_slopes is not None:
+        return f"SDPA does not compute the {spec.mask_variant} variant as fatune does"
+    if query.device.type != "cuda":
+        return f"SDPA's {backend} backend runs on CUDA GPUs"
+    can_use = getattr(torch.backends.cuda, _CAN_USE[backend], None)
+    params = getattr(torch.backends.cuda, "SDPAParams", None)
+    if can_use is None or params is None:
+        return f"this torch ({torch.__version__}) cannot say whether SDPA's {backend} backend takes a call"
+    try:
+        usable = can_use(params(query, key, value, None, problem.dropout_p, spec.causal, problem.group_size > 1))
+    except (RuntimeError, TypeError) as error:
+        return f"SDPA's {backend} backend: {error}"
+    return None if usable else f"SDPA's {backend} backend does not take these tensors here"
+
+
+def choose(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
+           value: torch.Tensor) -> str:
+    """`backend` if the call can be routed to it, else "" (fatune's kernels), the reason logged once."""
+    if not backend:
+        return ""
+    reason = unroutable(backend, problem, query, key, value)
+    if reason is None:
+        return backend
+    warn_once(f"fatune: a tuned entry measured torch SDPA's {backend} backend faster, but {reason}: fatune's "
+              f"kernels run")
+    return ""
+
+
+def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+        is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """The whole call on SDPA's `backend` (its autograd computes the gradients)."""
+    with sdpa_kernel(BACKENDS[backend]):
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)

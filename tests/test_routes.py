@@ -1,0 +1,164 @@
+"""Calls routed to a torch SDPA backend a tuned entry measured faster: which entries route, which calls may be
+routed, what runs where the backend cannot (fatune's kernels, said once), and untrusted entries naming a backend
+that does not exist."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fatune
+from fatune import logs
+from fatune.call import check_inputs
+from fatune.runtime import routes
+from fatune.runtime.dispatch import Dispatcher
+from tests.conftest import DEVICE, use_dispatcher
+from tests.test_db import make_entry
+from tests.test_dispatch import CAPABILITY, GPU, write
+
+# fatune's forward+backward 3.0 ms (make_entry); SDPA's as given
+ROUTES = [  # (entry changes, the backend a call of its key runs on: "" for fatune's kernels)
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 2.5}, "cudnn"),
+    ({"sdpa_backend": "flash", "sdpa_ms": 2.9}, "flash"),
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 3.0}, ""),  # a tie keeps fatune's kernels
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 3.5}, ""),
+    ({"sdpa_backend": "cudnn", "sdpa_ms": math.nan}, ""),  # not measured
+    ({"sdpa_backend": "", "sdpa_ms": 1.0}, ""),
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 2.0, "interpreted": True}, ""),  # an interpreter's timings decide nothing
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 0.5, "fwd_ms": 1.0, "bwd_ms": math.nan, "fwd_bwd_ms": math.nan,
+      "seqlen_q_bucket": 16}, "cudnn"),  # forward-only entries compare forward times
+]
+
+
+@pytest.mark.parametrize("changes, route", ROUTES)
+def test_an_entry_routes_to_the_sdpa_backend_it_measured_faster(changes, route):
+    assert make_entry(**changes).check().route() == route
+
+
+def test_the_dispatcher_says_which_backend_and_by_what_margin(tmp_path):
+    path = write(tmp_path / "u.sqlite", make_entry(gpu=GPU, capability=CAPABILITY, dtype="float16",
+                                                   sdpa_backend="cudnn", sdpa_ms=2.0))
+    q = torch.empty(1, 4, 4096, 64, dtype=torch.float16, device="meta")
+    decision = Dispatcher(user_db=path, shipped=[]).lookup(check_inputs(q, q, q, is_causal=True), GPU, CAPABILITY, None)
+    assert decision.route == "cudnn" and decision.margin == pytest.approx(1.5)
+    assert "torch SDPA's cudnn backend, measured 1.50x faster" in decision.describe()
+
+
+def _problem(**kwargs):
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 12, 16)  # L_q != L_k: the alignments differ
+    return check_inputs(q, k, k, **kwargs), q
+
+
+@pytest.mark.parametrize("kwargs, routable", [
+    ({}, True),
+    ({"is_causal": True}, True),
+    ({"dropout_p": 0.1}, True),
+    ({"is_causal": True, "causal_alignment": "bottom_right"}, False),
+    ({"is_causal": True, "window_size": (4, 0)}, False),
+    ({"attn_mask": torch.ones(8, 12, dtype=torch.bool)}, False),
+    ({"seqlens_k": torch.tensor([5], dtype=torch.int32)}, False),
+    ({"alibi_slopes": torch.ones(2)}, False),
+])
+def test_only_calls_sdpa_computes_as_fatune_does_may_be_routed(kwargs, routable):
+    """No mask tensor, window, key lengths, ALiBi or bottom-right alignment: SDPA would compute another thing
+    (or return NaN where fatune returns 0)."""
+    problem, q = _problem(**kwargs)
+    reason = routes.unroutable("cudnn", problem, q, q, q)
+    if routable:
+        assert reason == "SDPA's cudnn backend runs on CUDA GPUs"  # the only reason left on this CPU
+    else:
+        assert reason is not None and "variant" in reason
+
+
+def test_a_backend_that_does_not_exist_is_refused_by_name():
+    problem, q = _problem(is_causal=True)
+    assert "no backend 'turbo'" in routes.unroutable("turbo", problem, q, q, q)
+    assert "no backend 'math'" in routes.unroutable("math", problem, q, q, q)
+
+
+@pytest.fixture
+def routed_db(tmp_path, monkeypatch):
+    """A user DB whose entry for (1, 2, 48, 32) float16 causal calls measured SDPA's cuDNN backend faster."""
+    def make(backend: str = "cudnn"):
+        path = write(tmp_path / "u.sqlite", make_entry(
+            gpu=GPU, capability=CAPABILITY, dtype="float16", head_dim=32, head_dim_v=32, seqlen_q_bucket=64,
+            seqlen_k_bucket=64, sdpa_backend=backend, sdpa_ms=1.0))
+        use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+        monkeypatch.setattr(logs, "_warned", set())
+    return make
+
+
+def inputs():
+    torch.manual_seed(0)
+    return [torch.randn(1, 2, 48, 32, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "turbo"])
+def test_where_the_backend_cannot_run_fatunes_kernels_do_said_once(routed_db, caplog, backend):
+    """On this CPU no SDPA backend of a route runs (nor does a backend no torch has, from an untrusted DB): the
+    tuned entry's configs run on fatune's kernels, with one log line, and no error."""
+    routed_db(backend)
+    q, k, v = inputs()
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        out = fatune.attention(q, k, v, is_causal=True)
+        fatune.attention(q, k, v, is_causal=True).sum().backward()
+    said = [r.message for r in caplog.records if "SDPA" in r.message]
+    assert len(said) == 1 and "fatune's kernels run" in said[0], said
+    explained = fatune.explain(q, k, v, is_causal=True)
+    assert explained.backend != f"sdpa-{backend}" and explained.decision.route == backend
+    config = explained.decision.config
+    assert torch.equal(out, fatune.attention(q, k, v, is_causal=True, config=config))
+
+
+def test_a_routed_call_runs_forward_and_backward_on_the_backend(routed_db, monkeypatch):
+    """Where the backend takes the call (here: told so, with the math backend standing in for cuDNN on this CPU),
+    eager calls run on it through torch's autograd; a config argument and torch.func run fatune's kernels."""
+    monkeypatch.setattr(routes, "unroutable", lambda *args: None)
+    monkeypatch.setitem(routes.BACKENDS, "cudnn", SDPBackend.MATH)
+    runs = []
+    real_run = routes.run
+    monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
+    routed_db("cudnn")
+    q, k, v = inputs()
+    out = fatune.attention(q, k, v, is_causal=True)
+    out.float().square().sum().backward()
+    assert runs == ["cudnn"] and fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
+    expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = F.scaled_dot_product_attention(*expected, is_causal=True)
+    reference.float().square().sum().backward()
+    assert torch.equal(out, reference)
+    for got, want in zip((q, k, v), expected):
+        assert torch.equal(got.grad, want.grad)
+    config = fatune.explain(q, k, v, is_causal=True).decision.config
+    fatune.attention(q, k, v, is_causal=True, config=config)
+    torch.func.grad(lambda x: fatune.attention(x, k.detach(), v.detach(), is_causal=True).float().sum())(q.detach())
+    assert runs == ["cudnn"]  # neither was routed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", sorted(routes.BACKENDS))
+@pytest.mark.parametrize("causal, kv_heads", [(False, 8), (True, 8), (True, 2)])
+def test_gpu_a_routed_call_meets_the_accuracy_rule(tmp_path, monkeypatch, backend, causal, kv_heads,
+                                                   record_gpu_errors):
+    """A tuned entry for this GPU that measured `backend` faster: the call runs on it (where this GPU's torch
+    takes it), forward and gradients within the accuracy rule, odd lengths included."""
+    from tests.reference import random_qkv, run_and_compare
+
+    gpu, capability = GPU, CAPABILITY
+    path = write(tmp_path / "u.sqlite", make_entry(
+        gpu=gpu, capability=capability, dtype="bfloat16", head_dim=128, head_dim_v=128,
+        mask_variant="causal" if causal else "none", group_size=8 // kv_heads, seqlen_q_bucket=1024,
+        seqlen_k_bucket=1024, sdpa_backend=backend, sdpa_ms=1.0))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    q, k, v = random_qkv(2, 8, kv_heads, 999, 999, 128, 128, dtype=torch.bfloat16, device="cuda")
+    kwargs = {"is_causal": causal, "enable_gqa": kv_heads != 8}
+    explained = fatune.explain(q, k, v, **kwargs)
+    if explained.backend != f"sdpa-{backend}":
+        pytest.skip(f"this GPU's torch does not run {backend} here: {explained.reason}")
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))
