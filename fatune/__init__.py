@@ -4,9 +4,10 @@ from fatune import huggingface, ops  # noqa: F401 - ops registers the fatune:: t
 from fatune.api import FlashAttention, attention, explain
 from fatune.kernel.mask_spans import prepare_mask
 from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec, LaunchConfig
+from fatune.tuning.first_use import autotune
 
 huggingface.install()  # attn_implementation="fatune" in transformers, registered once transformers loads
 
 __version__ = "0.1.0"
-__all__ = ["AttentionConfig", "FlashAttention", "GluonConfig", "KernelSpec", "LaunchConfig", "attention", "explain",
-           "prepare_mask", "__version__"]
+__all__ = ["AttentionConfig", "FlashAttention", "GluonConfig", "KernelSpec", "LaunchConfig", "attention",
+           "autotune", "explain", "prepare_mask", "__version__"]

@@ -23,6 +23,7 @@ from fatune.kernel.triton.launch import NO_EXTRAS, Plan
 from fatune.runtime.dispatch import Decision
 from fatune.runtime import routes
 from fatune.runtime.plans import dense_gradients, prepare, prepare_plain, run_without_kernels
+from fatune.tuning import first_use
 
 DOUBLE_BACKWARD = "fatune.attention: double backward (create_graph=True) is not supported"
 VMAP = ("fatune.attention does not support torch.func.vmap (nor jacrev/jacfwd, which vmap): fold the vmapped dim "
@@ -188,6 +189,10 @@ def attention(
     if plain and not (compiling or transformed):  # the common call: no Call object, a shorter key
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                  causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
+        if prepared.decision is not None and prepared.decision.layer == "heuristic" and not prepared.settled and \
+                first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention):
+            prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                     causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         if prepared.route:
             return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa)
         if prepared.plan is not None:
@@ -209,9 +214,13 @@ def attention(
     return _run(prepared.plan, query, key, value, call.extras)
 
 
+def _wants_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+
+
 def _run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, extras: tuple) -> torch.Tensor:
     """A prepared call's kernels: through the autograd Function where a gradient is wanted."""
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if _wants_grad(query, key, value):
         return _apply(_unwrap_if_dead(query), _unwrap_if_dead(key), _unwrap_if_dead(value), plan, extras)
     seed = dropout.draw_seed(query.device) if plan.uses_seed else None
     return plan.forward(query, key, value, extras, seed)[0]

@@ -13,6 +13,7 @@ CACHE_ENV = "FATUNE_CACHE_DIR"  # rendered kernel sources (default ~/.cache/fatu
 DB_ENV = "FATUNE_DB"  # the user's tuned DB (default ~/.cache/fatune/tuned.sqlite)
 LOG_ENV = "FATUNE_LOG_DIR"  # search logs (default ~/.cache/fatune/logs)
 STRICT_ENV = "FATUNE_STRICT"  # 1/true/yes/on: raise instead of falling back
+AUTOTUNE_ENV = "FATUNE_AUTOTUNE"  # 1/true/yes/on: tune a key with no tuned entry on its first call (fatune.autotune)
 INTERPRET_ENV = "TRITON_INTERPRET"  # Triton's own: 1 runs kernels in its CPU interpreter
 
 
@@ -32,4 +33,9 @@ def interpreting() -> bool:
 
 def strict_from_env() -> bool:
     """$FATUNE_STRICT as a switch (1/true/yes/on; anything else is off)."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return switch(STRICT_ENV)
+
+
+def switch(env: str) -> bool:
+    """$env as a switch: 1/true/yes/on (any case, spaces around) is on; anything else, or unset, is off."""
+    return os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")

@@ -52,6 +52,7 @@ class Prepared:
     reason: str = ""
     lengths: tuple[int, int] = (0, 0)  # longest packed sequences (q, k) it was built for
     route: str = ""  # the torch SDPA backend an eager call runs instead of `plan` (fatune.runtime.routes)
+    settled: bool = False  # whether tuning on first use has had its say (fatune.tuning.first_use)
 
 
 _BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values

@@ -1,0 +1,100 @@
+"""Tuning on first use: switched on by fatune.autotune or $FATUNE_AUTOTUNE, never where it cannot time (the CPU,
+the interpreter, torch.compile, CUDA-graph capture), once per call signature; on a GPU, the first call of a new
+key stores the faster of fatune's built-in configs and SDPA's backends, which later calls use."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import pytest
+import torch
+
+import fatune
+from fatune import logs
+from fatune.call import check_inputs
+from fatune.db import TunedDB
+from fatune.runtime import plans
+from fatune.tuning import first_use
+from tests.conftest import DEVICE
+
+
+@pytest.fixture
+def autotuning(monkeypatch):
+    monkeypatch.setattr(first_use, "_enabled", None)
+    monkeypatch.setattr(first_use, "_tried", set())
+    yield
+    first_use._enabled = None
+    plans.clear()
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("TRUE", True), (" on ", True), ("yes", True), ("0", False),
+                                       ("", False), ("maybe", False)])
+def test_the_environment_switch(monkeypatch, autotuning, value, on):
+    monkeypatch.setenv("FATUNE_AUTOTUNE", value)
+    assert first_use.enabled() is on
+    fatune.autotune(not on)  # the call overrides the environment
+    assert first_use.enabled() is (not on)
+
+
+def test_autotune_takes_a_bool_by_name():
+    with pytest.raises(TypeError, match="^enabled: expected True or False"):
+        fatune.autotune("yes")
+
+
+@pytest.mark.parametrize("kwargs, covered", [
+    ({}, True), ({"is_causal": True}, True), ({"is_causal": True, "causal_alignment": "bottom_right"}, True),
+    ({"is_causal": True, "window_size": (8, 0)}, False), ({"dropout_p": 0.1}, False),
+    ({"attn_mask": torch.ones(16, 24, dtype=torch.bool)}, False),
+])
+def test_the_calls_first_use_tuning_covers(kwargs, covered):
+    q, k = torch.randn(2, 4, 16, 32), torch.randn(2, 2, 24, 32)
+    shape = first_use.shape_of(check_inputs(q, k, k, enable_gqa=True, **kwargs))
+    assert (shape is not None) == covered
+    if covered:
+        assert (shape.batch, shape.heads, shape.kv_heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim) == \
+            (2, 4, 2, 16, 24, 32)
+
+
+def test_nothing_is_tuned_where_nothing_can_be_timed(autotuning, monkeypatch):
+    """On this CPU (Triton's interpreter) an enabled autotune leaves calls as they were, and decides so once per
+    call signature."""
+    fatune.autotune(True)
+    tried = []
+    monkeypatch.setattr(first_use, "tune", lambda *args: tried.append(args) or True)
+    q = torch.randn(1, 2, 24, 16, device=DEVICE, dtype=torch.float16)
+    expected = fatune.attention(q, q, q, is_causal=True, config=fatune.explain(q, q, q, is_causal=True).decision.config)
+    assert torch.equal(fatune.attention(q, q, q, is_causal=True), expected)
+    prepared = plans.prepare_plain(q, q, q, 0.0, True, None, False, (-1, -1), None, None, None, None, None)
+    assert prepared.settled and not tried
+
+
+@pytest.mark.gpu
+def test_gpu_the_first_call_of_a_new_key_stores_the_faster_and_later_calls_use_it(autotuning, tmp_path,
+                                                                                 monkeypatch, caplog):
+    monkeypatch.setenv("FATUNE_DB", str(tmp_path / "tuned.sqlite"))
+    monkeypatch.setattr(logs, "_warned", set())
+    plans.clear()
+    fatune.autotune(True)
+    q, k, v = (torch.randn(3, 16, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    assert fatune.explain(q, k, v, is_causal=True).decision.layer == "heuristic"
+    fatune.attention(q, k, v, is_causal=True).sum().backward()  # compiles the heuristic's kernels
+    first_use._tried.clear()
+    plans.clear()
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        started = time.perf_counter()
+        fatune.attention(q, k, v, is_causal=True).sum().backward()
+        seconds = time.perf_counter() - started
+    said = [r.message for r in caplog.records if "on first use" in r.message]
+    assert len(said) == 1, [r.message for r in caplog.records]
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        (entry,) = db.entries()
+    assert not entry.forward_only and entry.trials >= 2 and entry.sdpa_backend
+    explained = fatune.explain(q, k, v, is_causal=True)
+    assert explained.decision.layer == "user-db"
+    assert explained.backend == (f"sdpa-{entry.route()}" if entry.route() else explained.decision.config.family)
+    print(f"first-use tuning, the call included: {seconds:.2f} s; {said[0]}")
+    total, compiles = (float(x) for x in re.search(r"in ([\d.]+) s \(compiles ([\d.]+) s\)", said[0]).groups())
+    assert total - compiles <= 0.5  # timing the candidates, compiles apart (the Gluon forward's among them)
