@@ -28,6 +28,7 @@ COMPILED = [
      256),
     # the smallest register split the search draws for two warpgroups, with a one-deep ring of 64-key tiles
     (KernelSpec("float16", 128, causal=True), GluonConfig(block_n=64, num_stages=1, consumer_regs=160), 0),
+    (KernelSpec("bfloat16", 96, causal=True), GluonConfig(block_n=128, num_stages=2), 0),  # runs at width 128
 ]
 
 
@@ -63,9 +64,11 @@ def test_the_registry_names_both_families_and_a_config_its_own():
     assert "templates/gluon/attn_fwd.py.jinja" in family("gluon").render("fwd", spec, gluon_config)
 
 
-# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA, L_q != L_k
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA, L_q != L_k; head dims between the
+# compiled widths (d96 and d80 run at 128, d192 at 256, d40 at 64)
 GPU_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 1000, 777, 128), (1, 4, 1, 129, 129, 256),
-              (1, 2, 2, 64, 4096, 128)]
+              (1, 2, 2, 64, 4096, 128), (1, 4, 2, 333, 333, 96), (1, 2, 2, 200, 301, 192), (2, 2, 1, 150, 150, 80),
+              (1, 2, 2, 97, 97, 40)]
 
 
 @pytest.mark.gpu
@@ -80,6 +83,7 @@ def test_gpu_gluon_forward_matches_reference(shape, dtype, causal, alignment, ti
     q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
     spec = KernelSpec(dtype, d, causal=causal, bottom_right=alignment == "bottom_right")
     forward = default_forward(spec) if tiles == "default" else GluonConfig(block_n=64, num_stages=2 if d > 128 else 3)
+    assert family("gluon").serves(spec, q.device) is None
     config = default_config(spec, (9, 0)).replace(fwd=forward)
     kwargs = {"is_causal": causal, "enable_gqa": kv_heads != heads, "config": config}
     if alignment is not None:

@@ -42,7 +42,9 @@ def hopper(monkeypatch):
     (dataclasses.replace(SHAPE, causal=True, kv_heads=4), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
     (SHAPE, ("triton",), ("fwd", "dkdv", "dq")),  # fatune search --family triton
     (dataclasses.replace(SHAPE, dtype="float32"), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # 16-bit only
-    (dataclasses.replace(SHAPE, head_dim=96), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # no d96 template
+    (dataclasses.replace(SHAPE, head_dim=96, head_dim_v=96), ("triton", "gluon"),  # d96 runs 128 lanes wide
+     ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (dataclasses.replace(SHAPE, head_dim=64), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # D_v 128 != D 64
     (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # no windows
     (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
 ])
@@ -219,3 +221,16 @@ def test_gpu_a_search_over_both_families_stores_and_serves_its_winner(tmp_path, 
         clear()
     print(f"search of {shape.label()} over both families, 8 trials per study: {seconds:.1f} s; "
           f"forward {result.kernel_ms}")
+
+
+@pytest.mark.parametrize("head_dim, served, width", [(64, True, 64), (40, True, 64), (96, True, 128), (80, True, 128),
+                                                     (192, True, 256), (256, True, 256), (50, False, None),
+                                                     (8, True, 64)])
+def test_head_dims_between_the_compiled_widths_run_at_the_next_one(hopper, head_dim, served, width):
+    """Tiles are powers of two: d96 runs 128 lanes wide (TMA reads zeros past the tensor's last lane); a head dim
+    whose rows are not 16-byte multiples cannot be read by TMA at all."""
+    spec = KernelSpec("bfloat16", head_dim)
+    assert (gluon_launch.unserved(spec, torch.device("cuda")) is None) == served
+    if served:
+        assert gluon_codegen.width(head_dim) == width
+        assert f"HEAD_DIM = gl.constexpr({width})" in gluon_codegen.render(spec, default_forward(spec))

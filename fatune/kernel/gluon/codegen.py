@@ -12,7 +12,18 @@ from fatune.kernel.codegen import Templates
 from fatune.kernel.spec import GLUON_PRODUCER_REGS, GluonConfig, KernelSpec
 
 TEMPLATES = Templates("gluon")
+# the head-dim widths the forward is compiled for (a tile's dims are powers of two); a call's head dim runs at the
+# next one up (d96 at 128, d192 at 256): its TMA tiles read zeros past the tensor's last lane and write nothing there
 HEAD_DIMS = (64, 128, 256)
+
+
+def width(head_dim: int) -> int:
+    """The compiled head-dim width a call of `head_dim` runs at: the smallest of HEAD_DIMS that holds it."""
+    for candidate in HEAD_DIMS:
+        if head_dim <= candidate:
+            return candidate
+    raise ValueError(f"head_dim: expected at most {HEAD_DIMS[-1]} for the Gluon forward, got {head_dim}")
+
 
 
 def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
@@ -21,7 +32,7 @@ def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
         "template_name": f"{TEMPLATES.folder}/attn_fwd.py.jinja",
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(config.to_dict(), sort_keys=True),
-        "HEAD_DIM": spec.head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
+        "HEAD_DIM": width(spec.head_dim), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
         "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right,
     }

@@ -28,10 +28,11 @@ TRITON_FORWARD = LaunchConfig(64, 64)  # any Triton forward: only the backward's
 def default_forward(spec: KernelSpec) -> GluonConfig:
     """The forward's config before a search (an H100 sweep, bf16, B L = 16384, H D = 2048, forward beside cuDNN's):
     128-key tiles two deep; at d64 without a causal mask three consumer warpgroups (0.96-0.98x cuDNN, two: 0.92);
-    64-key tiles at d256, whose 128-key tiles would not fit 227 KiB of shared memory."""
-    if spec.head_dim > 128:
+    64-key tiles above d128 (d192, d256), whose 128-key tiles would not fit 227 KiB of shared memory."""
+    lanes = codegen.width(spec.head_dim)
+    if lanes > 128:
         return GluonConfig(block_n=64, num_stages=2)
-    if spec.head_dim <= 64 and not spec.causal:
+    if lanes <= 64 and not spec.causal:
         return GluonConfig(block_n=128, num_stages=2, consumers=3, consumer_regs=160, maxnreg=128)
     return GluonConfig(block_n=128, num_stages=2)
 

@@ -37,8 +37,9 @@ def untemplated(spec: KernelSpec) -> str | None:
     """None if the Gluon template renders a forward for `spec` (on any machine); else why not (one line)."""
     if spec.dtype not in ("float16", "bfloat16"):
         return f"the Gluon forward takes float16 and bfloat16, not {spec.dtype}"
-    if spec.head_dim != spec.head_dim_v or spec.head_dim not in codegen.HEAD_DIMS:
-        return f"the Gluon forward takes head dims {codegen.HEAD_DIMS} (equal for q and v), not {spec.head_dim}/{spec.head_dim_v}"
+    if spec.head_dim != spec.head_dim_v or spec.head_dim > codegen.HEAD_DIMS[-1] or spec.head_dim % 8:
+        return (f"the Gluon forward takes head dims that are multiples of 8 up to {codegen.HEAD_DIMS[-1]} (equal for "
+                f"q and v; TMA reads rows of 16-byte multiples), not {spec.head_dim}/{spec.head_dim_v}")
     if spec.mask_variant not in SERVED_VARIANTS or spec.paged:
         return f"the Gluon forward does not take the {spec.mask_variant} variant yet"
     return None
@@ -53,7 +54,7 @@ class GluonForward:
         self.grid = (triton.cdiv(problem.seqlen_q, config.block_m), problem.batch * problem.heads)
         self.scalars = (problem.scale, problem.heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
                         lse_strides[0], lse_strides[1])
-        self.head_dim = problem.spec.head_dim
+        self.head_dim = codegen.width(problem.spec.head_dim)  # the tiles' width: lanes past the call's read 0
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor) -> None:

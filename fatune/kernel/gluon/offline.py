@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from fatune.kernel.gluon.codegen import load
+from fatune.kernel.gluon.codegen import load, width
 from fatune.kernel.spec import GLUON_SPLIT_M as SPLIT_M
 from fatune.kernel.spec import GluonConfig, KernelSpec
 from fatune.kernel.triton.offline import _cuobjdump
@@ -47,7 +47,8 @@ class CompiledForward:
 def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
     """Argument types and constexprs as a launch passes them (four-dim TMA descriptors, the LSE, scalars)."""
     dtype, name = _DTYPES[spec.dtype]
-    q_block, kv_block = [1, 1, SPLIT_M, spec.head_dim], [1, 1, config.block_n, spec.head_dim]
+    head_dim = width(spec.head_dim)
+    q_block, kv_block = [1, 1, SPLIT_M, head_dim], [1, 1, config.block_n, head_dim]
     q_layout = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, dtype)
     desc = lambda block, layout: f"tensordesc<{name}[{','.join(map(str, block))}],{layout!r}>"  # noqa: E731

@@ -3,6 +3,7 @@ that cannot fit before it spends a trial on it."""
 
 from __future__ import annotations
 
+from fatune.kernel.gluon.codegen import width
 from fatune.kernel.spec import GLUON_SPLIT_M, GluonConfig, KernelSpec
 
 ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
@@ -11,7 +12,8 @@ ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
 def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
     """Shared memory of one program, an upper bound within 128 bytes of what Triton allocates: the consumers' Q
     tiles (reused for O), the K and V ring, each consumer's pinned row sums and the mbarriers."""
-    tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * spec.head_dim * ELEMENT_BYTES
+    lanes = width(spec.head_dim)
+    tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * lanes * ELEMENT_BYTES
     pinned = config.consumers * GLUON_SPLIT_M * 4
     barriers = 8 * (config.consumers + 4 * config.num_stages)
     return tiles + pinned + barriers + 64  # alignment
