@@ -29,6 +29,9 @@ COMPILED = [
     # the smallest register split the search draws for two warpgroups, with a one-deep ring of 64-key tiles
     (KernelSpec("float16", 128, causal=True), GluonConfig(block_n=64, num_stages=1, consumer_regs=160), 0),
     (KernelSpec("bfloat16", 96, causal=True), GluonConfig(block_n=128, num_stages=2), 0),  # runs at width 128
+    # sliding windows: causal with a left edge, and a band with both edges
+    (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True), GluonConfig(128, 2), 0),
+    (KernelSpec("float16", 64, window_left=True, window_right=True, bottom_right=True), GluonConfig(64, 3), 0),
 ]
 
 
@@ -91,3 +94,25 @@ def test_gpu_gluon_forward_matches_reference(shape, dtype, causal, alignment, ti
     explained = fatune.explain(q, k, v, **{key: value for key, value in kwargs.items()})
     assert explained.launched.family == "gluon", explained
     record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, window_size, is_causal): windows narrower and wider than a
+# tile, both edges, L_q != L_k (a window aligns bottom-right)
+WINDOWED = [(2, 4, 2, 333, 333, 128, (100, 0), True), (1, 2, 2, 200, 517, 64, (256, 0), True),
+            (1, 4, 4, 300, 300, 128, (31, 17), False), (1, 2, 1, 129, 77, 256, (64, 64), False),
+            (2, 2, 2, 257, 257, 96, (0, 0), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WINDOWED, ids=lambda c: "x".join(map(str, c[:6])) + f"-w{c[6][0]}.{c[6][1]}")
+def test_gpu_gluon_forward_with_a_sliding_window(case, dtype, poison_outputs, record_gpu_errors):
+    batch, heads, kv_heads, lq, lk, d, window, causal = case
+    torch.manual_seed(stable_seed(case, dtype))
+    q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
+    kwargs = {"is_causal": causal, "window_size": window, "enable_gqa": kv_heads != heads}
+    problem = fatune.explain(q, k, v, **kwargs)
+    config = default_config(problem.spec, (9, 0)).replace(fwd=default_forward(problem.spec))
+    explained = fatune.explain(q, k, v, config=config, **kwargs)
+    assert explained.launched.family == "gluon", explained
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))

@@ -45,7 +45,8 @@ def hopper(monkeypatch):
     (dataclasses.replace(SHAPE, head_dim=96, head_dim_v=96), ("triton", "gluon"),  # d96 runs 128 lanes wide
      ("fwd", GLUON_FORWARD, "dkdv", "dq")),
     (dataclasses.replace(SHAPE, head_dim=64), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # D_v 128 != D 64
-    (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # no windows
+    (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (dataclasses.replace(SHAPE, valid_keys=0.5), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # key lengths
     (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
 ])
 def test_a_shape_the_gluon_family_serves_gets_a_gluon_forward_study(hopper, shape, families, expected):
@@ -234,3 +235,17 @@ def test_head_dims_between_the_compiled_widths_run_at_the_next_one(hopper, head_
     if served:
         assert gluon_codegen.width(head_dim) == width
         assert f"HEAD_DIM = gl.constexpr({width})" in gluon_codegen.render(spec, default_forward(spec))
+
+
+@pytest.mark.parametrize("spec, served", [
+    (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True), True),
+    (KernelSpec("bfloat16", 128, window_left=True, window_right=True, bottom_right=True), True),
+    (KernelSpec("bfloat16", 128, causal=True, seqlens="seqlens_k"), False),  # rows past a length would be read
+    (KernelSpec("bfloat16", 128, seqlens="varlen"), False),
+    (KernelSpec("bfloat16", 128, causal=True, attn_mask="bool"), False),
+    (KernelSpec("bfloat16", 128, alibi=True), False),
+    (KernelSpec("bfloat16", 128, dropout=True), False),
+    (KernelSpec("float32", 128), False),
+])
+def test_the_variants_the_gluon_forward_serves(hopper, spec, served):
+    assert (gluon_launch.unserved(spec, torch.device("cuda")) is None) == served

@@ -35,6 +35,8 @@ def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
         "HEAD_DIM": width(spec.head_dim), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
         "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right,
+        "HAS_LEFT": spec.window_left, "HAS_RIGHT": spec.causal or spec.window_right,
+        "HAS_BAND": spec.causal or spec.window_left or spec.window_right,
     }
 
 

@@ -23,7 +23,6 @@ from fatune.kernel.triton.resolve import source_hash, tma_readable
 from fatune.logs import warn_once
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-SERVED_VARIANTS = ("none", "causal", "causal+bottom-right")
 
 
 def unserved(spec: KernelSpec, device: torch.device) -> str | None:
@@ -40,7 +39,9 @@ def untemplated(spec: KernelSpec) -> str | None:
     if spec.head_dim != spec.head_dim_v or spec.head_dim > codegen.HEAD_DIMS[-1] or spec.head_dim % 8:
         return (f"the Gluon forward takes head dims that are multiples of 8 up to {codegen.HEAD_DIMS[-1]} (equal for "
                 f"q and v; TMA reads rows of 16-byte multiples), not {spec.head_dim}/{spec.head_dim_v}")
-    if spec.mask_variant not in SERVED_VARIANTS or spec.paged:
+    # key lengths: a key tile's rows past a sequence's length are read (TMA zero-fills only past the tensor), and
+    # garbage there (NaN in an unwritten cache) would reach P V through P = 0
+    if spec.attn_mask != "none" or spec.seqlens != "fixed" or spec.alibi or spec.dropout or spec.paged:
         return f"the Gluon forward does not take the {spec.mask_variant} variant yet"
     return None
 
@@ -53,21 +54,21 @@ class GluonForward:
         self.kernel = codegen.load(problem.spec, config).attn_fwd
         self.grid = (triton.cdiv(problem.seqlen_q, config.block_m), problem.batch * problem.heads)
         self.scalars = (problem.scale, problem.heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
-                        lse_strides[0], lse_strides[1])
+                        lse_strides[0], lse_strides[1], problem.window_left, problem.window_right)
         self.head_dim = codegen.width(problem.spec.head_dim)  # the tiles' width: lanes past the call's read 0
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor) -> None:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         dtype = _GL_DTYPES[q.dtype]
         rows, keys = [1, 1, GLUON_SPLIT_M, self.head_dim], [1, 1, self.config.block_n, self.head_dim]
         row_layout = gl.NVMMASharedLayout.get_default_for(rows, dtype)
         key_layout = gl.NVMMASharedLayout.get_default_for(keys, dtype)
         descriptors = (TensorDescriptor.from_tensor(q, rows, row_layout), TensorDescriptor.from_tensor(k, keys, key_layout),
                        TensorDescriptor.from_tensor(v, keys, key_layout), TensorDescriptor.from_tensor(out, rows, row_layout))
+        args = (*descriptors, lse, *self.scalars)
         if launch.compiling_only():
-            self.kernel.warmup(*descriptors, lse, *self.scalars, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
+            self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
             return
-        self.kernel[self.grid](*descriptors, lse, *self.scalars, num_warps=4, maxnreg=self.config.maxnreg)
+        self.kernel[self.grid](*args, num_warps=4, maxnreg=self.config.maxnreg)
 
 
 class GluonPlan:

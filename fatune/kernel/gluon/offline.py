@@ -54,7 +54,8 @@ def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
     desc = lambda block, layout: f"tensordesc<{name}[{','.join(map(str, block))}],{layout!r}>"  # noqa: E731
     types = {"desc_q": desc(q_block, q_layout), "desc_k": desc(kv_block, kv_layout), "desc_v": desc(kv_block, kv_layout),
              "desc_o": desc(q_block, q_layout), "LSE": "*fp32", "sm_scale": "fp32", "H": "i32", "GROUP": "i32",
-             "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32", "num_warps": "constexpr"}
+             "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32", "window_left": "i32",
+             "window_right": "i32", "num_warps": "constexpr"}
     return types, {"num_warps": 4}
 
 
