@@ -123,7 +123,7 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("codegen-negative-arch", ["codegen", "--head-dim", "64", "--arch", "-1.-5"], 2, "--arch"),
     ("codegen-zero-group", ["codegen", "--head-dim", "64", "--group", "0"], 2, "--group"),
     ("codegen-unknown-family", ["codegen", "--head-dim", "64", "--family", "cuda"], 2, "--family"),
-    ("codegen-gluon-head-dim", ["codegen", "--head-dim", "96", "--family", "gluon"], 2, "--family gluon"),
+    ("codegen-gluon-head-dim", ["codegen", "--head-dim", "100", "--family", "gluon"], 2, "--family gluon"),
     ("codegen-gluon-fp32", ["codegen", "--head-dim", "64", "--dtype", "fp32", "--family", "gluon"], 2, "float32"),
     ("codegen-gluon-triton-fwd", ["codegen", "--head-dim", "64", "--family", "gluon", "--fwd", "64x64/w4/s2"], 2,
      "--fwd"),
