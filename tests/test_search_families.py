@@ -67,7 +67,8 @@ def test_the_gluon_axes_hold_only_register_splits_the_sm_can_give():
     """Three consumer warpgroups get at most 160 registers each (with the producer's 24, an SM's 64K over 512
     threads); every config's launch cap leaves room for its split, and the cap follows the consumers."""
     grid = GPU_SPACE.grid(GLUON_FORWARD, SHAPE, 132)
-    assert set(GPU_SPACE.axes(GLUON_FORWARD, SHAPE, 132)) == {"block_n", "num_stages", "consumers", "consumer_regs"}
+    assert set(GPU_SPACE.axes(GLUON_FORWARD, SHAPE, 132)) == {"block_n", "num_stages", "consumers", "consumer_regs",
+                                                              "overlap"}
     assert grid and all(isinstance(config, GluonConfig) for config in grid)
     assert {c.consumer_regs for c in grid if c.consumers == 3} == {160}
     assert {c.consumer_regs for c in grid if c.consumers == 2} == set(GPU_SPACE.consumer_regs)

@@ -319,18 +319,21 @@ def gluon_register_cap(consumers: int) -> int:
 class GluonConfig:
     """A Gluon forward's launch: `consumers` warpgroups of 64 query rows each (block_m = 64 x consumers), key
     tiles of block_n rows streamed `num_stages` deep, the consumers' register budget (`consumer_regs`, set per
-    warpgroup with setmaxnreg; the producer keeps GLUON_PRODUCER_REGS) and the launch's register cap (`maxnreg`;
-    0: gluon_register_cap). The consumers' and the producer's registers must fit the pool the cap launches
-    with (setmaxnreg waits for registers that never come otherwise)."""
+    warpgroup with setmaxnreg; the producer keeps GLUON_PRODUCER_REGS), the launch's register cap (`maxnreg`;
+    0: gluon_register_cap) and whether a consumer runs the softmax of tile j while P_{j-1} V_{j-1} is on the
+    tensor cores (`overlap`, 1) or one step after the other (0). The consumers' and the producer's registers
+    must fit the pool the cap launches with (setmaxnreg waits for registers that never come otherwise)."""
 
     block_n: int = 128
     num_stages: int = 2
     consumers: int = 2
     consumer_regs: int = 240
     maxnreg: int = 0
+    overlap: int = 1
 
     def __post_init__(self) -> None:
-        for name, allowed in (("block_n", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3))):
+        for name, allowed in (("block_n", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
+                              ("overlap", (0, 1))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if not (_is_int(self.consumer_regs) and 24 <= self.consumer_regs <= 256 and self.consumer_regs % 8 == 0):
@@ -352,16 +355,16 @@ class GluonConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": "gluon", "block_n": self.block_n, "num_stages": self.num_stages, "consumers": self.consumers,
-                "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg}
+                "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg, "overlap": self.overlap}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GluonConfig:
         return cls(**{name: int(data[name]) for name in ("block_n", "num_stages", "consumers", "consumer_regs",
-                                                          "maxnreg") if name in data})
+                                                          "maxnreg", "overlap") if name in data})
 
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
-                f"/m{self.maxnreg}")
+                f"/m{self.maxnreg}{'' if self.overlap else '/sequential'}")
 
 
 @dataclass(frozen=True)

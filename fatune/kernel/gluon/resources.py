@@ -10,8 +10,9 @@ ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
 
 
 def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
-    """Shared memory of one program, an upper bound within 128 bytes of what Triton allocates: the consumers' Q
-    tiles (reused for O), the K and V ring, each consumer's pinned row sums and the mbarriers."""
+    """Shared memory of one program, an upper bound within 1 KiB of what Triton allocates: the consumers' Q tiles
+    (reused for O), the K and V ring, each consumer's pinned row sums (or, one step after the other, the
+    scratch of its layout conversions) and the mbarriers."""
     lanes = width(spec.head_dim)
     tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * lanes * ELEMENT_BYTES
     pinned = config.consumers * GLUON_SPLIT_M * 4
