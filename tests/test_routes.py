@@ -116,18 +116,21 @@ def test_where_the_backend_cannot_run_fatunes_kernels_do_said_once(routed_db, ca
 
 
 def test_a_routed_call_runs_forward_and_backward_on_the_backend(routed_db, monkeypatch):
-    """Where the backend takes the call (here: told so, with the math backend standing in for cuDNN on this CPU),
-    eager calls run on it through torch's autograd; a config argument and torch.func run fatune's kernels."""
+    """Where the backend takes the call (here: told so, with SDPA's math backend, the one this CPU has, as the
+    route), eager calls run on it alone through torch's autograd, and torch's switches are as they were after;
+    a config argument and torch.func run fatune's kernels."""
     monkeypatch.setattr(routes, "unroutable", lambda *args: None)
-    monkeypatch.setitem(routes.BACKENDS, "cudnn", SDPBackend.MATH)
+    monkeypatch.setitem(routes.BACKENDS, "math", SDPBackend.MATH)
     runs = []
     real_run = routes.run
     monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
-    routed_db("cudnn")
+    routed_db("math")
+    switches = {name: getter() for name, (getter, _) in routes._SWITCHES.items()}
     q, k, v = inputs()
     out = fatune.attention(q, k, v, is_causal=True)
     out.float().square().sum().backward()
-    assert runs == ["cudnn"] and fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
+    assert runs == ["math"] and fatune.explain(q, k, v, is_causal=True).backend == "sdpa-math"
+    assert switches == {name: getter() for name, (getter, _) in routes._SWITCHES.items()}
     expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.MATH):
         reference = F.scaled_dot_product_attention(*expected, is_causal=True)
@@ -138,7 +141,7 @@ def test_a_routed_call_runs_forward_and_backward_on_the_backend(routed_db, monke
     config = fatune.explain(q, k, v, is_causal=True).decision.config
     fatune.attention(q, k, v, is_causal=True, config=config)
     torch.func.grad(lambda x: fatune.attention(x, k.detach(), v.detach(), is_causal=True).float().sum())(q.detach())
-    assert runs == ["cudnn"]  # neither was routed
+    assert runs == ["math"]  # neither was routed
 
 
 @pytest.mark.gpu

@@ -64,9 +64,28 @@ def choose(backend: str, problem: AttentionProblem, query: torch.Tensor, key: to
     return ""
 
 
+# torch's switches of its SDPA backends, (getter, setter) by backend (those this torch has): flipped around a
+# routed call, a few microseconds where torch.nn.attention.sdpa_kernel costs about 20 (a call's host cost counts)
+_SWITCHES = {name: (getattr(torch._C, f"_get_{flag}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{flag}"))
+             for name, flag in (("flash", "flash"), ("efficient", "mem_efficient"), ("math", "math"),
+                                ("cudnn", "cudnn"), ("overrideable", "overrideable"))
+             if hasattr(torch._C, f"_get_{flag}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{flag}")}
+_ALL_SWITCHES = set(BACKENDS) <= set(_SWITCHES)
+
+
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
         is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    """The whole call on SDPA's `backend` (its autograd computes the gradients)."""
-    with sdpa_kernel(BACKENDS[backend]):
+    """The whole call on SDPA's `backend` alone (its autograd computes the gradients)."""
+    if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
+        with sdpa_kernel(BACKENDS[backend]):
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=scale, enable_gqa=enable_gqa)
+    before = [(setter, getter()) for getter, setter in _SWITCHES.values()]
+    try:
+        for name, (_, setter) in _SWITCHES.items():
+            setter(name == backend)
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
+    finally:
+        for setter, enabled in before:
+            setter(enabled)
