@@ -193,8 +193,10 @@ def attention(
                 first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention):
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
-        if prepared.route:
-            return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa)
+        if prepared.route and not torch.is_autocast_enabled(query.device.type):
+            routed = routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa)
+            if routed is not None:
+                return routed
         if prepared.plan is not None:
             return _run(prepared.plan, query, key, value, NO_EXTRAS)
     call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
@@ -206,9 +208,11 @@ def attention(
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if not plain:
         prepared = prepare(query, key, value, call, config, strict)
-    if prepared.route:
-        return routes.run(prepared.route, query, key, value, call.dropout_p, call.is_causal, call.scale,
-                          call.enable_gqa)
+    if prepared.route and not torch.is_autocast_enabled(query.device.type):
+        routed = routes.run(prepared.route, query, key, value, call.dropout_p, call.is_causal, call.scale,
+                            call.enable_gqa)
+        if routed is not None:
+            return routed
     if prepared.plan is None:
         return run_without_kernels(prepared, query, key, value, call)
     return _run(prepared.plan, query, key, value, call.extras)

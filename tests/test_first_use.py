@@ -98,3 +98,36 @@ def test_gpu_the_first_call_of_a_new_key_stores_the_faster_and_later_calls_use_i
     print(f"first-use tuning, the call included: {seconds:.2f} s; {said[0]}")
     total, compiles = (float(x) for x in re.search(r"in ([\d.]+) s \(compiles ([\d.]+) s\)", said[0]).groups())
     assert total - compiles <= 0.5  # timing the candidates, compiles apart (the Gluon forward's among them)
+
+
+def test_a_key_is_tried_once_whatever_its_lengths(autotuning, monkeypatch):
+    """Tuning that stored nothing (a DB it cannot write, say) is not tried again for every new length of the same
+    tuned-DB key (a decode loop's growing cache)."""
+    tried = []
+    monkeypatch.setattr(first_use, "_tune", lambda shape, *args: tried.append(shape.seqlen_k) or False)
+    q = torch.randn(1, 2, 1, 16)
+    for length in (100, 101, 102, 120):
+        k = torch.randn(1, 2, length, 16)
+        first_use.tune(check_inputs(q, k, k), q, k, k, False, fatune.attention)
+    assert tried == [100]
+
+
+def test_the_timed_steps_stay_out_of_the_users_activation_checkpointing(autotuning, monkeypatch):
+    """A first call inside torch.utils.checkpoint (non-reentrant): the tuner's own training steps must not be
+    saved into the checkpoint's frame, or the user's backward fails ("a different number of tensors was saved")."""
+    def timed_step(*args):
+        x = torch.randn(8, requires_grad=True)
+        (x * x).sum().backward()
+        return False
+
+    monkeypatch.setattr(first_use, "_tune", timed_step)
+
+    def block(x):
+        y = x.sin()
+        first_use.tune(check_inputs(*(torch.randn(1, 2, 8, 16),) * 3), *(torch.randn(1, 2, 8, 16),) * 3, True,
+                       fatune.attention)
+        return y.cos()
+
+    x = torch.randn(4, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(x.grad, -torch.sin(x.sin()) * torch.cos(x))

@@ -165,3 +165,29 @@ def test_gpu_a_routed_call_meets_the_accuracy_rule(tmp_path, monkeypatch, backen
     if explained.backend != f"sdpa-{backend}":
         pytest.skip(f"this GPU's torch does not run {backend} here: {explained.reason}")
     record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(routed_db, monkeypatch, caplog):
+    """Under autocast SDPA's inputs would be cast and fatune's not: no route. A backend that refuses a call after
+    its route was chosen (a switch turned since, say) hands it to fatune's kernels, said once."""
+    monkeypatch.setattr(routes, "unroutable", lambda *args: None)
+    monkeypatch.setitem(routes.BACKENDS, "math", SDPBackend.MATH)
+    routed_db("math")
+    q, k, v = inputs()
+    kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    runs = []
+    real_run = routes.run
+    monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels)
+    assert runs == []
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(routes.F, "scaled_dot_product_attention", refuse)
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        for _ in range(2):
+            assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels)
+    assert runs == ["math", "math"]
+    assert len([r for r in caplog.records if "refused a call" in r.message]) == 1

@@ -157,10 +157,11 @@ def _finished(search_: study.KernelSearch, configs_ms: list[tuple[object, float]
         search_.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=ms))
 
 
-@pytest.mark.parametrize("triton_ms, gluon_ms, family", [(1.0, 0.8, "gluon"), (0.8, 1.0, "triton"), (1.0, None, "triton")])
+@pytest.mark.parametrize("triton_ms, gluon_ms, family", [(1.0, 0.8, "gluon"), (0.8, 1.0, "triton"), (1.0, None, "triton"),
+                                                         (None, 0.8, "gluon"), (None, None, None)])
 def test_the_faster_familys_forward_wins_and_its_entry_is_served(hopper, tmp_path, triton_ms, gluon_ms, family):
     """The forward studies time their kernels on the same inputs: the faster family's best is the shape's
-    forward; a Gluon study none of whose configs ran leaves it to the Triton family. The stored entry holds the
+    forward; a family's study none of whose configs ran leaves it to the other, and neither is an error. The stored entry holds the
     winner's family and the code hashes of the kernels it measured, and the DB gives the config back."""
     storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
     heuristic = default_config(SHAPE.spec, (9, 0))
@@ -168,16 +169,22 @@ def test_the_faster_familys_forward_wins_and_its_entry_is_served(hopper, tmp_pat
                                    deadline=time.time() + 600) for kernel in study.shape_kernels(SHAPE, hopper)]
     by_kernel = {s.kernel: s for s in searches}
     triton_forward = make_config("fwd", by_kernel["fwd"].start)  # the heuristic's forward, as its study holds it
-    _finished(by_kernel["fwd"], [(triton_forward, triton_ms), (dataclasses.replace(triton_forward, num_stages=2), 3.0)])
+    if triton_ms is not None:
+        _finished(by_kernel["fwd"], [(triton_forward, triton_ms), (dataclasses.replace(triton_forward, num_stages=2),
+                                                                   3.0)])
     gluon_forward = GluonConfig(block_n=128, num_stages=3)
     if gluon_ms is not None:
         _finished(by_kernel[GLUON_FORWARD], [(gluon_forward, gluon_ms), (GluonConfig(64, 2), 2.0)])
     _finished(by_kernel["dkdv"], [(heuristic.dkdv, 2.0)])
     _finished(by_kernel["dq"], [(heuristic.dq, 2.5)])
 
+    if family is None:
+        with pytest.raises(RuntimeError, match="no fwd config passed the checks"):
+            search.choose_winners(SHAPE, searches)
+        return
     chosen, kernel_ms, _ = search.choose_winners(SHAPE, searches)
     assert chosen["fwd"] == (gluon_forward if family == "gluon" else triton_forward)
-    assert kernel_ms["fwd"] == triton_ms and kernel_ms.get(GLUON_FORWARD) == gluon_ms
+    assert kernel_ms.get("fwd") == triton_ms and kernel_ms.get(GLUON_FORWARD) == gluon_ms
 
     config = heuristic.replace(**chosen)
     result = search.ShapeResult(SHAPE, config, kernel_ms, 1.0, 2.0, 3.0, trials=4)

@@ -15,6 +15,8 @@ Anywhere else fatune's kernels run, said once per reason.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -73,19 +75,33 @@ _SWITCHES = {name: (getattr(torch._C, f"_get_{flag}_sdp_enabled"), getattr(torch
 _ALL_SWITCHES = set(BACKENDS) <= set(_SWITCHES)
 
 
+_switching = threading.Lock()  # the switches are the process's: one routed call flips them at a time
+
+
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
-        is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    """The whole call on SDPA's `backend` alone (its autograd computes the gradients)."""
-    if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
-        with sdpa_kernel(BACKENDS[backend]):
-            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
-                                                  scale=scale, enable_gqa=enable_gqa)
-    before = [(setter, getter()) for getter, setter in _SWITCHES.values()]
+        is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
+    """The whole call on SDPA's `backend` alone (its autograd computes the gradients); None where the backend
+    refuses it after all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say):
+    the caller runs fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not
+    fatune's: the caller does not route there."""
     try:
-        for name, (_, setter) in _SWITCHES.items():
-            setter(name == backend)
-        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
-    finally:
-        for setter, enabled in before:
-            setter(enabled)
+        if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
+            with sdpa_kernel(BACKENDS[backend]):
+                return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                      scale=scale, enable_gqa=enable_gqa)
+        with _switching:
+            before = [(setter, getter()) for getter, setter in _SWITCHES.values()]
+            try:
+                for name, (_, setter) in _SWITCHES.items():
+                    setter(name == backend)
+                return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                      scale=scale, enable_gqa=enable_gqa)
+            finally:
+                for setter, enabled in before:
+                    setter(enabled)
+    except RuntimeError as error:
+        if "No available kernel" not in str(error):
+            raise
+        warn_once(f"fatune: torch SDPA's {backend} backend refused a call routed to it ({str(error)[:120]}): "
+                  f"fatune's kernels run")
+        return None

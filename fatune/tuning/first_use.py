@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from fatune.call import Call
 from fatune.db import TunedDB, default_path
 from fatune.kernel.family import FAMILIES
 from fatune.kernel.problem import AttentionProblem
@@ -31,7 +32,7 @@ from fatune.logs import warn_once
 from fatune.runtime import plans, routes
 from fatune.settings import AUTOTUNE_ENV, interpreting, switch
 from fatune.tuning.competitors import sdpa
-from fatune.tuning.shape import Shape, make_inputs
+from fatune.tuning.shape import Shape, make_inputs, shape_key
 from fatune.tuning.target import Target
 from fatune.tuning.timing import time_forward, time_step_only, time_training_step
 
@@ -66,10 +67,23 @@ def tune_call(prepared: plans.Prepared, query: torch.Tensor, key: torch.Tensor, 
     if not enabled() or query.device.type != "cuda" or interpreting() or prepared.plan is None:
         prepared.settled = True
         return False
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if not _quiet_moment():
         return False
     prepared.settled = True
     return tune(prepared.plan.problem, query, key, value, training, attend)
+
+
+def _quiet_moment() -> bool:
+    """Whether timing now would stay the tuner's business: not while torch.compile or torch.jit traces, a CUDA
+    graph captures, or a torch dispatch mode (a FLOP counter, fake tensors) watches every op."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+        return not is_in_torch_dispatch_mode()
+    except ImportError:  # another torch: no dispatch mode to ask about
+        return True
 
 
 def shape_of(problem: AttentionProblem) -> Shape | None:
@@ -89,16 +103,18 @@ def tune(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, valu
     shape = shape_of(problem)
     if shape is None:
         return False
-    memo = (query.device, shape, training)
+    memo = (query.device, shape_key(shape), training)  # the DB's key: one attempt per key, whatever its lengths
     with _lock:
         if memo in _tried:
             return False
         _tried.add(memo)
     try:
-        return _tune(shape, problem, query, key, value, training, attend)
+        # the user's saved-tensor hooks (activation checkpointing, offloading) must not see the timed steps
+        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
+            return _tune(shape, problem, query, key, value, training, attend)
     except Exception as error:  # noqa: BLE001 - tuning may fail; the call it was for must not
-        warn_once(f"fatune: tuning {shape.label()} on first use failed ({type(error).__name__}: {error}); "
-                  f"the built-in config runs")
+        warn_once(f"fatune: tuning on first use failed ({type(error).__name__}: {error}); built-in configs run "
+                  f"where no tuned entry answers")
         return False
 
 
@@ -122,6 +138,10 @@ def _tune(shape: Shape, problem: AttentionProblem, query: torch.Tensor, key: tor
             log.info("fatune: first-use candidate %s does not run here: %s", config, error)
             continue
         compile_s += times["compile_s"]
+        plan = plans.prepare(inputs["q"], inputs["k"], inputs["v"], Call(**kwargs), config, None).plan
+        if plan is not None and plan.build_failure:  # another config ran in its place: its time is not this one's
+            log.info("fatune: first-use candidate %s does not run here: %s", config, plan.build_failure)
+            continue
         timed.append((times["fwd_bwd_ms" if training else "fwd_ms"], times, config))
     if not timed:
         return False

@@ -54,6 +54,7 @@ def _compile(shape: Shape, config: AttentionConfig, kernel: str, device: str) ->
     try:
         runner = KernelRunner(shape, config, stand_in_inputs(shape, device))
         runner.prepare()
+        runner.check_built()  # a Gluon forward that cannot be built here compiled the Triton one instead
         runner.run(kernel)()
     finally:
         if device == "cuda":

@@ -224,8 +224,8 @@ def choose_winners(shape: Shape, searches: list[KernelSearch]) -> tuple[dict[str
                                                                          dict[str, float], dict[str, int]]:
     """(each kernel's winning config, each study's best kernel time, trials rejected by reason) of a shape whose
     studies are finished. The forward's winner is the faster of the families' forward studies (timed on the same
-    inputs); a Gluon forward study without a complete trial (its kernel could not be built here) leaves the
-    forward to the Triton family. The backward keeps the dQ kernel beside a non-atomic dK/dV where that beat the
+    inputs); a family's study without a complete trial (its kernels could not be built here) leaves the forward
+    to the other; RuntimeError if no study of a kernel has one. The backward keeps the dQ kernel beside a non-atomic dK/dV where that beat the
     atomic backward (separate_backward)."""
     chosen: dict[str, LaunchConfig | GluonConfig] = {}
     kernel_ms: dict[str, float] = {}  # per study: the forward's of each family
@@ -235,15 +235,17 @@ def choose_winners(shape: Shape, searches: list[KernelSearch]) -> tuple[dict[str
         for kind, count in search.rejected().items():
             rejected[kind] = rejected.get(kind, 0) + count
         best = search.best_config()
-        if best is None and search.slot != search.kernel:
-            continue
         if best is None:
-            raise RuntimeError(f"{shape.label()}: no {search.kernel} config passed the checks in "
-                               f"{len(search.study.trials)} trials ({search.rejected()}); give more trials or time")
+            continue
         kernel_ms[search.kernel] = search.best_ms
         if search.best_ms < slot_ms.get(search.slot, math.inf):
             chosen[search.slot], slot_ms[search.slot] = best, search.best_ms
         search.census()  # known_best and known_best_separate from every process's trials
+    for slot_name in dict.fromkeys(search.slot for search in searches):
+        if slot_name not in chosen:
+            trials = sum(len(s.study.trials) for s in searches if s.slot == slot_name)
+            raise RuntimeError(f"{shape.label()}: no {slot_name} config passed the checks in {trials} trials "
+                               f"({rejected}); give more trials or time")
     if not forward_only(shape):
         dkdv, dq = (next(s for s in searches if s.kernel == kernel) for kernel in ("dkdv", "dq"))
         separate = separate_backward(dkdv, dq)

@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fatune.hardware import device_arch
 from fatune.kernel.gluon import codegen
 from fatune.kernel.problem import NO_EXTRAS, AttentionProblem
-from fatune.kernel.spec import GLUON_SPLIT_M, AttentionConfig, GluonConfig, KernelSpec
+from fatune.kernel.spec import DTYPES, GLUON_SPLIT_M, AttentionConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton import launch
 from fatune.kernel.triton.launch import Plan, StaleKernels
 from fatune.kernel.triton.resolve import source_hash, tma_readable
@@ -55,13 +55,14 @@ class GluonForward:
         self.grid = (triton.cdiv(problem.seqlen_q, config.block_m), problem.batch * problem.heads)
         self.scalars = (problem.scale, problem.heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
                         lse_strides[0], lse_strides[1], problem.window_left, problem.window_right)
-        self.head_dim = codegen.width(problem.spec.head_dim)  # the tiles' width: lanes past the call's read 0
+        head_dim = codegen.width(problem.spec.head_dim)  # the tiles' width: lanes past the call's read 0
+        dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
+        self.rows, self.keys = [1, 1, GLUON_SPLIT_M, head_dim], [1, 1, config.block_n, head_dim]
+        self.row_layout = gl.NVMMASharedLayout.get_default_for(self.rows, dtype)  # once: ~15 us each
+        self.key_layout = gl.NVMMASharedLayout.get_default_for(self.keys, dtype)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-        dtype = _GL_DTYPES[q.dtype]
-        rows, keys = [1, 1, GLUON_SPLIT_M, self.head_dim], [1, 1, self.config.block_n, self.head_dim]
-        row_layout = gl.NVMMASharedLayout.get_default_for(rows, dtype)
-        key_layout = gl.NVMMASharedLayout.get_default_for(keys, dtype)
+        rows, keys, row_layout, key_layout = self.rows, self.keys, self.row_layout, self.key_layout
         descriptors = (TensorDescriptor.from_tensor(q, rows, row_layout), TensorDescriptor.from_tensor(k, keys, key_layout),
                        TensorDescriptor.from_tensor(v, keys, key_layout), TensorDescriptor.from_tensor(out, rows, row_layout))
         args = (*descriptors, lse, *self.scalars)
@@ -85,6 +86,8 @@ class GluonPlan:
         reason = unserved(problem.spec, device) or (None if all(tma_readable(t, 2) for t in (q, k, v)) else
                                                    "TMA cannot read these tensors (unit head-dim stride, 16-byte "
                                                    "aligned strides)")
+        if reason is None and not problem.scale > 0:  # its row maximum is taken before the scale
+            reason = f"the Gluon forward takes a positive scale, not {problem.scale}"
         if reason is None:
             try:
                 self._forward = GluonForward(problem, config.fwd, self.triton.lse_layout[1])
