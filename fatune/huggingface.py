@@ -5,18 +5,20 @@ the mask function the models build their masks with (`AttentionMaskInterface`). 
 without importing transformers: at once when transformers' modeling code is already loaded, else right after it
 loads (an import hook that removes itself), so `import fatune` costs nothing where transformers is unused.
 
-The mask function hands the attention function the cheapest form of each mask that says exactly what the model
-asked for; anything else is transformers' own boolean mask (SDPA's), which fatune takes as it is:
+The mask function makes transformers' own boolean mask (SDPA's `sdpa_mask`), except where a cheaper form says
+exactly the same; it remembers what each tensor it returns stands for (`form_of`), so the attention function
+runs that form, and the window comes with the mask, never from a layer's arguments (as in SDPA). A model that
+changes the mask on its way (adds a bias to it, say) passes on a new tensor, which runs as the mask it is.
 
 - a causal or sliding-window layer without padding: no mask (is_causal, window_size);
 - right-padded batches without a cache: the (B, L) padding mask, run as key lengths (seqlens_k);
-- packed batches (DataCollatorWithFlattening's position_ids): the (B, L) sequence ids, run as packed
-  variable-length sequences (cu_seqlens);
-- everything else (left padding, a KV cache's offsets, a model's own mask functions): the (B, 1, L_q, L_k)
-  boolean mask from transformers' `sdpa_mask`.
+- packed batches (DataCollatorWithFlattening's position_ids): transformers' block-diagonal mask, run as packed
+  variable-length sequences (cu_seqlens) when it reaches the attention unchanged;
+- everything else (left padding, a KV cache's offsets, a model's own mask functions, a model that asks for the
+  mask as a tensor): the (B, 1, L_q, L_k) boolean mask.
 
-What fatune cannot express (attention-logit soft-capping, attention sinks) raises an error naming the model
-feature; it never runs a call it would get wrong.
+What fatune cannot express (attention-logit soft-capping, attention sinks, T5's relative position bias) raises
+an error naming the model feature; it never runs a call it would get wrong.
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ from fatune.logs import warn_once
 
 NAME = "fatune"
 _HOOKED_MODULE = "transformers.modeling_utils"  # AttentionInterface's home: loaded before any model is built
+# what the mask function reads of transformers' masking code (transformers >= 5)
+_MASKING_NAMES = ("AttentionMaskInterface", "sdpa_mask", "causal_mask_function", "sliding_window_causal_mask_function",
+                  "and_masks", "remap_positions_for_packed_sequence", "packed_sequence_mask_function")
 _registered = False
 _lock = threading.Lock()
 
 
 def register() -> bool:
     """Register ``attn_implementation="fatune"`` with transformers (imported here); False if transformers is not
-    installed or too old to have the registries (transformers >= 5)."""
+    installed or lacks what fatune's functions use (transformers >= 5)."""
     global _registered
     with _lock:
         if _registered:
@@ -52,7 +57,8 @@ def register() -> bool:
             from transformers.modeling_utils import AttentionInterface
         except ImportError:
             return False
-        if not hasattr(masking_utils, "AttentionMaskInterface"):
+        if not all(hasattr(masking_utils, name) for name in _MASKING_NAMES):
+            warn_once("fatune: attn_implementation='fatune' needs transformers >= 5 (its masking functions)")
             return False
         AttentionInterface.register(NAME, attention_forward)
         masking_utils.AttentionMaskInterface.register(NAME, mask)
@@ -60,33 +66,45 @@ def register() -> bool:
         return True
 
 
+def _register_quietly() -> None:
+    try:
+        register()
+    except Exception as error:  # noqa: BLE001 - registering may fail; importing fatune or transformers must not
+        warn_once(f"fatune: attn_implementation='fatune' is not available ({type(error).__name__}: {error})")
+
+
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Registers fatune once transformers' modeling code has loaded (and leaves sys.meta_path then)."""
+    """Registers fatune once transformers' modeling code has run, and leaves sys.meta_path then (a lookup alone,
+    or an import that fails, leaves it waiting for the next import)."""
+
+    _finding = False
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if fullname != _HOOKED_MODULE:
+        if fullname != _HOOKED_MODULE or self._finding or _registered:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self._finding = True  # the lookup below asks every finder again, this one included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _RegisteringLoader(spec.loader)
+        spec.loader = _RegisteringLoader(spec.loader, self)
         return spec
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader):
-        self.loader = loader
+    def __init__(self, loader: importlib.abc.Loader, finder: _RegisterAfterImport):
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
-        try:
-            register()
-        except Exception as error:  # noqa: BLE001 - registering may fail; importing transformers must not
-            warn_once(f"fatune: attn_implementation='fatune' is not available ({type(error).__name__}: {error})")
+        _register_quietly()
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
@@ -96,7 +114,7 @@ def install() -> None:
     """What `import fatune` runs: register now if transformers' modeling code is loaded, else once it loads (if
     transformers is installed at all)."""
     if _HOOKED_MODULE in sys.modules:
-        register()
+        _register_quietly()
     elif importlib.util.find_spec("transformers") is not None and \
             not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())
@@ -104,25 +122,63 @@ def install() -> None:
 
 # -- the mask function ------------------------------------------------------------------------------------------
 
+class Form:
+    """What a mask the mask function made says, in the form fatune runs it: `kind` "plain" (no mask: causal,
+    within `window`), "lengths" (the mask is a right-padded (B, L) padding mask: key lengths) or "packed" (a
+    packed batch: the (B, L) `sequence_ids`), and the sliding window (None: none) of the layers it is for."""
+
+    def __init__(self, kind: str, window: int | None, sequence_ids: torch.Tensor | None = None):
+        self.kind, self.window, self.sequence_ids = kind, window, sequence_ids
+        self._offsets: tuple[torch.Tensor, int] | None = None
+
+    def offsets(self) -> tuple[torch.Tensor, int]:
+        """A packed batch's cu_seqlens (int32) and longest sequence, worked out once for all its layers."""
+        if self._offsets is None:
+            self._offsets = _sequence_offsets(self.sequence_ids)
+        return self._offsets
+
+
+_forms: dict[int, tuple[weakref.ref, Form]] = {}  # by id of the mask tensor the mask function returned
+
+
+def _remember(tensor: torch.Tensor, form: Form) -> torch.Tensor:
+    key = id(tensor)
+    _forms[key] = (weakref.ref(tensor, lambda _: _forms.pop(key, None)), form)
+    return tensor
+
+
+def form_of(attention_mask: torch.Tensor | None) -> Form | None:
+    """The Form of a mask the mask function made, as the model passed it on (None for any other tensor: one the
+    model changed, or a mask the user made)."""
+    found = _forms.get(id(attention_mask)) if attention_mask is not None else None
+    return found[1] if found is not None and found[0]() is attention_mask else None
+
+
 def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
          mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
          local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for fatune (AttentionMaskInterface): the (B, L) padding mask or sequence ids
-    where they say all there is to say (see the module's docstring), else transformers' `sdpa_mask`."""
+    """transformers' mask function for fatune (AttentionMaskInterface): transformers' own `sdpa_mask`, except
+    where a cheaper form says the same (see the module's docstring), which it returns as a tensor it remembers
+    (form_of): a model that changes the mask gets a new tensor, which runs as the mask it is."""
     from transformers import masking_utils
 
     arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function or masking_utils.causal_mask_function,
                      attention_mask=attention_mask, local_size=local_size,
                      allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-    compact = None
-    if not torch.compiler.is_compiling() and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
-        compact = _compact(arguments["mask_function"], attention_mask, local_size, allow_is_causal_skip, kv_length)
-    if compact is not None:
-        return None if compact is _NO_MASK else compact
+    tracing = torch.compiler.is_compiling()
+    if not tracing and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        compact = _compact(arguments["mask_function"], attention_mask, local_size, allow_is_causal_skip, kv_length,
+                           batch_size, kwargs.get("device", "cpu"))
+        if compact is not None:
+            tensor, form = compact
+            if form.kind != "packed":
+                return tensor if tensor is None else _remember(tensor, form)
+            dense = masking_utils.sdpa_mask(**arguments)  # a packed batch: the model may need the mask as it is
+            return _remember(dense, form) if isinstance(dense, torch.Tensor) else dense
     dense = masking_utils.sdpa_mask(**arguments)
     heads = getattr(kwargs.get("config"), "num_attention_heads", None)
-    if isinstance(dense, torch.Tensor) and isinstance(heads, int) and not torch.compiler.is_compiling():
+    if isinstance(dense, torch.Tensor) and isinstance(heads, int) and not tracing:
         try:  # its tiles' spans made once for every layer (fatune.prepare_mask), not scanned again by each
             dense = prepare_mask(dense, (batch_size, heads, q_length, kv_length))
         except (TypeError, ValueError):
@@ -130,26 +186,28 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
     return dense
 
 
-_NO_MASK = object()
-
-
-def _compact(mask_function: Callable, padding: torch.Tensor | None, window: int | None, skip: bool,
-             length: int) -> Any:
-    """_NO_MASK, the padding mask or the sequence ids that say what `mask_function` over `padding` does for a
-    call without a cache (queries and keys the same `length` tokens); None where they cannot."""
+def _compact(mask_function: Callable, padding: torch.Tensor | None, window: int | None, skip: bool, length: int,
+             batch: int, device: torch.device | str) -> tuple[torch.Tensor | None, Form] | None:
+    """(the tensor to return, its Form) where a cheaper form says what `mask_function` over `padding` does for a
+    call without a cache (queries and keys the same `length` tokens); None where none does. A model that asked
+    for the mask as a tensor (allow_is_causal_skip=False: it combines the mask with something) gets it, except
+    for a packed batch (transformers asks for the tensor there itself), whose tensor is remembered."""
     from transformers import masking_utils
 
     base = masking_utils.causal_mask_function if window is None else \
         masking_utils.sliding_window_causal_mask_function(window)
     if _same_function(mask_function, base, []):
-        if padding is None:
-            return _NO_MASK if skip else None
-        padding = padding[:, -length:] if padding.shape[-1] >= length else None
+        if not skip:
+            return None
+        if padding is None:  # causal: no mask at all, or a (B, L) marker that carries the window
+            return (None, Form("plain", None)) if window is None else \
+                (torch.ones(batch, length, dtype=torch.bool, device=device), Form("plain", window))
+        padding = padding[:, :length] if padding.shape[-1] >= length else None  # the keys sdpa_mask reads
         if padding is None or padding.dtype != torch.bool:
             return None
         lengths = padding.sum(-1, keepdim=True)
         prefix = torch.arange(length, device=padding.device) < lengths
-        return padding if torch.equal(padding, prefix) else None
+        return (padding, Form("lengths", window)) if torch.equal(padding, prefix) else None
     if padding is not None:
         return None
     tensors: list[torch.Tensor] = []  # a packed batch's position ids, then its sequence ids
@@ -157,7 +215,7 @@ def _compact(mask_function: Callable, padding: torch.Tensor | None, window: int 
     packed = masking_utils.and_masks(masking_utils.remap_positions_for_packed_sequence(base, placeholder),
                                      masking_utils.packed_sequence_mask_function(placeholder))
     if _same_function(mask_function, packed, tensors) and len(tensors) == 2 and tensors[1].shape[-1] == length:
-        return tensors[1]
+        return None, Form("packed", window, tensors[1])
     return None
 
 
@@ -191,23 +249,26 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention function for fatune (AttentionInterface): query (B, H, L_q, D), key and value
-    (B, H_kv, L_k, D) not repeated for GQA; returns (B, L_q, H, D_v) and no weights."""
+    (B, H_kv, L_k, D) not repeated for GQA; returns (B, L_q, H, D_v) and no weights. The mask decides, as in
+    SDPA: a layer's own `sliding_window` argument is not read (its mask carries the window)."""
     _refuse_unsupported(module, kwargs)
     q_length, kv_length = query.shape[2], key.shape[2]
-    window = kwargs.get("sliding_window")
-    window_size = (window - 1, 0) if isinstance(window, int) and not isinstance(window, bool) and window > 0 \
-        else (-1, -1)
     # SDPA's alignment: query i sees keys up to i (with seqlens_k, a window or packed sequences fatune would align
     # the last query with the last key)
     common = dict(dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
                   causal_alignment="top_left")
-    if attention_mask is not None and attention_mask.dim() == 2:
-        if attention_mask.dtype == torch.bool:  # a right-padded batch (mask): its key lengths
-            seqlens = attention_mask.sum(-1, dtype=torch.int32)
-            out = attention(query, key, value, is_causal=True, window_size=window_size, seqlens_k=seqlens,
-                                   **common)
-            return out.transpose(1, 2), None
-        return _packed(query, key, value, attention_mask, window_size, common), None
+    form = form_of(attention_mask)
+    if form is not None:
+        window_size = (form.window - 1, 0) if form.window else (-1, -1)
+        if form.kind == "packed":
+            cu_seqlens, longest = form.offsets()
+            return _varlen(query, key, value, cu_seqlens, cu_seqlens, longest, longest, window_size, common), None
+        seqlens = attention_mask.sum(-1, dtype=torch.int32) if form.kind == "lengths" else None
+        out = attention(query, key, value, is_causal=True, window_size=window_size, seqlens_k=seqlens, **common)
+        return out.transpose(1, 2), None
+    if attention_mask is not None and attention_mask.dim() != 4:
+        raise NotImplementedError(f"attn_implementation='fatune' takes the masks its mask function makes and 4-d "
+                                  f"masks; {type(module).__name__} passed a {attention_mask.dim()}-d one")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_length > 1 and attention_mask is None and causal)
     offsets = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -215,19 +276,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # a packed batch whose collator gave the sequences' offsets (return_flash_attn_kwargs=True) and no
         # position_ids: the sequences flash-attn's path would run
         return _varlen(query, key, value, offsets[0].to(torch.int32), offsets[1].to(torch.int32),
-                       kwargs.get("max_length_q"), kwargs.get("max_length_k"), window_size, common), None
+                       kwargs.get("max_length_q"), kwargs.get("max_length_k"), (-1, -1), common), None
     if causal and kv_length > q_length:  # an empty static cache's prefill: the keys past the queries are unwritten
         key, value = key[:, :, :q_length], value[:, :, :q_length]
-    if window_size != (-1, -1) and causal:
-        out = attention(query, key, value, is_causal=True, window_size=window_size, **common)
-    else:
-        out = attention(query, key, value, attention_mask, is_causal=causal, **common)
+    out = attention(query, key, value, attention_mask, is_causal=causal, **common)
     return out.transpose(1, 2), None
 
 
 _UNSUPPORTED = {
     "softcap": "attention-logit soft-capping (config.attn_logit_softcapping)",
     "s_aux": "attention sinks (the model's `sinks` parameter)",
+    "position_bias": "a relative position bias added to the scores (position_bias, T5-style models)",
 }
 
 
@@ -239,14 +298,6 @@ def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None
                 f"load the model with attn_implementation='eager'")
 
 
-def _packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequence_ids: torch.Tensor,
-            window_size: tuple[int, int], common: dict[str, Any]) -> torch.Tensor:
-    """A packed batch's attention as fatune's variable-length call: each row's tokens split where its sequence id
-    changes, all rows' sequences one after another; (B, L, H, D_v) as transformers takes it."""
-    cu_seqlens, longest = _sequence_offsets(sequence_ids)
-    return _varlen(query, key, value, cu_seqlens, cu_seqlens, longest, longest, window_size, common)
-
-
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, longest_q: int | None, longest_k: int | None, window_size: tuple[int, int],
             common: dict[str, Any]) -> torch.Tensor:
@@ -254,28 +305,18 @@ def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seql
     batch, heads, length, _ = query.shape
     tokens = lambda t: t.transpose(1, 2).reshape(batch * t.shape[2], t.shape[1], t.shape[3])  # noqa: E731
     out = attention(tokens(query), tokens(key), tokens(value), is_causal=True, window_size=window_size,
-                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=longest_q,
-                           max_seqlen_k=longest_k, **common)
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=longest_q,
+                    max_seqlen_k=longest_k, **common)
     return out.view(batch, length, heads, -1)
 
 
-_offsets: dict[int, tuple[weakref.ref, int, tuple[torch.Tensor, int]]] = {}  # by id of the sequence ids
-
-
 def _sequence_offsets(sequence_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens int32, the longest sequence) of a (B, L) tensor of sequence ids: worked out once per model
-    forward (every layer gets the same tensor)."""
-    cached = _offsets.get(id(sequence_ids))
-    if cached is not None and cached[0]() is sequence_ids and cached[1] == sequence_ids._version:
-        return cached[2]
+    """(cu_seqlens int32, the longest sequence) of a (B, L) tensor of sequence ids: each row's tokens split where
+    the id changes, the rows one after another."""
     batch, length = sequence_ids.shape
     flat = sequence_ids.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
     starts[1:] = flat[1:] != flat[:-1]
     starts[::length] = True  # a row starts a sequence
     cu_seqlens = torch.cat([starts.nonzero().flatten(), flat.new_tensor([batch * length])]).to(torch.int32)
-    result = (cu_seqlens, int(cu_seqlens.diff().max()))
-    if len(_offsets) >= 8:
-        _offsets.clear()
-    _offsets[id(sequence_ids)] = (weakref.ref(sequence_ids), sequence_ids._version, result)
-    return result
+    return cu_seqlens, int(cu_seqlens.diff().max())

@@ -286,3 +286,70 @@ def test_gpu_a_bf16_training_loop_follows_sdpas_loss_curve():
     trained = models.train(workload, torch.device("cuda"))
     for step, (got, expected) in enumerate(zip(trained["fatune"]["losses"], trained["sdpa"]["losses"])):
         assert abs(got - expected) <= 0.02 * abs(expected), (step, got, expected)
+
+
+def _pair_of(model, implementation: str = "sdpa"):
+    model = model.to(DEVICE).eval()
+    model.set_attn_implementation(implementation)
+    other = copy.deepcopy(model)
+    other.set_attn_implementation("fatune")
+    return model, other
+
+
+def _falcon():
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=97, alibi=True,
+        new_decoder_architecture=False))
+
+
+def _phimoe():  # a sliding mask, and layers that do not pass the window to the attention
+    return transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+        **{**SIZES, "intermediate_size": 32}, num_key_value_heads=2, sliding_window=4, num_local_experts=2,
+        num_experts_per_tok=1))
+
+
+def _olmoe():  # layers that pass a window over a full causal mask (SDPA ignores it)
+    config = transformers.OlmoeConfig(**{**SIZES, "intermediate_size": 32}, num_key_value_heads=2, num_experts=2,
+                                      num_experts_per_tok=1)
+    config.sliding_window = 4
+    return transformers.OlmoeForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [_falcon, _phimoe, _olmoe], ids=["falcon-alibi", "phimoe-window", "olmoe-window"])
+@pytest.mark.parametrize("batch", ["unpadded", "right-padded", "packed"])
+def test_models_that_change_the_mask_or_window_it_match_sdpa(build, batch):
+    """Falcon adds ALiBi to the mask it asks for (allow_is_causal_skip=False); Phi-MoE's layers get a sliding mask
+    without the window as an argument; OLMoE's layers pass a window SDPA never applies. The mask decides."""
+    torch.manual_seed(0)
+    reference, model = _pair_of(build())
+    ids = tokens(1 if batch == "packed" else 2, 11)
+    kwargs = {}
+    if batch == "right-padded":
+        keep = torch.ones_like(ids)
+        keep[1, -3:] = 0
+        kwargs["attention_mask"] = keep
+    elif batch == "unpadded":
+        kwargs["attention_mask"] = torch.ones_like(ids)
+    else:
+        kwargs.update(position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]], device=DEVICE), use_cache=False)
+    with torch.no_grad():
+        expected, got = reference(ids, **kwargs).logits, model(ids, **kwargs).logits
+    real = kwargs["attention_mask"].bool() if "attention_mask" in kwargs else torch.ones_like(ids, dtype=torch.bool)
+    torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
+
+
+def test_a_relative_position_bias_is_refused_by_name():
+    model = transformers.T5Model(transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=1,
+                                                       vocab_size=97)).to(DEVICE).eval()
+    model.set_attn_implementation("fatune")
+    ids = tokens(1, 6)
+    with pytest.raises(NotImplementedError, match="relative position bias"), torch.no_grad():
+        model(input_ids=ids, decoder_input_ids=ids)
+
+
+def test_a_lookup_of_transformers_modeling_code_does_not_use_up_the_registration():
+    script = ("import importlib.util, sys\nimport fatune\n"
+              "assert importlib.util.find_spec('transformers.modeling_utils') is not None\n" +
+              REGISTRATION.split("import fatune\n", 1)[1].replace(
+                  'assert "transformers" not in sys.modules, "import fatune imported transformers"\n', ""))
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=300)
