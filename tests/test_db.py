@@ -257,6 +257,7 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("fwd_config", {**GLUON_CONFIG, "num_stages": "2"}, "fwd_config.num_stages"),
     ("fwd_config", {**GLUON_CONFIG, "family": "cutlass"}, "fwd_config: expected"),
     ("fwd_config", {**GLUON_CONFIG, "overlap": 2}, "fwd_config.overlap"),
+    ("fwd_config", {**GLUON_CONFIG, "overlap": 0, "pingpong": 1}, "fwd_config.pingpong"),
     ("fwd_config", {**GLUON_CONFIG, "block_m": 128}, "fwd_config: expected"),
     ("fwd_config", {"family": "gluon", "block_n": 128}, "fwd_config: expected"),
     ("bwd_config", {"dkdv": GLUON_CONFIG, "dq": GOOD_CONFIG}, "bwd_config.dkdv"),

@@ -36,6 +36,8 @@ COMPILED = [
     # one step after the other: no overlap to check, and no spills even with three consumer warpgroups
     (KernelSpec("bfloat16", 64), GluonConfig(128, 2, consumers=3, consumer_regs=160, overlap=0), 0),
     (KernelSpec("bfloat16", 256, causal=True), GluonConfig(64, 2, overlap=0), 0),
+    # ping-pong: the consumers take turns issuing their products, each still overlapping its own softmax
+    (KernelSpec("bfloat16", 128, causal=True), GluonConfig(128, 2, pingpong=1), 0),
 ]
 
 
@@ -79,18 +81,19 @@ GPU_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 1000,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["default", "64-key", "sequential"])
+@pytest.mark.parametrize("tiles", ["default", "64-key", "sequential", "pingpong"])
 @pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gpu_gluon_forward_matches_reference(shape, dtype, causal, alignment, tiles, poison_outputs, record_gpu_errors):
-    """The family's own config, 64-key tiles three deep (d256: two), and its config without the softmax overlap;
-    forward and gradients."""
+    """The family's own config, 64-key tiles three deep (d256: two), and its config without the softmax overlap
+    and with ping-pong; forward and gradients."""
     batch, heads, kv_heads, lq, lk, d = shape
     torch.manual_seed(stable_seed(shape, dtype, causal, alignment))
     q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
     spec = KernelSpec(dtype, d, causal=causal, bottom_right=alignment == "bottom_right")
     forward = {"default": default_forward(spec), "sequential": dataclasses.replace(default_forward(spec), overlap=0),
+               "pingpong": dataclasses.replace(default_forward(spec), pingpong=1),
                "64-key": GluonConfig(block_n=64, num_stages=2 if d > 128 else 3)}[tiles]
     assert family("gluon").serves(spec, q.device) is None
     config = default_config(spec, (9, 0)).replace(fwd=forward)

@@ -68,7 +68,8 @@ def test_the_gluon_axes_hold_only_register_splits_the_sm_can_give():
     threads); every config's launch cap leaves room for its split, and the cap follows the consumers."""
     grid = GPU_SPACE.grid(GLUON_FORWARD, SHAPE, 132)
     assert set(GPU_SPACE.axes(GLUON_FORWARD, SHAPE, 132)) == {"block_n", "num_stages", "consumers", "consumer_regs",
-                                                              "overlap"}
+                                                              "overlap", "pingpong"}
+    assert not any(c.pingpong and not c.overlap for c in grid)
     assert grid and all(isinstance(config, GluonConfig) for config in grid)
     assert {c.consumer_regs for c in grid if c.consumers == 3} == {160}
     assert {c.consumer_regs for c in grid if c.consumers == 2} == set(GPU_SPACE.consumer_regs)
@@ -84,6 +85,8 @@ def test_the_gluon_axes_hold_only_register_splits_the_sm_can_give():
     ({"block_n": 96}, "block_n"),
     ({"consumer_regs": 100}, "consumer_regs"),
     ({"maxnreg": 300}, "maxnreg"),
+    ({"pingpong": 1, "overlap": 0}, "pingpong"),  # turns are taken in the overlapped loop
+    ({"pingpong": 2}, "pingpong"),
 ])
 def test_a_gluon_config_that_would_hang_or_cannot_launch_is_refused_by_name(fields, argument):
     """setmaxnreg waits for registers the launch never gave: a tuned DB naming such a split must be refused,

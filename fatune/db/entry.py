@@ -365,10 +365,10 @@ def _gluon_config(name: str, data: dict) -> GluonConfig:
     """The Gluon forward config `data` holds (the family named, every field an int the kernel accepts, a register
     split the GPU can give); InvalidEntry naming the field."""
     fields = [f.name for f in dataclasses.fields(GluonConfig)]
-    required = [field for field in fields if field != "overlap"]  # entries older than the overlap switch lack it
+    required = [field for field in fields if field not in ("overlap", "pingpong")]  # older entries lack them
     if data.get("family") != "gluon" or not {"family", *required} <= set(data) <= {"family", *fields}:
         raise InvalidEntry(f"{name}: expected a Triton launch config or {{'family': 'gluon'}} with {required} (and "
-                           f"optionally 'overlap'), got {data!r:.80}")
+                           f"optionally 'overlap', 'pingpong'), got {data!r:.80}")
     return _config_of(name, data, [key for key in fields if key in data], lambda: GluonConfig.from_dict(data))
 
 

@@ -320,8 +320,9 @@ class GluonConfig:
     """A Gluon forward's launch: `consumers` warpgroups of 64 query rows each (block_m = 64 x consumers), key
     tiles of block_n rows streamed `num_stages` deep, the consumers' register budget (`consumer_regs`, set per
     warpgroup with setmaxnreg; the producer keeps GLUON_PRODUCER_REGS), the launch's register cap (`maxnreg`;
-    0: gluon_register_cap) and whether a consumer runs the softmax of tile j while P_{j-1} V_{j-1} is on the
-    tensor cores (`overlap`, 1) or one step after the other (0). The consumers' and the producer's registers
+    0: gluon_register_cap), whether a consumer runs the softmax of tile j while P_{j-1} V_{j-1} is on the
+    tensor cores (`overlap`, 1) or one step after the other (0), and whether the consumers take turns issuing
+    their products (`pingpong`, FlashAttention-3's schedule: one's softmax under another's products). The consumers' and the producer's registers
     must fit the pool the cap launches with (setmaxnreg waits for registers that never come otherwise)."""
 
     block_n: int = 128
@@ -330,14 +331,18 @@ class GluonConfig:
     consumer_regs: int = 240
     maxnreg: int = 0
     overlap: int = 1
+    pingpong: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_n", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
-                              ("overlap", (0, 1))):
+                              ("overlap", (0, 1)), ("pingpong", (0, 1))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if not (_is_int(self.consumer_regs) and 24 <= self.consumer_regs <= 256 and self.consumer_regs % 8 == 0):
             raise ValueError(f"consumer_regs: expected a multiple of 8 in 24..256, got {self.consumer_regs!r}")
+        if self.pingpong and not self.overlap:
+            raise ValueError("pingpong: the consumers take turns issuing the overlapped loop's products; expected "
+                             "0 with overlap=0")
         if self.maxnreg == 0:
             object.__setattr__(self, "maxnreg", gluon_register_cap(self.consumers))
         if not (_is_int(self.maxnreg) and 24 <= self.maxnreg <= 255):
@@ -355,16 +360,17 @@ class GluonConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": "gluon", "block_n": self.block_n, "num_stages": self.num_stages, "consumers": self.consumers,
-                "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg, "overlap": self.overlap}
+                "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg, "overlap": self.overlap,
+                "pingpong": self.pingpong}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GluonConfig:
         return cls(**{name: int(data[name]) for name in ("block_n", "num_stages", "consumers", "consumer_regs",
-                                                          "maxnreg", "overlap") if name in data})
+                                                          "maxnreg", "overlap", "pingpong") if name in data})
 
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
-                f"/m{self.maxnreg}{'' if self.overlap else '/sequential'}")
+                f"/m{self.maxnreg}{'' if self.overlap else '/sequential'}{'/pingpong' if self.pingpong else ''}")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class SearchSpace:
     consumers: tuple[int, ...] = (2, 3)
     consumer_regs: tuple[int, ...] = (160, 192, 216, 232, 240)
     overlap: tuple[int, ...] = (0, 1)  # the softmax under the previous tile's P V, or one step after the other
+    pingpong: tuple[int, ...] = (0, 1)  # the consumers take turns issuing their products (with overlap only)
     families: tuple[str, ...] = ("triton", "gluon")  # the kernel families whose studies a search runs
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -81,7 +82,7 @@ class SearchSpace:
         its keys would add partial results and merges to a grid that already has no idle multiprocessor."""
         if kernel == GLUON_FORWARD:
             return {"block_n": self.gluon_block_n, "num_stages": self.gluon_stages, "consumers": self.consumers,
-                    "consumer_regs": self.consumer_regs, "overlap": self.overlap}
+                    "consumer_regs": self.consumer_regs, "overlap": self.overlap, "pingpong": self.pingpong}
         axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
         if kernel == "fwd":

@@ -67,11 +67,11 @@ class GluonFamily:
         return ",".join(sorted({source_hash("fwd", codegen.render(spec, config.fwd)), *backward}))
 
     def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
-        """The forward's sources with two and three consumer warpgroups, overlapped or not (what its study renders;
-        the tiles and registers only fill in numbers)."""
+        """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not
+        (what its study renders; the tiles and registers only fill in numbers)."""
         sources = [source_hash("fwd", codegen.render(spec, GluonConfig(consumers=consumers, consumer_regs=160,
-                                                                       overlap=overlap)))
-                   for consumers in (2, 3) for overlap in (0, 1)]
+                                                                       overlap=overlap, pingpong=pingpong)))
+                   for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1))]
         return hashlib.sha256(",".join(sources).encode()).hexdigest()[:16]
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,

@@ -16,7 +16,7 @@ def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
     lanes = width(spec.head_dim)
     tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * lanes * ELEMENT_BYTES
     pinned = config.consumers * GLUON_SPLIT_M * 4
-    barriers = 8 * (config.consumers + 4 * config.num_stages)
+    barriers = 8 * (2 * config.consumers + 4 * config.num_stages)  # Q's and ping-pong's per consumer, the ring's
     return tiles + pinned + barriers + 64  # alignment
 
 
