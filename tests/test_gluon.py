@@ -38,6 +38,9 @@ COMPILED = [
     (KernelSpec("bfloat16", 256, causal=True), GluonConfig(64, 2, overlap=0), 0),
     # ping-pong: the consumers take turns issuing their products, each still overlapping its own softmax
     (KernelSpec("bfloat16", 128, causal=True), GluonConfig(128, 2, pingpong=1), 0),
+    # key lengths: each program makes its sequence's K and V descriptors, ending at its length
+    (KernelSpec("float16", 96, causal=True, window_left=True, bottom_right=True, seqlens="seqlens_k"),
+     GluonConfig(128, 2), 0),
 ]
 
 
@@ -125,3 +128,31 @@ def test_gpu_gluon_forward_with_a_sliding_window(case, dtype, poison_outputs, re
     explained = fatune.explain(q, k, v, config=config, **kwargs)
     assert explained.launched.family == "gluon", explained
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (64, 0))])
+@pytest.mark.parametrize("d", [64, 128, 96])
+def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, window, dtype, poison_outputs,
+                                                                  record_gpu_errors):
+    """Keys past each sequence's length hold NaN (an unwritten cache): the forward never reads them (its K and V
+    descriptors end there) and meets the accuracy rule; lengths 0, 1, ragged and full."""
+    torch.manual_seed(stable_seed(d, causal, window, dtype))
+    q, k, v = random_qkv(4, 4, 2, 200, 333, d, d, dtype=dtype, device="cuda")
+    lengths = torch.tensor([0, 1, 150, 333], dtype=torch.int32, device="cuda")
+    for tensor in (k, v):
+        with torch.no_grad():
+            for b, n in enumerate(lengths.tolist()):
+                tensor[b, :, n:] = float("nan")
+    kwargs = {"is_causal": causal, "enable_gqa": True, "seqlens_k": lengths}
+    if window is not None:
+        kwargs["window_size"] = window
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec))
+    explained = fatune.explain(q, k, v, config=config, **kwargs)
+    assert explained.launched.family == "gluon", explained
+    out = fatune.attention(q, k, v, config=config, **kwargs)
+    assert torch.isfinite(out).all()
+    clean = [t.detach().nan_to_num(0.0).requires_grad_() for t in (k, v)]
+    record_gpu_errors(run_and_compare(q, *clean, config=config, **kwargs))

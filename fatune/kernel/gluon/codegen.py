@@ -32,10 +32,10 @@ def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
         "template_name": f"{TEMPLATES.folder}/attn_fwd.py.jinja",
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(config.to_dict(), sort_keys=True),
-        "HEAD_DIM": width(spec.head_dim), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
+        "HEAD_DIM": width(spec.head_dim), "D": spec.head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "OVERLAP": bool(config.overlap),
         "PINGPONG": bool(config.pingpong), "PRODUCER_REGS": GLUON_PRODUCER_REGS,
-        "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right,
+        "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right, "KEY_LENGTHS": spec.seqlens == "seqlens_k",
         "HAS_LEFT": spec.window_left, "HAS_RIGHT": spec.causal or spec.window_right,
         "HAS_BAND": spec.causal or spec.window_left or spec.window_right,
     }

@@ -15,14 +15,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fatune.hardware import device_arch
 from fatune.kernel.gluon import codegen
-from fatune.kernel.problem import NO_EXTRAS, AttentionProblem
+from fatune.kernel.problem import NO_EXTRAS, OPTIONAL_TENSORS, AttentionProblem
 from fatune.kernel.spec import DTYPES, GLUON_SPLIT_M, AttentionConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton import launch
-from fatune.kernel.triton.launch import Plan, StaleKernels
+from fatune.kernel.triton.launch import SLOTS, Plan, StaleKernels
 from fatune.kernel.triton.resolve import source_hash, tma_readable
 from fatune.logs import warn_once
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_SEQLENS_K_EXTRA = OPTIONAL_TENSORS.index("seqlens_k")  # where a call's key lengths are among its extras
+_SEQLENS_K_SLOT = SLOTS.index("SEQLENS_K")  # and among a plan's slots
 
 
 def unserved(spec: KernelSpec, device: torch.device) -> str | None:
@@ -39,9 +41,7 @@ def untemplated(spec: KernelSpec) -> str | None:
     if spec.head_dim != spec.head_dim_v or spec.head_dim > codegen.HEAD_DIMS[-1] or spec.head_dim % 8:
         return (f"the Gluon forward takes head dims that are multiples of 8 up to {codegen.HEAD_DIMS[-1]} (equal for "
                 f"q and v; TMA reads rows of 16-byte multiples), not {spec.head_dim}/{spec.head_dim_v}")
-    # key lengths: a key tile's rows past a sequence's length are read (TMA zero-fills only past the tensor), and
-    # garbage there (NaN in an unwritten cache) would reach P V through P = 0
-    if spec.attn_mask != "none" or spec.seqlens != "fixed" or spec.alibi or spec.dropout or spec.paged:
+    if spec.attn_mask != "none" or spec.seqlens == "varlen" or spec.alibi or spec.dropout or spec.paged:
         return f"the Gluon forward does not take the {spec.mask_variant} variant yet"
     return None
 
@@ -55,17 +55,22 @@ class GluonForward:
         self.grid = (triton.cdiv(problem.seqlen_q, config.block_m), problem.batch * problem.heads)
         self.scalars = (problem.scale, problem.heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
                         lse_strides[0], lse_strides[1], problem.window_left, problem.window_right)
+        self.key_lengths = problem.spec.seqlens == "seqlens_k"  # then K and V are read through per-program descriptors
         head_dim = codegen.width(problem.spec.head_dim)  # the tiles' width: lanes past the call's read 0
         dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
         self.rows, self.keys = [1, 1, GLUON_SPLIT_M, head_dim], [1, 1, config.block_n, head_dim]
         self.row_layout = gl.NVMMASharedLayout.get_default_for(self.rows, dtype)  # once: ~15 us each
         self.key_layout = gl.NVMMASharedLayout.get_default_for(self.keys, dtype)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 seqlens_k: torch.Tensor | None = None) -> None:
         rows, keys, row_layout, key_layout = self.rows, self.keys, self.row_layout, self.key_layout
         descriptors = (TensorDescriptor.from_tensor(q, rows, row_layout), TensorDescriptor.from_tensor(k, keys, key_layout),
                        TensorDescriptor.from_tensor(v, keys, key_layout), TensorDescriptor.from_tensor(out, rows, row_layout))
         args = (*descriptors, lse, *self.scalars)
+        if self.key_lengths:  # the kernel makes its sequence's K and V descriptors (in Triton's global scratch)
+            args += (seqlens_k, k, v, *k.stride()[:3], *v.stride()[:3])
+            launch.ensure_triton_allocator()
         if launch.compiling_only():
             self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
             return
@@ -117,11 +122,12 @@ class GluonPlan:
     def forward_with_spans(self, q, k, v, extras=NO_EXTRAS, seed=None, fresh_workspace: bool = False):
         if self._forward is not None:
             out, lse = self.triton.allocate_forward()
+            seqlens_k = extras[_SEQLENS_K_EXTRA]
             if not self.triton.on_device():
                 with torch.cuda.device(self.triton.device):
-                    launched = self._launch(q, k, v, out, lse)
+                    launched = self._launch(q, k, v, out, lse, seqlens_k)
             else:
-                launched = self._launch(q, k, v, out, lse)
+                launched = self._launch(q, k, v, out, lse, seqlens_k)
             if launched:
                 return out, lse, None
         return self.triton.forward_with_spans(q, k, v, extras, seed, fresh_workspace)
@@ -129,14 +135,14 @@ class GluonPlan:
     def run_forward(self, slots: tuple, fresh_workspace: bool = False) -> None:
         """The forward into the buffers of `slots` (the Triton plan's: q, k, v, out, lse first), as the search
         times it; the Triton forward if the Gluon one cannot be built here."""
-        if self._forward is None or not self._launch(*slots[:5]):
+        if self._forward is None or not self._launch(*slots[:5], slots[_SEQLENS_K_SLOT]):
             self.triton.run_forward(slots, fresh_workspace)
 
-    def _launch(self, q, k, v, out, lse) -> bool:
+    def _launch(self, q, k, v, out, lse, seqlens_k) -> bool:
         """Launch the Gluon forward; False if its first launch cannot build it here (the Triton forward then runs,
         from this call on)."""
         try:
-            self._forward(q, k, v, out, lse)
+            self._forward(q, k, v, out, lse, seqlens_k)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be built costs speed, not the call
             if self._launched:
                 raise

@@ -56,6 +56,9 @@ def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
              "desc_o": desc(q_block, q_layout), "LSE": "*fp32", "sm_scale": "fp32", "H": "i32", "GROUP": "i32",
              "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32", "window_left": "i32",
              "window_right": "i32", "num_warps": "constexpr"}
+    if spec.seqlens == "seqlens_k":  # the kernel makes its sequence's K and V descriptors
+        types |= {"SEQLENS_K": "*i32", "K": f"*{name}", "V": f"*{name}", **{f"stride_{t}{d}": "i64" for t in "kv"
+                                                                           for d in "bhl"}}
     return types, {"num_warps": 4}
 
 

@@ -12,12 +12,13 @@ ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
 def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
     """Shared memory of one program, an upper bound within 1 KiB of what Triton allocates: the consumers' Q tiles
     (reused for O), the K and V ring, each consumer's pinned row sums (or, one step after the other, the
-    scratch of its layout conversions) and the mbarriers."""
+    scratch of its layout conversions), the mbarriers and, with key lengths, the descriptors made in-kernel."""
     lanes = width(spec.head_dim)
     tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * lanes * ELEMENT_BYTES
     pinned = config.consumers * GLUON_SPLIT_M * 4
     barriers = 8 * (2 * config.consumers + 4 * config.num_stages)  # Q's and ping-pong's per consumer, the ring's
-    return tiles + pinned + barriers + 64  # alignment
+    descriptors = 2 * 128 if spec.seqlens == "seqlens_k" else 0  # the sequence's K and V descriptors, made in-kernel
+    return tiles + pinned + barriers + descriptors + 64  # alignment
 
 
 def infeasible(spec: KernelSpec, config: GluonConfig, shared_limit: int | None) -> str | None:
