@@ -12,10 +12,12 @@ changes the mask on its way (adds a bias to it, say) passes on a new tensor, whi
 
 - a causal or sliding-window layer without padding: no mask (is_causal, window_size);
 - right-padded batches without a cache: the (B, L) padding mask, run as key lengths (seqlens_k);
+- left-padded batches without a cache (a generation's prefill) and any padding that keeps one run of tokens per
+  row: the kept tokens gathered into packed variable-length sequences, and put back;
 - packed batches (DataCollatorWithFlattening's position_ids): transformers' block-diagonal mask, run as packed
   variable-length sequences (cu_seqlens) when it reaches the attention unchanged;
-- everything else (left padding, a KV cache's offsets, a model's own mask functions, a model that asks for the
-  mask as a tensor): the (B, 1, L_q, L_k) boolean mask.
+- everything else (padding with holes, a KV cache's offsets, a model's own mask functions, a model that asks for
+  the mask as a tensor): the (B, 1, L_q, L_k) boolean mask.
 
 What fatune cannot express (attention-logit soft-capping, attention sinks, T5's relative position bias) raises
 an error naming the model feature; it never runs a call it would get wrong.
@@ -124,18 +126,31 @@ def install() -> None:
 
 class Form:
     """What a mask the mask function made says, in the form fatune runs it: `kind` "plain" (no mask: causal,
-    within `window`), "lengths" (the mask is a right-padded (B, L) padding mask: key lengths) or "packed" (a
-    packed batch: the (B, L) `sequence_ids`), and the sliding window (None: none) of the layers it is for."""
+    within `window`), "lengths" (the mask is a right-padded (B, L) padding mask: key lengths), "unpadded" (a
+    (B, L) padding mask keeping one run of tokens per row, left padding say: those tokens run as packed
+    sequences) or "packed" (a packed batch: the (B, L) `sequence_ids`), and the sliding window (None: none) of
+    the layers it is for."""
 
     def __init__(self, kind: str, window: int | None, sequence_ids: torch.Tensor | None = None):
         self.kind, self.window, self.sequence_ids = kind, window, sequence_ids
         self._offsets: tuple[torch.Tensor, int] | None = None
+        self._kept: torch.Tensor | None = None
 
     def offsets(self) -> tuple[torch.Tensor, int]:
-        """A packed batch's cu_seqlens (int32) and longest sequence, worked out once for all its layers."""
+        """cu_seqlens (int32) and the longest sequence of a packed batch (its sequence ids) or of an unpadded one
+        (its kept tokens per row), worked out once for all its layers."""
         if self._offsets is None:
             self._offsets = _sequence_offsets(self.sequence_ids)
         return self._offsets
+
+    def kept(self, padding: torch.Tensor) -> torch.Tensor:
+        """The flat indices of an unpadded batch's kept tokens (row after row), worked out once."""
+        if self._kept is None:
+            self._kept = padding.reshape(-1).nonzero().squeeze(1)
+            counts = padding.sum(-1, dtype=torch.int32)
+            cu_seqlens = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
+            self._offsets = (cu_seqlens, int(counts.max()))
+        return self._kept
 
 
 _forms: dict[int, tuple[weakref.ref, Form]] = {}  # by id of the mask tensor the mask function returned
@@ -206,8 +221,13 @@ def _compact(mask_function: Callable, padding: torch.Tensor | None, window: int 
         if padding is None or padding.dtype != torch.bool:
             return None
         lengths = padding.sum(-1, keepdim=True)
-        prefix = torch.arange(length, device=padding.device) < lengths
-        return (padding, Form("lengths", window)) if torch.equal(padding, prefix) else None
+        positions = torch.arange(length, device=padding.device)
+        if torch.equal(padding, positions < lengths):
+            return padding, Form("lengths", window)
+        first = padding.to(torch.int8).argmax(-1, keepdim=True)  # one run of kept tokens per row (left padding)
+        if torch.equal(padding, (positions >= first) & (positions < first + lengths)):
+            return padding, Form("unpadded", window)
+        return None
     if padding is not None:
         return None
     tensors: list[torch.Tensor] = []  # a packed batch's position ids, then its sequence ids
@@ -263,6 +283,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if form.kind == "packed":
             cu_seqlens, longest = form.offsets()
             return _varlen(query, key, value, cu_seqlens, cu_seqlens, longest, longest, window_size, common), None
+        if form.kind == "unpadded":
+            return _unpadded(query, key, value, attention_mask, form, window_size, common), None
         seqlens = attention_mask.sum(-1, dtype=torch.int32) if form.kind == "lengths" else None
         out = attention(query, key, value, is_causal=True, window_size=window_size, seqlens_k=seqlens, **common)
         return out.transpose(1, 2), None
@@ -308,6 +330,21 @@ def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seql
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=longest_q,
                     max_seqlen_k=longest_k, **common)
     return out.view(batch, length, heads, -1)
+
+
+def _unpadded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding: torch.Tensor, form: Form,
+              window_size: tuple[int, int], common: dict[str, Any]) -> torch.Tensor:
+    """A batch whose rows keep one run of tokens each: those tokens gathered into packed sequences, run as
+    fatune's variable-length causal call, and put back in their places; padded places get 0. (B, L, H, D_v)."""
+    batch, heads, length, _ = query.shape
+    kept = form.kept(padding)
+    cu_seqlens, longest = form.offsets()
+    tokens = lambda t: t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]).index_select(0, kept)  # noqa: E731
+    out = attention(tokens(query), tokens(key), tokens(value), is_causal=True, window_size=window_size,
+                    cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
+                    **common)
+    placed = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, kept, out)
+    return placed.view(batch, length, heads, -1)
 
 
 def _sequence_offsets(sequence_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -90,9 +90,10 @@ def test_logits_match_sdpa_without_a_dense_mask(name, calls):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
-@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("side", ["right", "left", "holes"])
 def test_padded_batches_match_sdpa_where_tokens_are_real(name, side, calls):
-    """Right padding runs as key lengths (seqlens_k); left padding (generation's) as transformers' mask."""
+    """Right padding runs as key lengths (seqlens_k); left padding (a generation's prefill) as the kept tokens
+    packed into variable-length sequences; padding with holes as transformers' mask."""
     reference, model = pair(name)
     ids = tokens(3, LENGTH)
     keep = torch.ones_like(ids)
@@ -100,15 +101,17 @@ def test_padded_batches_match_sdpa_where_tokens_are_real(name, side, calls):
         if pad:
             keep[row, -pad:] = 0 if side == "right" else 1
             keep[row, :pad] = 1 if side == "right" else 0
+    if side == "holes":
+        keep[0, 7] = 0
     with torch.no_grad():
         expected = reference(ids, attention_mask=keep).logits
         got = model(ids, attention_mask=keep).logits
     real = keep.bool()
     torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
-    if side == "right":
-        assert all(call["seqlens_k"] and call["mask"] is None for call in calls), calls
-    else:
-        assert all(call["mask"] == (3, 1, LENGTH, LENGTH) for call in calls), calls
+    path = {"right": lambda call: call["seqlens_k"] and call["mask"] is None,
+            "left": lambda call: call["packed"] and call["mask"] is None,
+            "holes": lambda call: call["mask"] == (3, 1, LENGTH, LENGTH)}[side]
+    assert calls and all(path(call) for call in calls), calls
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-window"])
@@ -149,11 +152,15 @@ def test_sequence_offsets_from_the_collator_run_as_those_sequences(calls):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
-def test_gradients_match_sdpa(name):
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_gradients_match_sdpa(name, side):
     reference, model = pair(name)
     ids = tokens(2, LENGTH)
     keep = torch.ones_like(ids)
-    keep[1, -4:] = 0
+    if side == "right":
+        keep[1, -4:] = 0
+    else:
+        keep[1, :4] = 0
     grads = []
     for m in (reference, model):
         m.train()
