@@ -41,6 +41,8 @@ COMPILED = [
     # key lengths: each program makes its sequence's K and V descriptors, ending at its length
     (KernelSpec("float16", 96, causal=True, window_left=True, bottom_right=True, seqlens="seqlens_k"),
      GluonConfig(128, 2), 0),
+    (KernelSpec("float16", 64, causal=True, seqlens="seqlens_k"),
+     GluonConfig(64, 2, consumers=3, consumer_regs=160, pingpong=1), 64),
 ]
 
 
@@ -134,7 +136,8 @@ def test_gpu_gluon_forward_with_a_sliding_window(case, dtype, poison_outputs, re
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (64, 0))])
 @pytest.mark.parametrize("d", [64, 128, 96])
-def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, window, dtype, poison_outputs,
+@pytest.mark.parametrize("pingpong", [0, 1])
+def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, window, pingpong, dtype, poison_outputs,
                                                                   record_gpu_errors):
     """Keys past each sequence's length hold NaN (an unwritten cache): the forward never reads them (its K and V
     descriptors end there) and meets the accuracy rule; lengths 0, 1, ragged and full."""
@@ -149,7 +152,7 @@ def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, win
     if window is not None:
         kwargs["window_size"] = window
     spec = fatune.explain(q, k, v, **kwargs).spec
-    config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec))
+    config = default_config(spec, (9, 0)).replace(fwd=dataclasses.replace(default_forward(spec), pingpong=pingpong))
     explained = fatune.explain(q, k, v, config=config, **kwargs)
     assert explained.launched.family == "gluon", explained
     out = fatune.attention(q, k, v, config=config, **kwargs)

@@ -106,6 +106,7 @@ def test_a_gluon_config_that_would_hang_or_cannot_launch_is_refused_by_name(fiel
     (128, GluonConfig(block_n=128, num_stages=3), True),
     (128, GluonConfig(block_n=128, num_stages=4), False),
     (64, GluonConfig(block_n=128, num_stages=4, consumers=3, consumer_regs=160), True),
+    (128, GluonConfig(block_n=64, num_stages=2, consumers=3, consumer_regs=160), False),  # spills: no overlap left
 ])
 def test_the_resource_model_rejects_rings_that_cannot_fit_before_compiling(head_dim, config, fits):
     spec = KernelSpec("bfloat16", head_dim)

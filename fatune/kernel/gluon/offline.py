@@ -57,8 +57,8 @@ def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
              "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32", "window_left": "i32",
              "window_right": "i32", "num_warps": "constexpr"}
     if spec.seqlens == "seqlens_k":  # the kernel makes its sequence's K and V descriptors
-        types |= {"SEQLENS_K": "*i32", "K": f"*{name}", "V": f"*{name}", **{f"stride_{t}{d}": "i64" for t in "kv"
-                                                                           for d in "bhl"}}
+        types |= {"SEQLENS_K": "*i32", "K": f"*{name}", "V": f"*{name}", **{f"stride_{t}{d}": "i32" for t in "kv"
+                                                                           for d in "bhl"}}  # as a launch passes them
     return types, {"num_warps": 4}
 
 

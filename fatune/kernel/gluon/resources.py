@@ -24,7 +24,11 @@ def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
 def infeasible(spec: KernelSpec, config: GluonConfig, shared_limit: int | None) -> str | None:
     """Why `config` cannot run for `spec` on a GPU with `shared_limit` bytes of shared memory per block (None:
     unknown, anything goes); None if it may."""
+    if shared_limit is None:
+        return None
     needed = shared_memory_bytes(spec, config)
-    if shared_limit is not None and needed > shared_limit:
+    if needed > shared_limit:
         return f"needs ~{needed // 1024} KiB shared memory, the GPU has {shared_limit // 1024} KiB per block"
+    if config.consumers == 3 and width(spec.head_dim) > 64:  # sm_90 compiles: 248 B spilled at d128, no overlap
+        return f"three consumer warpgroups of {config.consumer_regs} registers spill at head dim {spec.head_dim}"
     return None
