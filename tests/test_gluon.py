@@ -43,6 +43,9 @@ COMPILED = [
      GluonConfig(128, 2), 0),
     (KernelSpec("float16", 64, causal=True, seqlens="seqlens_k"),
      GluonConfig(64, 2, consumers=3, consumer_regs=160, pingpong=1), 64),
+    # packed sequences: each program makes its sequence's Q, K, V and O descriptors
+    (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True, seqlens="varlen"),
+     GluonConfig(128, 2), 0),
 ]
 
 
@@ -159,3 +162,25 @@ def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, win
     assert torch.isfinite(out).all()
     clean = [t.detach().nan_to_num(0.0).requires_grad_() for t in (k, v)]
     record_gpu_errors(run_and_compare(q, *clean, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (100, 0))])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_gluon_forward_of_packed_sequences(d, causal, window, dtype, poison_outputs, record_gpu_errors):
+    """Packed (tokens, H, D) sequences of unequal lengths (one of a single token, L_q != L_k): each program reads
+    and writes its sequence's rows alone."""
+    from tests.test_variants import _packed
+
+    lengths_q, lengths_k = [1, 300, 129, 64, 777], [5, 300, 333, 64, 700]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, d, d, dtype=dtype, seed=stable_seed(d, causal, dtype))
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    kwargs = {"cu_seqlens_q": cu_q.cuda(), "cu_seqlens_k": cu_k.cuda(), "is_causal": causal, "enable_gqa": True}
+    if window is not None:
+        kwargs["window_size"] = window
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec))
+    explained = fatune.explain(q, k, v, config=config, **kwargs)
+    assert explained.launched.family == "gluon", explained
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))

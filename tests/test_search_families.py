@@ -47,7 +47,7 @@ def hopper(monkeypatch):
     (dataclasses.replace(SHAPE, head_dim=64), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # D_v 128 != D 64
     (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
     (dataclasses.replace(SHAPE, valid_keys=0.5), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
-    (dataclasses.replace(SHAPE, documents=4), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # packed: not yet
+    (dataclasses.replace(SHAPE, documents=4), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),  # packed
     (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
 ])
 def test_a_shape_the_gluon_family_serves_gets_a_gluon_forward_study(hopper, shape, families, expected):
@@ -254,7 +254,7 @@ def test_head_dims_between_the_compiled_widths_run_at_the_next_one(hopper, head_
     (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True), True),
     (KernelSpec("bfloat16", 128, window_left=True, window_right=True, bottom_right=True), True),
     (KernelSpec("bfloat16", 128, causal=True, seqlens="seqlens_k"), True),  # in-kernel descriptors end at each
-    (KernelSpec("bfloat16", 128, seqlens="varlen"), False),
+    (KernelSpec("bfloat16", 128, seqlens="varlen"), True),  # each program makes its sequence's descriptors
     (KernelSpec("bfloat16", 128, causal=True, attn_mask="bool"), False),
     (KernelSpec("bfloat16", 128, alibi=True), False),
     (KernelSpec("bfloat16", 128, dropout=True), False),

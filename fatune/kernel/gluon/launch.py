@@ -19,12 +19,13 @@ from fatune.kernel.problem import NO_EXTRAS, OPTIONAL_TENSORS, AttentionProblem
 from fatune.kernel.spec import DTYPES, GLUON_SPLIT_M, AttentionConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton import launch
 from fatune.kernel.triton.launch import SLOTS, Plan, StaleKernels
+from fatune.kernel.triton.signature import POINTER_OF
 from fatune.kernel.triton.resolve import source_hash, tma_readable
 from fatune.logs import warn_once
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-_SEQLENS_K_EXTRA = OPTIONAL_TENSORS.index("seqlens_k")  # where a call's key lengths are among its extras
-_SEQLENS_K_SLOT = SLOTS.index("SEQLENS_K")  # and among a plan's slots
+_EXTRA = {name: index for index, name in enumerate(OPTIONAL_TENSORS)}  # where a call's tensors are among its extras
+_FIRST_EXTRA_SLOT = SLOTS.index(POINTER_OF[OPTIONAL_TENSORS[0]])  # and where its extras start among a plan's slots
 
 
 def unserved(spec: KernelSpec, device: torch.device) -> str | None:
@@ -41,7 +42,7 @@ def untemplated(spec: KernelSpec) -> str | None:
     if spec.head_dim != spec.head_dim_v or spec.head_dim > codegen.HEAD_DIMS[-1] or spec.head_dim % 8:
         return (f"the Gluon forward takes head dims that are multiples of 8 up to {codegen.HEAD_DIMS[-1]} (equal for "
                 f"q and v; TMA reads rows of 16-byte multiples), not {spec.head_dim}/{spec.head_dim_v}")
-    if spec.attn_mask != "none" or spec.seqlens == "varlen" or spec.alibi or spec.dropout or spec.paged:
+    if spec.attn_mask != "none" or spec.alibi or spec.dropout or spec.paged:
         return f"the Gluon forward does not take the {spec.mask_variant} variant yet"
     return None
 
@@ -52,10 +53,13 @@ class GluonForward:
     def __init__(self, problem: AttentionProblem, config: GluonConfig, lse_strides: tuple[int, ...]):
         self.config = config
         self.kernel = codegen.load(problem.spec, config).attn_fwd
-        self.grid = (triton.cdiv(problem.seqlen_q, config.block_m), problem.batch * problem.heads)
+        self.sequences = problem.spec.seqlens  # "fixed", or how the kernel makes its sequence's descriptors
+        self.packed = self.sequences == "varlen"
+        self.grid = (triton.cdiv(problem.max_seqlen_q if self.packed else problem.seqlen_q, config.block_m),
+                     problem.batch * problem.heads)
         self.scalars = (problem.scale, problem.heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
-                        lse_strides[0], lse_strides[1], problem.window_left, problem.window_right)
-        self.key_lengths = problem.spec.seqlens == "seqlens_k"  # then K and V are read through per-program descriptors
+                        0 if self.packed else lse_strides[0], lse_strides[1], problem.window_left,
+                        problem.window_right)
         head_dim = codegen.width(problem.spec.head_dim)  # the tiles' width: lanes past the call's read 0
         dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
         self.rows, self.keys = [1, 1, GLUON_SPLIT_M, head_dim], [1, 1, config.block_n, head_dim]
@@ -63,13 +67,21 @@ class GluonForward:
         self.key_layout = gl.NVMMASharedLayout.get_default_for(self.keys, dtype)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 seqlens_k: torch.Tensor | None = None) -> None:
+                 extras: tuple = NO_EXTRAS) -> None:
         rows, keys, row_layout, key_layout = self.rows, self.keys, self.row_layout, self.key_layout
-        descriptors = (TensorDescriptor.from_tensor(q, rows, row_layout), TensorDescriptor.from_tensor(k, keys, key_layout),
-                       TensorDescriptor.from_tensor(v, keys, key_layout), TensorDescriptor.from_tensor(out, rows, row_layout))
+        # packed (tokens, H, D) tensors: their (1, H, tokens, D) views, for the descriptors' types and layouts
+        view = (lambda t: t.unsqueeze(0).transpose(1, 2)) if self.packed else (lambda t: t)
+        descriptors = (TensorDescriptor.from_tensor(view(q), rows, row_layout),
+                       TensorDescriptor.from_tensor(view(k), keys, key_layout),
+                       TensorDescriptor.from_tensor(view(v), keys, key_layout),
+                       TensorDescriptor.from_tensor(view(out), rows, row_layout))
         args = (*descriptors, lse, *self.scalars)
-        if self.key_lengths:  # the kernel makes its sequence's K and V descriptors (in Triton's global scratch)
-            args += (seqlens_k, k, v, *k.stride()[:3], *v.stride()[:3])
+        if self.sequences == "seqlens_k":  # the kernel makes its sequence's K and V descriptors (in global scratch)
+            args += (extras[_EXTRA["seqlens_k"]], k, v, *k.stride()[:3], *v.stride()[:3])
+            launch.ensure_triton_allocator()
+        elif self.packed:  # and, packed, its Q and O descriptors: rows (tokens) and heads, no batch
+            args += (extras[_EXTRA["cu_seqlens_q"]], extras[_EXTRA["cu_seqlens_k"]], k, v, 0, k.stride(1), k.stride(0),
+                     0, v.stride(1), v.stride(0), q, q.stride(1), q.stride(0), out, out.stride(1), out.stride(0))
             launch.ensure_triton_allocator()
         if launch.compiling_only():
             self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
@@ -88,7 +100,9 @@ class GluonPlan:
                            sources=sources)
         self.gluon_config, self.sources, self._forward, self._launched = config.fwd, sources, None, False
         self.build_failure: str | None = None
-        reason = unserved(problem.spec, device) or (None if all(tma_readable(t, 2) for t in (q, k, v)) else
+        rows_dim = 0 if problem.packed else 2  # packed (tokens, H, D) tensors: rows are tokens
+        reason = unserved(problem.spec, device) or (None if all(tma_readable(t, rows_dim, every_head=True)
+                                                                for t in (q, k, v)) else
                                                    "TMA cannot read these tensors (unit head-dim stride, 16-byte "
                                                    "aligned strides)")
         if reason is None and not problem.scale > 0:  # its row maximum is taken before the scale
@@ -122,12 +136,11 @@ class GluonPlan:
     def forward_with_spans(self, q, k, v, extras=NO_EXTRAS, seed=None, fresh_workspace: bool = False):
         if self._forward is not None:
             out, lse = self.triton.allocate_forward()
-            seqlens_k = extras[_SEQLENS_K_EXTRA]
             if not self.triton.on_device():
                 with torch.cuda.device(self.triton.device):
-                    launched = self._launch(q, k, v, out, lse, seqlens_k)
+                    launched = self._launch(q, k, v, out, lse, extras)
             else:
-                launched = self._launch(q, k, v, out, lse, seqlens_k)
+                launched = self._launch(q, k, v, out, lse, extras)
             if launched:
                 return out, lse, None
         return self.triton.forward_with_spans(q, k, v, extras, seed, fresh_workspace)
@@ -135,14 +148,15 @@ class GluonPlan:
     def run_forward(self, slots: tuple, fresh_workspace: bool = False) -> None:
         """The forward into the buffers of `slots` (the Triton plan's: q, k, v, out, lse first), as the search
         times it; the Triton forward if the Gluon one cannot be built here."""
-        if self._forward is None or not self._launch(*slots[:5], slots[_SEQLENS_K_SLOT]):
+        extras = slots[_FIRST_EXTRA_SLOT:_FIRST_EXTRA_SLOT + len(OPTIONAL_TENSORS)]
+        if self._forward is None or not self._launch(*slots[:5], extras):
             self.triton.run_forward(slots, fresh_workspace)
 
-    def _launch(self, q, k, v, out, lse, seqlens_k) -> bool:
+    def _launch(self, q, k, v, out, lse, extras) -> bool:
         """Launch the Gluon forward; False if its first launch cannot build it here (the Triton forward then runs,
         from this call on)."""
         try:
-            self._forward(q, k, v, out, lse, seqlens_k)
+            self._forward(q, k, v, out, lse, extras)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be built costs speed, not the call
             if self._launched:
                 raise

@@ -56,9 +56,11 @@ def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
              "desc_o": desc(q_block, q_layout), "LSE": "*fp32", "sm_scale": "fp32", "H": "i32", "GROUP": "i32",
              "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32", "window_left": "i32",
              "window_right": "i32", "num_warps": "constexpr"}
-    if spec.seqlens == "seqlens_k":  # the kernel makes its sequence's K and V descriptors
-        types |= {"SEQLENS_K": "*i32", "K": f"*{name}", "V": f"*{name}", **{f"stride_{t}{d}": "i32" for t in "kv"
-                                                                           for d in "bhl"}}  # as a launch passes them
+    if spec.seqlens != "fixed":  # the kernel makes its sequence's descriptors (strides typed as a launch passes them)
+        types |= {"K": f"*{name}", "V": f"*{name}", **{f"stride_{t}{d}": "i32" for t in "kv" for d in "bhl"}}
+        types |= {"SEQLENS_K": "*i32"} if spec.seqlens == "seqlens_k" else \
+            {"CU_Q": "*i32", "CU_K": "*i32", "Q": f"*{name}", "O": f"*{name}", "stride_qh": "i32", "stride_ql": "i32",
+             "stride_oh": "i32", "stride_ol": "i32"}
     return types, {"num_warps": 4}
 
 
