@@ -169,11 +169,11 @@ def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, win
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (100, 0))])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_gluon_forward_of_packed_sequences(d, causal, window, dtype, poison_outputs, record_gpu_errors):
-    """Packed (tokens, H, D) sequences of unequal lengths (one of a single token, L_q != L_k): each program reads
-    and writes its sequence's rows alone."""
+    """Packed (tokens, H, D) sequences of unequal lengths (one of a single token, empty ones in the middle and
+    last, L_q != L_k): each program reads and writes its sequence's rows alone."""
     from tests.test_variants import _packed
 
-    lengths_q, lengths_k = [1, 300, 129, 64, 777], [5, 300, 333, 64, 700]
+    lengths_q, lengths_k = [1, 0, 300, 129, 64, 777, 0], [5, 3, 300, 333, 64, 700, 7]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, d, d, dtype=dtype, seed=stable_seed(d, causal, dtype))
     q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     kwargs = {"cu_seqlens_q": cu_q.cuda(), "cu_seqlens_k": cu_k.cuda(), "is_causal": causal, "enable_gqa": True}
