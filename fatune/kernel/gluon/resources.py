@@ -16,7 +16,7 @@ def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
     lanes = width(spec.head_dim)
     tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * lanes * ELEMENT_BYTES
     pinned = config.consumers * GLUON_SPLIT_M * 4
-    barriers = 8 * (2 * config.consumers + 4 * config.num_stages)  # Q's and ping-pong's per consumer, the ring's
+    barriers = 8 * ((1 + config.pingpong) * config.consumers + 4 * config.num_stages)  # Q's (ping-pong's), the ring's
     # the descriptors made in-kernel: the sequence's K and V, and packed, its Q and each consumer's O
     descriptors = {"fixed": 0, "seqlens_k": 2 * 128, "varlen": (3 + config.consumers) * 128}[spec.seqlens]
     return tiles + pinned + barriers + descriptors + 64  # alignment
