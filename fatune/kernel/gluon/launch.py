@@ -24,6 +24,7 @@ from fatune.kernel.triton.resolve import source_hash, tma_readable
 from fatune.logs import warn_once
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the forward's batch x heads)
 _EXTRA = {name: index for index, name in enumerate(OPTIONAL_TENSORS)}  # where a call's tensors are among its extras
 _FIRST_EXTRA_SLOT = SLOTS.index(POINTER_OF[OPTIONAL_TENSORS[0]])  # and where its extras start among a plan's slots
 
@@ -107,6 +108,8 @@ class GluonPlan:
                                                    "aligned strides)")
         if reason is None and not problem.scale > 0:  # its row maximum is taken before the scale
             reason = f"the Gluon forward takes a positive scale, not {problem.scale}"
+        if reason is None and problem.batch * problem.heads > MAX_GRID_Y:
+            reason = f"{problem.batch} x {problem.heads} (batch x heads) programs exceed a grid's {MAX_GRID_Y} rows"
         if reason is None:
             try:
                 self._forward = GluonForward(problem, config.fwd, self.triton.lse_layout[1])
