@@ -322,8 +322,9 @@ class GluonConfig:
     warpgroup with setmaxnreg; the producer keeps GLUON_PRODUCER_REGS), the launch's register cap (`maxnreg`;
     0: gluon_register_cap), whether a consumer runs the softmax of tile j while P_{j-1} V_{j-1} is on the
     tensor cores (`overlap`, 1) or one step after the other (0), and whether the consumers take turns issuing
-    their products (`pingpong`, FlashAttention-3's schedule: one's softmax under another's products). The consumers' and the producer's registers
-    must fit the pool the cap launches with (setmaxnreg waits for registers that never come otherwise)."""
+    their products (`pingpong`, FlashAttention-3's schedule: one's softmax under another's products). The
+    consumers' and the producer's registers must fit the pool the cap launches with (setmaxnreg waits for
+    registers that never come otherwise)."""
 
     block_n: int = 128
     num_stages: int = 2
@@ -336,7 +337,7 @@ class GluonConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("block_n", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
                               ("overlap", (0, 1)), ("pingpong", (0, 1))):
-            if getattr(self, name) not in allowed:
+            if getattr(self, name) not in allowed or not _is_int(getattr(self, name)):
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if not (_is_int(self.consumer_regs) and 24 <= self.consumer_regs <= 256 and self.consumer_regs % 8 == 0):
             raise ValueError(f"consumer_regs: expected a multiple of 8 in 24..256, got {self.consumer_regs!r}")
