@@ -228,6 +228,8 @@ def test_seqlen_buckets_are_log_scale():
 
 GOOD_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 GLUON_CONFIG = {"family": "gluon", "block_n": 128, "num_stages": 2, "consumers": 2, "consumer_regs": 240, "maxnreg": 168}
+GLUON_BACKWARD = {"family": "gluon", "block_m": 64, "num_stages": 2, "consumers": 2, "consumer_regs": 240,
+                  "maxnreg": 168, "dq_slice": 64}
 INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("fwd_config", {**GOOD_CONFIG, "block_m": 7}, "fwd_config.block_m"),
     ("fwd_config", {**GOOD_CONFIG, "num_warps": 3}, "fwd_config.num_warps"),
@@ -260,7 +262,13 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("fwd_config", {**GLUON_CONFIG, "overlap": 0, "pingpong": 1}, "fwd_config.pingpong"),
     ("fwd_config", {**GLUON_CONFIG, "block_m": 128}, "fwd_config: expected"),
     ("fwd_config", {"family": "gluon", "block_n": 128}, "fwd_config: expected"),
-    ("bwd_config", {"dkdv": GLUON_CONFIG, "dq": GOOD_CONFIG}, "bwd_config.dkdv"),
+    ("bwd_config", {"dkdv": GLUON_CONFIG, "dq": GOOD_CONFIG}, "bwd_config.dkdv: expected"),
+    # a Gluon backward: likewise
+    ("bwd_config", {"dkdv": {**GLUON_BACKWARD, "dq_slice": 32}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.dq_slice"),
+    ("bwd_config", {"dkdv": {**GLUON_BACKWARD, "consumers": 3}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.consumer_regs"),
+    ("bwd_config", {"dkdv": {**GLUON_BACKWARD, "block_m": 1.5}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.block_m"),
+    ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": GLUON_BACKWARD}, "bwd_config.dq"),
+    ("fwd_config", GLUON_BACKWARD, "fwd_config: expected"),
     ("fwd_bwd_ms", -1.0, "fwd_bwd_ms"),
     ("fwd_bwd_ms", 0.0, "fwd_bwd_ms"),
     ("fwd_bwd_ms", float("nan"), "fwd_bwd_ms"),
@@ -281,6 +289,14 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("trials", -3, "trials"),
     ("interpreted", "yes", "interpreted"),
 ]
+
+
+def test_a_gluon_backward_entry_is_stored_and_read_back(db_path):
+    with TunedDB(db_path) as db:
+        db.upsert(make_entry(fwd_config=GLUON_CONFIG, bwd_config={"dkdv": GLUON_BACKWARD, "dq": GOOD_CONFIG}))
+        [entry] = db.entries()
+    config = entry.attention_config()
+    assert config.gluon_forward and config.gluon_backward and config.dkdv.to_dict() == GLUON_BACKWARD
 
 
 @pytest.mark.parametrize("fwd_config", [

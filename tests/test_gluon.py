@@ -13,7 +13,8 @@ import fatune
 from fatune.kernel.family import family
 from fatune.kernel.gluon import resources
 from fatune.kernel.gluon.family import default_forward
-from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec
+from fatune.kernel.codegen import code_hash
+from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.heuristics import default_config
 from tests.reference import random_qkv, run_and_compare, stable_seed
 from tests.test_codegen import _compile_in_subprocess as compile_in_subprocess
@@ -184,3 +185,120 @@ def test_gpu_gluon_forward_of_packed_sequences(d, causal, window, dtype, poison_
     explained = fatune.explain(q, k, v, config=config, **kwargs)
     assert explained.launched.family == "gluon", explained
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+# (spec, backward config, spilled bytes allowed): the backward's structural variants CI compiles. Two consumer
+# warpgroups of 64 keys hold dK and dV (64 + 64 registers each at d128) beside S^T and dP^T: ptxas spills a little
+# at d128, more under a band (its masks and split dS)
+COMPILED_BACKWARD = [
+    (KernelSpec("bfloat16", 64), GluonBackwardConfig(), 0),
+    (KernelSpec("float16", 64, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3), 0),
+    (KernelSpec("bfloat16", 128), GluonBackwardConfig(), 128),
+    (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(), 384),
+    (KernelSpec("float16", 96, window_left=True, window_right=True, bottom_right=True),
+     GluonBackwardConfig(dq_slice=128), 512),
+]
+
+
+@pytest.mark.parametrize("spec, config, spills_allowed", COMPILED_BACKWARD,
+                         ids=[f"{s.dtype}-d{s.head_dim}-{s.mask_variant}-{c}" for s, c, _ in COMPILED_BACKWARD])
+def test_backward_compiles_for_sm90_within_its_budgets(spec, config, spills_allowed, tmp_path):
+    """The Gluon backward compiles for sm_90a here; it fits shared memory (the search's model an upper bound),
+    spills at most a little, and ptxas serializes none of its products (no C751x warnings)."""
+    script = (
+        "import json\n"
+        "from fatune.kernel.gluon.offline import compile_backward\n"
+        "from fatune.kernel.spec import GluonBackwardConfig, KernelSpec\n"
+        f"c = compile_backward(KernelSpec(**{spec.to_dict()!r}), GluonBackwardConfig.from_dict({config.to_dict()!r}))\n"
+        "print(json.dumps([c.shared_bytes, c.spill_bytes, c.ptxas_warnings]))\n"
+    )
+    shared, spills, warnings = json.loads(compile_in_subprocess(script, tmp_path).splitlines()[-1])
+    assert spills <= spills_allowed
+    assert shared <= 232448
+    assert 0 <= resources.backward_shared_memory_bytes(spec, config) - shared <= 1024
+    assert not warnings
+
+
+def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
+    spec = KernelSpec("bfloat16", 128, causal=True)
+    config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig(block_m=64, num_stages=3))
+    assert config.family == "gluon" and config.gluon_backward and not config.gluon_forward
+    assert AttentionConfig.from_dict(config.to_dict()) == config
+    hashes = family("gluon").kernel_hashes(spec, config, False).split(",")
+    gluon_bwd = f"bwd:{code_hash(family('gluon').render('bwd', spec, config))}"
+    assert gluon_bwd in hashes and any(h.startswith("fwd:") for h in hashes)
+    assert "templates/gluon/attn_bwd.py.jinja" in family("gluon").render("bwd", spec, config)
+    with pytest.raises(ValueError, match="consumer_regs"):
+        GluonBackwardConfig(consumers=3, consumer_regs=240)
+    with pytest.raises(ValueError, match="fwd: a Gluon config runs the forward"):
+        AttentionConfig(fwd=GluonBackwardConfig(), dkdv=config.dkdv, dq=config.dq)
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA summed in-kernel, L_q != L_k, head
+# dims between the compiled widths (d96 runs at 128, d40 at 64), key tiles past the sequence
+BACKWARD_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 1000, 777, 128),
+                   (1, 4, 2, 333, 333, 96), (1, 2, 1, 129, 70, 40), (1, 2, 2, 64, 1500, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forward", ["triton", "gluon"])
+@pytest.mark.parametrize("tiles", ["default", "128-query", "three-deep"])
+@pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_gluon_backward_matches_reference(shape, dtype, causal, alignment, tiles, forward, poison_outputs,
+                                              record_gpu_errors):
+    batch, heads, kv_heads, lq, lk, d = shape
+    torch.manual_seed(stable_seed(shape, dtype, causal, alignment, tiles))
+    q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
+    spec = KernelSpec(dtype, d, causal=causal, bottom_right=alignment == "bottom_right")
+    backward = {"default": GluonBackwardConfig(), "128-query": GluonBackwardConfig(block_m=128, dq_slice=64),
+                "three-deep": GluonBackwardConfig(num_stages=3)}[tiles]
+    if resources.backward_infeasible(spec, backward, 232448):
+        pytest.skip("does not fit shared memory")
+    config = default_config(spec, (9, 0)).replace(dkdv=backward)
+    if forward == "gluon":
+        config = config.replace(fwd=default_forward(spec))
+    kwargs = {"is_causal": causal, "enable_gqa": kv_heads != heads, "config": config}
+    if alignment is not None:
+        kwargs["causal_alignment"] = alignment
+    explained = fatune.explain(q, k, v, **kwargs)
+    assert explained.launched.gluon_backward, explained
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WINDOWED, ids=lambda c: "x".join(map(str, c[:6])) + f"-w{c[6][0]}.{c[6][1]}")
+def test_gpu_gluon_backward_with_a_sliding_window(case, dtype, poison_outputs, record_gpu_errors):
+    batch, heads, kv_heads, lq, lk, d, window, causal = case
+    if d > 128:
+        pytest.skip("the Gluon backward takes head dims up to 128")
+    torch.manual_seed(stable_seed(case, dtype, "backward"))
+    q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
+    kwargs = {"is_causal": causal, "window_size": window, "enable_gqa": kv_heads != heads}
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig())
+    assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_layout", ["transposed", "every-other-lane"])
+def test_gpu_gluon_backward_takes_any_gradient_layout_and_deterministic_mode(grad_layout, poison_outputs,
+                                                                            record_gpu_errors):
+    """A dO TMA cannot read (head-dim stride 2), and torch's deterministic mode, run the Triton backward; a
+    transposed dO runs the Gluon one. Both meet the accuracy rule."""
+    torch.manual_seed(stable_seed(grad_layout))
+    q, k, v = random_qkv(2, 4, 2, 300, 300, 128, 128, dtype=torch.bfloat16, device="cuda")
+    spec = KernelSpec(torch.bfloat16, 128, causal=True)
+    config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig())
+    record_gpu_errors(run_and_compare(q, k, v, is_causal=True, enable_gqa=True, config=config,
+                                      grad_layout=grad_layout))
+    torch.use_deterministic_algorithms(True)
+    try:
+        explained = fatune.explain(q, k, v, is_causal=True, enable_gqa=True, config=config)
+        assert not explained.launched.gluon_backward
+        record_gpu_errors(run_and_compare(q, k, v, is_causal=True, enable_gqa=True, config=config))
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -28,6 +28,7 @@ from fatune.kernel.spec import (
     MAX_HEAD_DIM,
     STRUCTURE_FIELDS,
     AttentionConfig,
+    GluonBackwardConfig,
     GluonConfig,
     KernelSpec,
     LaunchConfig,
@@ -172,8 +173,8 @@ class Entry:
                                f"got {self.bwd_config!r:.80}")
         for kernel, name in (("fwd", "fwd_config"), ("dkdv", "bwd_config.dkdv"), ("dq", "bwd_config.dq")):
             data = self.fwd_config if kernel == "fwd" else self.bwd_config[kernel]
-            if kernel == "fwd" and isinstance(data, dict) and "family" in data:
-                _gluon_config(name, data)
+            if kernel in ("fwd", "dkdv") and isinstance(data, dict) and "family" in data:
+                _gluon_config(name, data, GluonConfig if kernel == "fwd" else GluonBackwardConfig)
                 continue
             misplaced = misplaced_structure(kernel, _launch_config(name, data))
             if misplaced:
@@ -361,15 +362,16 @@ def _launch_config(name: str, data: Any) -> LaunchConfig:
     return _config_of(name, data, list(data), lambda: LaunchConfig(**data))
 
 
-def _gluon_config(name: str, data: dict) -> GluonConfig:
-    """The Gluon forward config `data` holds (the family named, every field an int the kernel accepts, a register
-    split the GPU can give); InvalidEntry naming the field."""
-    fields = [f.name for f in dataclasses.fields(GluonConfig)]
-    required = [field for field in fields if field not in ("overlap", "pingpong")]  # older entries lack them
+def _gluon_config(name: str, data: dict, kind: type = GluonConfig) -> GluonConfig | GluonBackwardConfig:
+    """The Gluon config of `kind` (the forward's or the backward's) `data` holds (the family named, every field an
+    int the kernel accepts, a register split the GPU can give); InvalidEntry naming the field."""
+    fields = [f.name for f in dataclasses.fields(kind)]
+    optional = ("overlap", "pingpong") if kind is GluonConfig else ()  # older entries lack them
+    required = [field for field in fields if field not in optional]
     if data.get("family") != "gluon" or not {"family", *required} <= set(data) <= {"family", *fields}:
-        raise InvalidEntry(f"{name}: expected a Triton launch config or {{'family': 'gluon'}} with {required} (and "
-                           f"optionally 'overlap', 'pingpong'), got {data!r:.80}")
-    return _config_of(name, data, [key for key in fields if key in data], lambda: GluonConfig.from_dict(data))
+        raise InvalidEntry(f"{name}: expected a Triton launch config or {{'family': 'gluon'}} with {required}"
+                           f"{f' (and optionally {list(optional)})' if optional else ''}, got {data!r:.80}")
+    return _config_of(name, data, [key for key in fields if key in data], lambda: kind.from_dict(data))
 
 
 def _config_of(name: str, data: dict, ints: list[str], make: Callable[[], Any]) -> Any:

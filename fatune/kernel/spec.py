@@ -339,21 +339,10 @@ class GluonConfig:
                               ("overlap", (0, 1)), ("pingpong", (0, 1))):
             if getattr(self, name) not in allowed or not _is_int(getattr(self, name)):
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
-        if not (_is_int(self.consumer_regs) and 24 <= self.consumer_regs <= 256 and self.consumer_regs % 8 == 0):
-            raise ValueError(f"consumer_regs: expected a multiple of 8 in 24..256, got {self.consumer_regs!r}")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong: the consumers take turns issuing the overlapped loop's products; expected "
                              "0 with overlap=0")
-        if self.maxnreg == 0:
-            object.__setattr__(self, "maxnreg", gluon_register_cap(self.consumers))
-        if not (_is_int(self.maxnreg) and 24 <= self.maxnreg <= 255):
-            raise ValueError(f"maxnreg: expected an int in 24..255, got {self.maxnreg!r}")
-        pool = 128 * (self.consumers + 1) * self.maxnreg
-        wanted = 128 * (self.consumers * self.consumer_regs + GLUON_PRODUCER_REGS)
-        if wanted > pool or pool > SM_REGISTERS:
-            raise ValueError(f"consumer_regs: {self.consumers} consumer warpgroups of {self.consumer_regs} registers "
-                             f"and a producer of {GLUON_PRODUCER_REGS} need {wanted} registers; maxnreg "
-                             f"{self.maxnreg} launches with {pool} (at most {SM_REGISTERS})")
+        _check_registers(self)
 
     @property
     def block_m(self) -> int:
@@ -374,20 +363,83 @@ class GluonConfig:
                 f"/m{self.maxnreg}{'' if self.overlap else '/sequential'}{'/pingpong' if self.pingpong else ''}")
 
 
+def _check_registers(config: GluonConfig | GluonBackwardConfig) -> None:
+    """Fill in a Gluon config's register cap (maxnreg 0: gluon_register_cap) and check that its consumers' and
+    producer's registers fit the pool the cap launches with (setmaxnreg waits for registers that never come
+    otherwise)."""
+    if not (_is_int(config.consumer_regs) and 24 <= config.consumer_regs <= 256 and config.consumer_regs % 8 == 0):
+        raise ValueError(f"consumer_regs: expected a multiple of 8 in 24..256, got {config.consumer_regs!r}")
+    if config.maxnreg == 0:
+        object.__setattr__(config, "maxnreg", gluon_register_cap(config.consumers))
+    if not (_is_int(config.maxnreg) and 24 <= config.maxnreg <= 255):
+        raise ValueError(f"maxnreg: expected an int in 24..255, got {config.maxnreg!r}")
+    pool = 128 * (config.consumers + 1) * config.maxnreg
+    wanted = 128 * (config.consumers * config.consumer_regs + GLUON_PRODUCER_REGS)
+    if wanted > pool or pool > SM_REGISTERS:
+        raise ValueError(f"consumer_regs: {config.consumers} consumer warpgroups of {config.consumer_regs} registers "
+                         f"and a producer of {GLUON_PRODUCER_REGS} need {wanted} registers; maxnreg "
+                         f"{config.maxnreg} launches with {pool} (at most {SM_REGISTERS})")
+
+
+@dataclass(frozen=True)
+class GluonBackwardConfig:
+    """A Gluon backward's launch (its dK/dV kernel, which also adds dQ up): `consumers` warpgroups of 64 keys each
+    (block_n = 64 x consumers), query tiles of block_m rows (Q and dO) streamed `num_stages` deep, dQ's products
+    and bulk reductions `dq_slice` lanes wide, the consumers' register budget and the launch's register cap, as
+    for GluonConfig."""
+
+    block_m: int = 64
+    num_stages: int = 2
+    consumers: int = 2
+    consumer_regs: int = 240
+    maxnreg: int = 0
+    dq_slice: int = 64
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("block_m", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
+                              ("dq_slice", (64, 128, 256))):
+            if getattr(self, name) not in allowed or not _is_int(getattr(self, name)):
+                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        _check_registers(self)
+
+    @property
+    def block_n(self) -> int:
+        return GLUON_SPLIT_M * self.consumers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": "gluon", "block_m": self.block_m, "num_stages": self.num_stages,
+                "consumers": self.consumers, "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg,
+                "dq_slice": self.dq_slice}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GluonBackwardConfig:
+        return cls(**{name: int(data[name]) for name in ("block_m", "num_stages", "consumers", "consumer_regs",
+                                                          "maxnreg", "dq_slice") if name in data})
+
+    def __str__(self) -> str:
+        return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
+                f"/m{self.maxnreg}/dq{self.dq_slice}")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Launch configs of the three kernels: forward, backward dK/dV, backward dQ. The forward's is a LaunchConfig
-    (the Triton family) or a GluonConfig (the Gluon family's Hopper forward, the Triton backward after it)."""
+    (the Triton family) or a GluonConfig (the Gluon family's Hopper forward); the dK/dV kernel's a LaunchConfig or
+    a GluonBackwardConfig (the Gluon family's Hopper backward, which adds dQ up: the dQ config then sets the tile of
+    the Triton passes around it, attn_bwd_prep and attn_bwd_dq_store)."""
 
     fwd: LaunchConfig | GluonConfig
-    dkdv: LaunchConfig
+    dkdv: LaunchConfig | GluonBackwardConfig
     dq: LaunchConfig
 
     def __post_init__(self) -> None:
         for name in KERNELS:
-            if isinstance(getattr(self, name), GluonConfig):
-                if name != "fwd":
-                    raise ValueError(f"{name}: a Gluon config runs the forward only, got {getattr(self, name)}")
+            config = getattr(self, name)
+            if isinstance(config, (GluonConfig, GluonBackwardConfig)):
+                expected = {"fwd": GluonConfig, "dkdv": GluonBackwardConfig}.get(name)
+                if not isinstance(config, expected or ()):
+                    raise ValueError(f"{name}: a Gluon config runs the forward (GluonConfig) or the dK/dV kernel "
+                                     f"(GluonBackwardConfig), got {config}")
                 continue
             misplaced = misplaced_structure(name, getattr(self, name))
             if misplaced:
@@ -411,13 +463,29 @@ class AttentionConfig:
         missing = [name for name in KERNELS if name not in data]
         if missing:
             raise ValueError(f"config: missing kernel entries {missing}; expected keys {list(KERNELS)}")
-        return cls(**{name: GluonConfig.from_dict(data[name]) if isinstance(data[name], dict) and
-                      data[name].get("family") == "gluon" else LaunchConfig.from_dict(data[name]) for name in KERNELS})
+        gluon = {"fwd": GluonConfig, "dkdv": GluonBackwardConfig}
+
+        def parse(name: str):
+            entry = data[name]
+            if isinstance(entry, dict) and entry.get("family") == "gluon" and name in gluon:
+                return gluon[name].from_dict(entry)
+            return LaunchConfig.from_dict(entry)
+
+        return cls(**{name: parse(name) for name in KERNELS})
 
     @property
     def family(self) -> str:
-        """The kernel family that runs the forward (fatune.kernel.family): 'gluon' or 'triton'."""
-        return "gluon" if isinstance(self.fwd, GluonConfig) else "triton"
+        """The kernel family of this config (fatune.kernel.family): 'gluon' where a Gluon kernel runs the forward
+        or the backward, else 'triton'."""
+        return "gluon" if self.gluon_forward or self.gluon_backward else "triton"
+
+    @property
+    def gluon_forward(self) -> bool:
+        return isinstance(self.fwd, GluonConfig)
+
+    @property
+    def gluon_backward(self) -> bool:
+        return isinstance(self.dkdv, GluonBackwardConfig)
 
 
 def lse_dtype(dtype: torch.dtype, additive: bool = False) -> torch.dtype:

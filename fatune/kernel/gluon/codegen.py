@@ -1,4 +1,5 @@
-"""The Gluon family's code generation: the options its forward template (templates/gluon/) renders from."""
+"""The Gluon family's code generation: the options its forward and backward templates (templates/gluon/) render
+from."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from fatune.kernel import codegen
 from fatune.kernel.codegen import Templates
-from fatune.kernel.spec import GLUON_PRODUCER_REGS, GluonConfig, KernelSpec
+from fatune.kernel.spec import GLUON_PRODUCER_REGS, GluonBackwardConfig, GluonConfig, KernelSpec
 
 TEMPLATES = Templates("gluon")
 # the head-dim widths the forward is compiled for (a tile's dims are powers of two); a call's head dim runs at the
@@ -23,7 +24,6 @@ def width(head_dim: int) -> int:
         if head_dim <= candidate:
             return candidate
     raise ValueError(f"head_dim: expected at most {HEAD_DIMS[-1]} for the Gluon forward, got {head_dim}")
-
 
 
 def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
@@ -72,3 +72,40 @@ def load(spec: KernelSpec, config: GluonConfig) -> ModuleType:
     """Import the generated forward for (spec, config), rendering it into the kernel cache if needed."""
     return codegen.load(("gluon", "fwd", spec, config), lambda: source_path(spec, config),
                         lambda: render(spec, config), interpreted=False)
+
+
+# the backward's rows that see at most this many keys get dS split into two 16-bit parts in masked tiles (the Triton
+# family's attn_bwd_prep computes their Delta as sum P dP: see fatune.kernel.triton.codegen)
+EXACT_DELTA_KEYS = 128
+
+
+def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str, Any]:
+    """The options the backward template renders from."""
+    has_right = spec.causal or spec.window_right
+    split_ds = bool(has_right or spec.window_left)  # rows with few keys exist only under a band
+    return {
+        "template_name": f"{TEMPLATES.folder}/attn_bwd.py.jinja",
+        "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
+        "config_json": json.dumps(config.to_dict(), sort_keys=True),
+        "HEAD_DIM": width(spec.head_dim), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+        "STAGES": config.num_stages, "DQ_SLICE": min(config.dq_slice, width(spec.head_dim)),
+        "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
+        "EXACT_DELTA_KEYS": EXACT_DELTA_KEYS, "BOTTOM_RIGHT": spec.bottom_right, "HAS_LEFT": spec.window_left,
+        "HAS_RIGHT": has_right, "HAS_BAND": split_ds, "SPLIT_DS": split_ds,
+        "DS_BUFFERS": config.consumers * (2 if split_ds else 1),
+    }
+
+
+def render_backward(spec: KernelSpec, config: GluonBackwardConfig) -> str:
+    """Gluon source of the backward's dK/dV (and dQ-adding) kernel for one spec and config."""
+    return TEMPLATES.render("attn_bwd.py.jinja", backward_options(spec, config))
+
+
+def backward_source_path(spec: KernelSpec, config: GluonBackwardConfig) -> Path:
+    return codegen.cache_dir() / f"gluon_bwd_{TEMPLATES.source_key('bwd', backward_options(spec, config))}.py"
+
+
+def load_backward(spec: KernelSpec, config: GluonBackwardConfig) -> ModuleType:
+    """Import the generated backward for (spec, config), rendering it into the kernel cache if needed."""
+    return codegen.load(("gluon", "bwd", spec, config), lambda: backward_source_path(spec, config),
+                        lambda: render_backward(spec, config), interpreted=False)

@@ -15,7 +15,7 @@ import torch
 from fatune.hardware import Arch
 from fatune.kernel.codegen import Templates
 from fatune.kernel.gluon import codegen
-from fatune.kernel.gluon.launch import GluonPlan, unserved
+from fatune.kernel.gluon.launch import GluonPlan, passes_config, unserved
 from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec, LaunchConfig
 from fatune.kernel.triton import resolve
@@ -51,20 +51,38 @@ class GluonFamily:
         return TRITON.heuristic(problem, arch, sms).replace(fwd=default_forward(problem.spec))
 
     def render(self, kind: str, spec: KernelSpec, config: AttentionConfig) -> str:
-        if kind == "fwd":
+        if kind == "fwd" and config.gluon_forward:
             return codegen.render(spec, config.fwd)
-        return TRITON.render(kind, spec, config)
+        if kind == "bwd" and config.gluon_backward:
+            return codegen.render_backward(spec, config.dkdv)
+        return TRITON.render(kind, spec, self.triton_part(spec, config))
 
     def source_path(self, kind: str, spec: KernelSpec, config: AttentionConfig) -> Path:
-        if kind == "fwd":
+        if kind == "fwd" and config.gluon_forward:
             return codegen.source_path(spec, config.fwd)
-        return TRITON.source_path(kind, spec, config)
+        if kind == "bwd" and config.gluon_backward:
+            return codegen.backward_source_path(spec, config.dkdv)
+        return TRITON.source_path(kind, spec, self.triton_part(spec, config))
+
+    @staticmethod
+    def triton_part(spec: KernelSpec, config: AttentionConfig) -> AttentionConfig:
+        """The Triton family's config a plan of `config` runs beside its Gluon kernels: any Triton forward in place
+        of a Gluon one, the atomic-dQ config whose passes run around a Gluon backward (passes_config)."""
+        return config.replace(fwd=TRITON_FORWARD if config.gluon_forward else config.fwd,
+                              dkdv=passes_config(spec) if config.gluon_backward else config.dkdv)
 
     def kernel_hashes(self, spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
-        """The Gluon forward's code hash and the Triton backward's (as the Triton family hashes them)."""
-        triton_hashes = resolve.kernel_hashes(spec, config.replace(fwd=TRITON_FORWARD), grouped).split(",")
-        backward = [entry for entry in triton_hashes if entry.startswith("bwd:")]
-        return ",".join(sorted({source_hash("fwd", codegen.render(spec, config.fwd)), *backward}))
+        """The Gluon kernels' code hashes and those of the Triton kernels that run beside them (as the Triton family
+        hashes them): the Triton forward where no Gluon forward runs, the Triton backward's (with a Gluon backward,
+        its atomic-dQ passes')."""
+        triton_hashes = resolve.kernel_hashes(spec, self.triton_part(spec, config), grouped).split(",")
+        hashes = {entry for entry in triton_hashes if entry.startswith("bwd:") or
+                  (entry.startswith("fwd:") and not config.gluon_forward)}
+        if config.gluon_forward:
+            hashes.add(source_hash("fwd", codegen.render(spec, config.fwd)))
+        if config.gluon_backward:
+            hashes.add(source_hash("bwd", codegen.render_backward(spec, config.dkdv)))
+        return ",".join(sorted(hashes))
 
     def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
         """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not

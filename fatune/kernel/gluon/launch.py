@@ -1,12 +1,16 @@
-"""Launching the Gluon forward, and the plan of a call whose forward it runs (the Triton backward after it).
+"""Launching the Gluon kernels, and the plan of a call that runs them (the Triton family's for the rest).
 
-The kernel reads Q, K, V and writes O through four-dim TMA descriptors made per call from the tensors' own
-shapes and strides ((B, H, L, D), any dim order whose strides TMA can address), so no input is copied, a
-ragged last tile reads zeros and writes nothing past the sequence, and GQA reads K/V head h // GROUP. The O and
-LSE it writes are in the Triton family's layouts, so that family's backward runs after it unchanged.
+The kernels read and write through four-dim TMA descriptors made per call from the tensors' own shapes and
+strides ((B, H, L, D), any dim order whose strides TMA can address), so no input is copied, a ragged last tile
+reads zeros and writes nothing past the sequence, and GQA reads K/V head h // GROUP. The forward's O and LSE are in
+the Triton family's layouts, so that family's backward runs after it unchanged; the Gluon backward takes the
+place of the Triton family's atomic-dQ dK/dV kernel, between its passes (Delta and a zeroed float32 dQ
+accumulator before, dQ's store after).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -16,9 +20,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fatune.hardware import device_arch
 from fatune.kernel.gluon import codegen
 from fatune.kernel.problem import NO_EXTRAS, OPTIONAL_TENSORS, AttentionProblem
-from fatune.kernel.spec import DTYPES, GLUON_SPLIT_M, AttentionConfig, GluonConfig, KernelSpec
+from fatune.kernel.spec import (DTYPES, GLUON_SPLIT_M, AttentionConfig, GluonBackwardConfig, GluonConfig,
+                                KernelSpec, LaunchConfig)
 from fatune.kernel.triton import launch
-from fatune.kernel.triton.launch import SLOTS, Plan, StaleKernels
+from fatune.kernel.triton.heuristics import default_config
+from fatune.kernel.triton.launch import SLOTS, KernelBuildError, Plan, StaleKernels
 from fatune.kernel.triton.signature import POINTER_OF
 from fatune.kernel.triton.resolve import source_hash, tma_readable
 from fatune.logs import warn_once
@@ -46,6 +52,68 @@ def untemplated(spec: KernelSpec) -> str | None:
     if spec.attn_mask != "none" or spec.alibi or spec.dropout or spec.paged:
         return f"the Gluon forward does not take the {spec.mask_variant} variant yet"
     return None
+
+
+def passes_config(spec: KernelSpec) -> LaunchConfig:
+    """The Triton dK/dV config whose passes run around the Gluon backward (Delta and the zeroed dQ accumulator
+    before, dQ's store after): the Hopper heuristic's with atomic dQ, fixed per spec so a tuned entry's hashes name
+    it. Its own kernel runs only where the Gluon backward does not (a dO TMA cannot read)."""
+    return dataclasses.replace(default_config(spec, (9, 0)).dkdv, atomic_dq=1)
+
+
+def backward_unserved(spec: KernelSpec, device: torch.device) -> str | None:
+    """None if the Gluon backward can run calls of `spec` on `device`; else why not (one line)."""
+    if device.type != "cuda" or device_arch(device) != (9, 0):
+        return "the Gluon backward runs on Hopper (sm_90) GPUs"
+    return backward_untemplated(spec)
+
+
+def backward_untemplated(spec: KernelSpec) -> str | None:
+    """None if the Gluon backward template renders a kernel for `spec` (on any machine); else why not."""
+    if spec.dtype not in ("float16", "bfloat16"):
+        return f"the Gluon backward takes float16 and bfloat16, not {spec.dtype}"
+    if spec.head_dim != spec.head_dim_v or not 32 < spec.head_dim <= 128 or spec.head_dim % 8:
+        return (f"the Gluon backward takes head dims that are multiples of 8 in 40..128 (equal for q and v), not "
+                f"{spec.head_dim}/{spec.head_dim_v}")
+    if spec.attn_mask != "none" or spec.alibi or spec.dropout or spec.paged or spec.seqlens != "fixed":
+        return f"the Gluon backward does not take the {spec.mask_variant} variant yet"
+    return None
+
+
+class GluonBackward:
+    """The Gluon backward's kernel of one call signature: grid, scalars, and its launch from a plan's slots
+    (dQ's float32 accumulator, zeroed and Delta written by the Triton passes before it)."""
+
+    def __init__(self, problem: AttentionProblem, config: GluonBackwardConfig, lse_strides: tuple[int, ...]):
+        self.config = config
+        self.kernel = codegen.load_backward(problem.spec, config).attn_bwd_dkdv
+        self.grid = (triton.cdiv(problem.seqlen_k, config.block_n), problem.batch * problem.kv_heads)
+        self.scalars = (problem.scale, problem.kv_heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
+                        lse_strides[0], lse_strides[1], problem.window_left, problem.window_right)
+        head_dim = codegen.width(problem.spec.head_dim)
+        dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
+        dq_slice = min(config.dq_slice, head_dim)
+        self.rows, self.keys = [1, 1, config.block_m, head_dim], [1, 1, GLUON_SPLIT_M, head_dim]
+        self.dq_rows = [1, 1, config.block_m, dq_slice]
+        self.row_layout = gl.NVMMASharedLayout.get_default_for(self.rows, dtype)
+        self.key_layout = gl.NVMMASharedLayout.get_default_for(self.keys, dtype)
+        self.dq_layout = gl.NVMMASharedLayout.get_default_for(self.dq_rows, gl.float32)
+        self.slots = tuple(SLOTS.index(name) for name in ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA"))
+
+    def __call__(self, slots: tuple, stream: int | None = None) -> None:
+        q, k, v, grad_out, dk, dv, dq_acc, lse, delta = (slots[index] for index in self.slots)
+        rows, keys = self.rows, self.keys
+        args = (TensorDescriptor.from_tensor(q, rows, self.row_layout),
+                TensorDescriptor.from_tensor(k, keys, self.key_layout),
+                TensorDescriptor.from_tensor(v, keys, self.key_layout),
+                TensorDescriptor.from_tensor(grad_out, rows, self.row_layout),
+                TensorDescriptor.from_tensor(dk, keys, self.key_layout),
+                TensorDescriptor.from_tensor(dv, keys, self.key_layout),
+                TensorDescriptor.from_tensor(dq_acc, self.dq_rows, self.dq_layout), lse, delta, *self.scalars)
+        if launch.compiling_only():
+            self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
+            return
+        self.kernel[self.grid](*args, num_warps=4, maxnreg=self.config.maxnreg)
 
 
 class GluonForward:
@@ -91,45 +159,82 @@ class GluonForward:
 
 
 class GluonPlan:
-    """A call's plan with the Gluon forward. The Triton family's plan of the same call (its forward config the
-    heuristic's) lays out the outputs and runs the backward; a Gluon kernel that cannot be built here, or is not
-    the one a tuned entry measured, hands the whole call to it, said once."""
+    """A call's plan with a Gluon forward, a Gluon backward or both. The Triton family's plan of the same call (the
+    heuristic's config where a Gluon kernel runs; with the Gluon backward, its atomic-dQ flavour, whose passes run
+    around it) lays out the outputs and runs the rest; a Gluon kernel that cannot be built here, or is not the one
+    a tuned entry measured, hands its part of the call to it, said once."""
 
     def __init__(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig, sources: frozenset[str] | None):
-        self.triton = Plan(problem, config.replace(fwd=fallback.fwd), device, q, k, v, fallback=fallback,
-                           sources=sources)
-        self.gluon_config, self.sources, self._forward, self._launched = config.fwd, sources, None, False
+        forward = config.fwd if isinstance(config.fwd, GluonConfig) else None
+        backward = config.dkdv if isinstance(config.dkdv, GluonBackwardConfig) else None
+        triton_config = config.replace(fwd=fallback.fwd if forward else config.fwd,
+                                       dkdv=passes_config(problem.spec) if backward else config.dkdv)
+        self.triton = Plan(problem, triton_config, device, q, k, v, fallback=fallback, sources=sources)
+        self.gluon_config, self.backward_config, self.sources = forward, backward, sources
+        self._forward: GluonForward | None = None
+        self._backward: GluonBackward | None = None
+        self._launched = self._backward_launched = False
         self.build_failure: str | None = None
         rows_dim = 0 if problem.packed else 2  # packed (tokens, H, D) tensors: rows are tokens
-        reason = unserved(problem.spec, device) or (None if all(tma_readable(t, rows_dim, every_head=True)
-                                                                for t in (q, k, v)) else
-                                                   "TMA cannot read these tensors (unit head-dim stride, 16-byte "
-                                                   "aligned strides)")
-        if reason is None and not problem.scale > 0:  # its row maximum is taken before the scale
-            reason = f"the Gluon forward takes a positive scale, not {problem.scale}"
-        if reason is None and problem.batch * problem.heads > MAX_GRID_Y:
-            reason = f"{problem.batch} x {problem.heads} (batch x heads) programs exceed a grid's {MAX_GRID_Y} rows"
-        if reason is None:
-            try:
-                self._forward = GluonForward(problem, config.fwd, self.triton.lse_layout[1])
-                if sources is not None and source_hash("fwd", codegen.load(problem.spec, config.fwd)) not in sources:
-                    raise StaleKernels("the Gluon forward has changed since its tuned entry was measured")
-            except (StaleKernels, Exception) as error:  # noqa: BLE001 - any failure here costs speed, not the call
-                reason = f"{type(error).__name__}: {error}"
-                self._forward = None
-        if reason is not None:
-            self.build_failure = f"the Gluon forward {config.fwd} does not run here ({reason}): the Triton forward runs"
-            warn_once(f"fatune: {self.build_failure}")
+        readable = all(tma_readable(t, rows_dim, every_head=True) for t in (q, k, v))
+        unreadable = None if readable else ("TMA cannot read these tensors (unit head-dim stride, 16-byte aligned "
+                                            "strides)")
+        failures = []
+        if forward is not None:
+            reason = unserved(problem.spec, device) or unreadable
+            if reason is None and not problem.scale > 0:  # its row maximum is taken before the scale
+                reason = f"the Gluon forward takes a positive scale, not {problem.scale}"
+            if reason is None and problem.batch * problem.heads > MAX_GRID_Y:
+                reason = f"{problem.batch} x {problem.heads} (batch x heads) programs exceed a grid's {MAX_GRID_Y} rows"
+            if reason is None:
+                try:
+                    self._forward = GluonForward(problem, forward, self.triton.lse_layout[1])
+                    if sources is not None and source_hash("fwd", codegen.load(problem.spec, forward)) not in sources:
+                        raise StaleKernels("the Gluon forward has changed since its tuned entry was measured")
+                except (StaleKernels, Exception) as error:  # noqa: BLE001 - any failure here costs speed, not the call
+                    reason = f"{type(error).__name__}: {error}"
+                    self._forward = None
+            if reason is not None:
+                failures.append(f"the Gluon forward {forward} does not run here ({reason}): the Triton forward runs")
+        if backward is not None:
+            reason = backward_unserved(problem.spec, device) or unreadable
+            if reason is None and problem.batch * problem.kv_heads > MAX_GRID_Y:
+                reason = (f"{problem.batch} x {problem.kv_heads} (batch x K/V heads) programs exceed a grid's "
+                          f"{MAX_GRID_Y} rows")
+            if reason is None and not self.triton.atomic_dq:
+                reason = "the Triton passes around it (atomic dQ) cannot be built here"
+            if reason is None:
+                try:
+                    self._backward = GluonBackward(problem, backward, self.triton.lse_layout[1])
+                    if sources is not None and source_hash("bwd", codegen.load_backward(problem.spec, backward)) \
+                            not in sources:
+                        raise StaleKernels("the Gluon backward has changed since its tuned entry was measured")
+                except (StaleKernels, Exception) as error:  # noqa: BLE001 - any failure here costs speed, not the call
+                    reason = f"{type(error).__name__}: {error}"
+                    self._backward = None
+            if reason is not None:
+                failures.append(f"the Gluon backward {backward} does not run here ({reason}): the Triton backward runs")
+        if failures:
+            self.build_failure = "; ".join(failures)
+            for failure in failures:
+                warn_once(f"fatune: {failure}")
 
     def __getattr__(self, name: str):
         return getattr(self.triton, name)  # the backward and everything about the call's layout
 
     @property
     def config(self) -> AttentionConfig:
-        return self.triton.config if self._forward is None else self.triton.config.replace(fwd=self.gluon_config)
+        config = self.triton.config
+        if self._forward is not None:
+            config = config.replace(fwd=self.gluon_config)
+        if self._backward is not None and self.triton.atomic_dq:
+            config = config.replace(dkdv=self.backward_config)
+        return config
 
     def deterministic_config(self) -> AttentionConfig:
+        """The Triton family's backward with its dQ kernel (deterministic mode: the Gluon backward adds dQ up in
+        any order), after this plan's forward."""
         config = self.triton.deterministic_config()
         return config if self._forward is None else config.replace(fwd=self.gluon_config)
 
@@ -171,3 +276,52 @@ class GluonPlan:
             return False
         self._launched = True
         return True
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def runs_backward(self, grad_out: torch.Tensor, atomic: bool | None = None) -> bool:
+        """Whether the Gluon backward runs for gradients like `grad_out` (`atomic`: as for Plan.bwd_launches; in
+        torch's deterministic mode the Triton backward's dQ kernel runs)."""
+        return (self._backward is not None and self.triton.atomic_dq and self.triton._atomic(atomic)
+                and tma_readable(grad_out, 2, every_head=True))
+
+    def bwd_launches(self, grad_out: torch.Tensor, atomic: bool | None = None) -> tuple:
+        """The Triton plan's backward launches, its atomic-dQ dK/dV kernel replaced by the Gluon backward where
+        that runs (Delta and the zeroed accumulator before it, dQ's store after)."""
+        launches = self.triton.bwd_launches(grad_out, atomic)
+        if not self.runs_backward(grad_out, atomic) or len(launches) != 3:
+            return launches
+        return launches[0], self._backward, launches[2]
+
+    def backward(self, grad_out, q, k, v, out, lse, extras=NO_EXTRAS, seed=None, key_spans=None):
+        if not self.runs_backward(grad_out):
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+        if not self.triton.on_device():
+            with torch.cuda.device(self.triton.device):
+                return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+        buffers = self.triton.allocate_backward(True)
+        slots = self.triton.slots(q, k, v, out, lse, extras, seed, backward=True, key_spans=key_spans)
+        slots += (grad_out, *buffers)
+        prep, gluon, store = self.bwd_launches(grad_out, True)
+        stream = launch.current_stream(self.triton.device)
+        try:
+            prep(slots, stream)
+        except (KernelBuildError, StaleKernels):  # the Triton plan's own passes: it falls back as it does
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+        try:
+            gluon(slots, stream)
+        except Exception as error:  # noqa: BLE001 - a kernel that cannot be built costs speed, not the call
+            if self._backward_launched:
+                raise
+            self._backward = None
+            first = str(error).splitlines()[0][:160] if str(error) else ""
+            self.build_failure = (f"the Gluon backward {self.backward_config} cannot be built here "
+                                  f"({type(error).__name__}: {first}): the Triton backward runs")
+            warn_once(f"fatune: {self.build_failure}")
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+        self._backward_launched = True
+        try:
+            store(slots, stream)
+        except (KernelBuildError, StaleKernels):
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+        return buffers[1:4]

@@ -1,4 +1,4 @@
-"""Compile the Gluon forward for sm_90 without a GPU, and read what its SASS does.
+"""Compile the Gluon kernels for sm_90 without a GPU, and read what their SASS does.
 
 ptxas and cuobjdump ship in Triton's wheel, so CI (no GPU) compiles every structural variant, checks that it
 spills nothing, and reads the order of its main loop's instructions: the softmax's exponentials (MUFU.EX2) must
@@ -12,15 +12,16 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from fatune.kernel.gluon.codegen import load, width
+from fatune.kernel.gluon.codegen import load, load_backward, width
 from fatune.kernel.spec import GLUON_SPLIT_M as SPLIT_M
-from fatune.kernel.spec import GluonConfig, KernelSpec
+from fatune.kernel.spec import GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.offline import _cuobjdump
 
 _DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}
@@ -66,20 +67,75 @@ def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
 
 def compile_forward(spec: KernelSpec, config: GluonConfig) -> CompiledForward:
     """Compile the forward of `spec` with `config` for sm_90a; raises on failure."""
-    fn = load(spec, config).attn_fwd
-    types, constants = signature(spec, config)
+    compiled = _compile(load(spec, config).attn_fwd, *signature(spec, config), config.maxnreg)
+    registers, spills, sass = _cubin_facts(compiled, sass=True)
+    return CompiledForward(int(compiled.metadata.shared), registers, spills, _order(sass))
+
+
+@dataclass(frozen=True)
+class CompiledBackward:
+    shared_bytes: int
+    registers: int
+    spill_bytes: int
+    ptxas_warnings: tuple[str, ...]  # e.g. C7510-C7515: wgmma products serialized
+
+
+def backward_signature(spec: KernelSpec, config: GluonBackwardConfig) -> tuple[dict, dict]:
+    """Argument types and constexprs of the backward's kernel as a launch passes them."""
+    dtype, name = _DTYPES[spec.dtype]
+    head_dim = width(spec.head_dim)
+    dq_slice = min(config.dq_slice, head_dim)
+    q_block, kv_block, dq_block = [1, 1, config.block_m, head_dim], [1, 1, SPLIT_M, head_dim], [1, 1, config.block_m,
+                                                                                               dq_slice]
+    q_layout = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, dtype)
+    dq_layout = gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)
+    desc = lambda kind, block, layout: f"tensordesc<{kind}[{','.join(map(str, block))}],{layout!r}>"  # noqa: E731
+    types = {"desc_q": desc(name, q_block, q_layout), "desc_k": desc(name, kv_block, kv_layout),
+             "desc_v": desc(name, kv_block, kv_layout), "desc_do": desc(name, q_block, q_layout),
+             "desc_dk": desc(name, kv_block, kv_layout), "desc_dv": desc(name, kv_block, kv_layout),
+             "desc_dqa": desc("fp32", dq_block, dq_layout), "LSE": "*fp32", "DELTA": "*fp32", "sm_scale": "fp32",
+             "HKV": "i32", "GROUP": "i32", "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32",
+             "window_left": "i32", "window_right": "i32", "num_warps": "constexpr"}
+    return types, {"num_warps": 4}
+
+
+def compile_backward(spec: KernelSpec, config: GluonBackwardConfig) -> CompiledBackward:
+    """Compile the backward of `spec` with `config` for sm_90a; raises on failure."""
+    compiled = _compile(load_backward(spec, config).attn_bwd_dkdv, *backward_signature(spec, config), config.maxnreg)
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        checked = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", f"--maxrregcount={config.maxnreg}", ptx.name,
+                                  "-o", "/dev/null"], capture_output=True, text=True)
+    warnings = tuple(line.strip() for line in (checked.stdout + checked.stderr).splitlines()
+                     if "warning" in line.lower())
+    registers, spills, _ = _cubin_facts(compiled)
+    return CompiledBackward(int(compiled.metadata.shared), registers, spills, warnings)
+
+
+def _compile(fn, types: dict, constants: dict, maxnreg: int):
+    """`fn` compiled for sm_90a with the argument `types` and `constants` (constexprs) a launch passes."""
     constexprs = {(fn.arg_names.index(key),): value for key, value in constants.items()}
-    compiled = triton.compile(GluonASTSource(fn, types, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": config.maxnreg})
+    return triton.compile(GluonASTSource(fn, types, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": maxnreg})
+
+
+def _cubin_facts(compiled, sass: bool = False) -> tuple[int, int, str]:
+    """(registers, spilled bytes, its SASS if `sass`) of a compiled kernel, read by cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
                                check=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        listing = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True,
+                                 check=True).stdout if sass else ""
     registers, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
-    return CompiledForward(int(compiled.metadata.shared), int(registers.group(1)) if registers else 0,
-                           int(stack.group(1)) if stack else 0, _order(sass))
+    return int(registers.group(1)) if registers else 0, int(stack.group(1)) if stack else 0, listing
+
+
+def _ptxas() -> str:
+    return str(Path(_cuobjdump()).with_name("ptxas"))
 
 
 def _order(sass: str) -> str:
