@@ -15,12 +15,13 @@ from fatune.kernel.gluon import codegen as gluon_codegen
 from fatune.kernel.gluon import launch as gluon_launch
 from fatune.kernel.gluon import resources
 from fatune.kernel.gluon.family import default_forward
-from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec, LaunchConfig, gluon_register_cap
+from fatune.kernel.spec import (AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig,
+                                gluon_register_cap)
 from fatune.kernel.triton.heuristics import default_config
 from fatune.kernel.triton.resolve import source_hash
 from fatune.tuning import search, study
 from fatune.tuning.shape import Shape
-from fatune.tuning.space import GLUON_FORWARD, GPU_SPACE, INTERPRETER_SPACE, infeasible, make_config
+from fatune.tuning.space import GLUON_BACKWARD, GLUON_FORWARD, GPU_SPACE, INTERPRETER_SPACE, infeasible, make_config
 from fatune.tuning.storage import Heartbeat, open_storage
 from fatune.tuning.target import Target
 
@@ -37,20 +38,24 @@ def hopper(monkeypatch):
     return HOPPER
 
 
+BOTH = ("fwd", GLUON_FORWARD, "dkdv", GLUON_BACKWARD, "dq")
+
+
 @pytest.mark.parametrize("shape, families, expected", [
-    (SHAPE, ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
-    (dataclasses.replace(SHAPE, causal=True, kv_heads=4), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (SHAPE, ("triton", "gluon"), BOTH),
+    (dataclasses.replace(SHAPE, causal=True, kv_heads=4), ("triton", "gluon"), BOTH),
     (SHAPE, ("triton",), ("fwd", "dkdv", "dq")),  # fatune search --family triton
     (dataclasses.replace(SHAPE, dtype="float32"), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # 16-bit only
-    (dataclasses.replace(SHAPE, head_dim=96, head_dim_v=96), ("triton", "gluon"),  # d96 runs 128 lanes wide
-     ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (dataclasses.replace(SHAPE, head_dim=96, head_dim_v=96), ("triton", "gluon"), BOTH),  # d96 runs 128 lanes wide
     (dataclasses.replace(SHAPE, head_dim=64), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # D_v 128 != D 64
-    (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), BOTH),
+    # the Gluon backward takes fixed lengths alone, and head dims up to 128
     (dataclasses.replace(SHAPE, valid_keys=0.5), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
     (dataclasses.replace(SHAPE, documents=4), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),  # packed
+    (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
     (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
 ])
-def test_a_shape_the_gluon_family_serves_gets_a_gluon_forward_study(hopper, shape, families, expected):
+def test_a_shape_the_gluon_family_serves_gets_gluon_studies(hopper, shape, families, expected):
     space = dataclasses.replace(GPU_SPACE, families=families)
     assert study.shape_kernels(shape, hopper, space) == expected
 
@@ -202,6 +207,52 @@ def test_the_faster_familys_forward_wins_and_its_entry_is_served(hopper, tmp_pat
     assert stored.attention_config() == config and stored.attention_config().family == family
 
 
+@pytest.mark.parametrize("dkdv_ms, dq_ms, gluon_ms, winner", [
+    (2.0, 3.0, 1.5, "gluon"),  # the Gluon backward beat the atomic Triton one
+    (2.0, 3.0, 2.5, "atomic"),
+    (2.0, 1.8, 1.5, "gluon"),  # the separate backward beat the atomic one, not the Gluon one
+    (2.0, 1.4, 1.5, "separate"),
+    (2.0, 3.0, None, "atomic"),  # no Gluon trial ran
+])
+def test_the_fastest_backward_of_either_family_wins(hopper, tmp_path, dkdv_ms, dq_ms, gluon_ms, winner):
+    """The dK/dV slot goes to the fastest backward: the Triton family's atomic dK/dV, its dK/dV beside the dQ
+    kernel (the dQ study's time), or the Gluon backward; the entry stores it and the DB gives it back."""
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    heuristic = default_config(SHAPE.spec, (9, 0))
+    searches = [study.KernelSearch(hopper, SHAPE, kernel, heuristic, GPU_SPACE, storage, seed=0, trials=30,
+                                   deadline=time.time() + 600) for kernel in study.shape_kernels(SHAPE, hopper)]
+    by_kernel = {s.kernel: s for s in searches}
+    _finished(by_kernel["fwd"], [(make_config("fwd", by_kernel["fwd"].start), 1.0)])
+    atomic = dataclasses.replace(heuristic.dkdv, atomic_dq=1)
+    separate = dataclasses.replace(heuristic.dkdv, atomic_dq=0, num_stages=1)
+    _finished(by_kernel["dkdv"], [(atomic, dkdv_ms), (separate, dkdv_ms + 1.0)])
+    _finished(by_kernel["dq"], [(heuristic.dq, dq_ms)])
+    backward = GluonBackwardConfig(num_stages=3)
+    assert make_config(GLUON_BACKWARD, by_kernel[GLUON_BACKWARD].start) == GluonBackwardConfig()
+    if gluon_ms is not None:
+        _finished(by_kernel[GLUON_BACKWARD], [(backward, gluon_ms), (GluonBackwardConfig(block_m=128), 9.0)])
+    chosen, kernel_ms, _ = search.choose_winners(SHAPE, searches)
+    assert chosen["dkdv"] == {"gluon": backward, "atomic": atomic, "separate": separate}[winner]
+    config = heuristic.replace(**chosen)
+    entry = search.to_entry(search.ShapeResult(SHAPE, config, kernel_ms, 1.0, 2.0, 3.0, trials=4), hopper)
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        assert db.upsert(entry)
+        (stored,) = db.entries()
+    assert stored.attention_config() == config
+    assert stored.attention_config().gluon_backward == (winner == "gluon")
+
+
+def test_the_gluon_backward_axes_fit_the_gpu():
+    grid = GPU_SPACE.feasible(GLUON_BACKWARD, SHAPE, HOPPER)
+    assert set(GPU_SPACE.axes(GLUON_BACKWARD, SHAPE, 132)) == {"block_m", "num_stages", "consumers", "consumer_regs",
+                                                               "dq_slice"}
+    assert grid and all(isinstance(config, GluonBackwardConfig) for config in grid)
+    assert all(resources.backward_shared_memory_bytes(SHAPE.spec, config) <= H100_SHARED for config in grid)
+    assert GluonBackwardConfig(block_m=128, num_stages=2) not in grid  # 128-row Q and dO tiles two deep at d128
+    small = dataclasses.replace(SHAPE, head_dim=64, head_dim_v=64)
+    assert {config.dq_slice for config in GPU_SPACE.grid(GLUON_BACKWARD, small, 132)} == {64}
+
+
 @pytest.mark.gpu
 def test_gpu_a_search_over_both_families_stores_and_serves_its_winner(tmp_path, monkeypatch):
     """On a Hopper GPU one shape's search runs the Gluon forward's study beside the Triton forward's; some
@@ -219,8 +270,12 @@ def test_gpu_a_search_over_both_families_stores_and_serves_its_winner(tmp_path, 
     result = search.search_shape(shape, target, trials=8, seconds=300, storage=storage, seed=0, space=GPU_SPACE)
     seconds = time.perf_counter() - started
     assert result.kernel_ms.get(GLUON_FORWARD, float("inf")) < float("inf"), result.kernel_ms
+    assert result.kernel_ms.get(GLUON_BACKWARD, float("inf")) < float("inf"), result.kernel_ms
     faster = "gluon" if result.kernel_ms[GLUON_FORWARD] < result.kernel_ms["fwd"] else "triton"
-    assert result.config.family == faster
+    assert result.config.gluon_forward == (faster == "gluon")
+    assert result.config.gluon_backward == (result.kernel_ms[GLUON_BACKWARD] <= min(result.kernel_ms["dkdv"],
+                                                                                    result.kernel_ms["dq"]))
+    family = "gluon" if result.config.gluon_forward or result.config.gluon_backward else "triton"
     monkeypatch.setenv("FATUNE_DB", str(tmp_path / "tuned.sqlite"))
     with TunedDB(tmp_path / "tuned.sqlite") as db:
         search.store(db, result, target)
@@ -230,7 +285,7 @@ def test_gpu_a_search_over_both_families_stores_and_serves_its_winner(tmp_path, 
     try:
         q = torch.randn(4, 16, 2048, 128, device="cuda", dtype=torch.bfloat16)
         explanation = fatune.explain(q, q, q, is_causal=True)
-        assert explanation.backend == faster and explanation.decision.config == result.config, str(explanation)
+        assert explanation.backend == family and explanation.decision.config == result.config, str(explanation)
     finally:
         clear()
     print(f"search of {shape.label()} over both families, 8 trials per study: {seconds:.1f} s; "

@@ -125,7 +125,8 @@ def fatune_note(name: str, shape: Shape, inputs: dict[str, torch.Tensor]) -> str
     if explained.decision is None or explained.launched is None:
         return explained.backend
     launched = explained.launched
-    dq = "" if launched.dkdv.atomic_dq else f", dq {launched.dq}"  # atomic dQ: no dQ kernel runs
+    adds_dq = launched.gluon_backward or launched.dkdv.atomic_dq  # no dQ kernel runs
+    dq = "" if adds_dq else f", dq {launched.dq}"
     return f"{explained.decision.layer}: fwd {launched.fwd}, dkdv {launched.dkdv}{dq}"
 
 

@@ -223,9 +223,9 @@ def search_shape(shape: Shape, target: Target, *, trials: int, seconds: float,
 def choose_winners(shape: Shape, searches: list[KernelSearch]) -> tuple[dict[str, LaunchConfig | GluonConfig],
                                                                          dict[str, float], dict[str, int]]:
     """(each kernel's winning config, each study's best kernel time, trials rejected by reason) of a shape whose
-    studies are finished. The forward's winner is the faster of the families' forward studies (timed on the same
-    inputs); a family's study without a complete trial (its kernels could not be built here) leaves the forward
-    to the other; RuntimeError if no study of a kernel has one. The backward keeps the dQ kernel beside a non-atomic dK/dV where that beat the
+    studies are finished. The forward's winner is the faster of the families' forward studies, the dK/dV slot's of
+    their backward studies (each timed on the same inputs); a family's study without a complete trial (its kernels
+    could not be built here) leaves the slot to the other; RuntimeError if no study of a kernel has one. The backward keeps the dQ kernel beside a non-atomic dK/dV where that beat the
     atomic backward (separate_backward)."""
     chosen: dict[str, LaunchConfig | GluonConfig] = {}
     kernel_ms: dict[str, float] = {}  # per study: the forward's of each family
@@ -249,7 +249,8 @@ def choose_winners(shape: Shape, searches: list[KernelSearch]) -> tuple[dict[str
     if not forward_only(shape):
         dkdv, dq = (next(s for s in searches if s.kernel == kernel) for kernel in ("dkdv", "dq"))
         separate = separate_backward(dkdv, dq)
-        if separate is not None:  # the dQ kernel beside a non-atomic dK/dV beat the atomic backward
+        # the dQ kernel beside a non-atomic dK/dV beat the atomic backward (and the Gluon one, if that won)
+        if separate is not None and dq.known_best[0] < slot_ms["dkdv"]:
             chosen["dkdv"], kernel_ms["dkdv"] = separate, dkdv.known_best_separate[0]
     return chosen, kernel_ms, rejected
 

@@ -2,8 +2,8 @@
 compiling, configs that cannot fit a GPU (infeasible).
 
 A shape has a study per kernel of the Triton family ("fwd", "dkdv", "dq") and, where the Gluon family serves
-it, one of the Gluon forward (GLUON_FORWARD): the family is an axis of the search, decided by the forward
-studies' best times (fatune.tuning.search.measure_shape)."""
+it, one of the Gluon forward (GLUON_FORWARD) and one of the Gluon backward (GLUON_BACKWARD): the family is an
+axis of the search, decided per slot by the studies' best times (fatune.tuning.search.choose_winners)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fatune.db import seqlen_bucket
 from fatune.kernel.gluon import resources as gluon_resources
-from fatune.kernel.spec import GluonConfig, KernelSpec, LaunchConfig, lanes
+from fatune.kernel.spec import GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig, lanes
 from fatune.kernel.triton.resources import MIN_ELEMENTS_PER_THREAD, shared_memory_bytes
 from fatune.kernel.triton.structure import atomic_dq_kinds, split_d_searched
 from fatune.tuning.shape import Shape
@@ -30,17 +30,21 @@ MAXNREG_LANES = 64
 
 
 GLUON_FORWARD = "fwd-gluon"  # the study of the Gluon family's forward
+GLUON_BACKWARD = "dkdv-gluon"  # the study of the Gluon family's backward (its dK/dV kernel adds dQ up)
+GLUON_STUDIES = {GLUON_FORWARD: ("fwd", GluonConfig), GLUON_BACKWARD: ("dkdv", GluonBackwardConfig)}
+Config = LaunchConfig | GluonConfig | GluonBackwardConfig
 
 
 def slot(kernel: str) -> str:
-    """The kernel (an AttentionConfig field) a study's configs fill: "fwd" for either family's forward."""
-    return "fwd" if kernel == GLUON_FORWARD else kernel
+    """The kernel (an AttentionConfig field) a study's configs fill: "fwd" for either family's forward, "dkdv"
+    for either family's backward."""
+    return GLUON_STUDIES[kernel][0] if kernel in GLUON_STUDIES else kernel
 
 
-def make_config(kernel: str, params: dict) -> LaunchConfig | GluonConfig:
+def make_config(kernel: str, params: dict) -> Config:
     """A study's config from its axes' values; ValueError for a combination the family refuses (registers
     the consumer warpgroups cannot get)."""
-    return GluonConfig.from_dict(params) if kernel == GLUON_FORWARD else LaunchConfig.from_dict(params)
+    return GLUON_STUDIES[kernel][1].from_dict(params) if kernel in GLUON_STUDIES else LaunchConfig.from_dict(params)
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ class SearchSpace:
     consumer_regs: tuple[int, ...] = (160, 192, 216, 232, 240)
     overlap: tuple[int, ...] = (0, 1)  # the softmax under the previous tile's P V, or one step after the other
     pingpong: tuple[int, ...] = (0, 1)  # the consumers take turns issuing their products (with overlap only)
+    # the Gluon backward (GLUON_BACKWARD): query tiles, ring depth, and dQ's slice (consumers and registers above)
+    gluon_block_m: tuple[int, ...] = (64, 128)
+    gluon_bwd_stages: tuple[int, ...] = (1, 2, 3)
+    dq_slice: tuple[int, ...] = (64, 128)
     families: tuple[str, ...] = ("triton", "gluon")  # the kernel families whose studies a search runs
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -83,6 +91,10 @@ class SearchSpace:
         if kernel == GLUON_FORWARD:
             return {"block_n": self.gluon_block_n, "num_stages": self.gluon_stages, "consumers": self.consumers,
                     "consumer_regs": self.consumer_regs, "overlap": self.overlap, "pingpong": self.pingpong}
+        if kernel == GLUON_BACKWARD:
+            slices = tuple(value for value in self.dq_slice if value <= max(64, lanes(shape.spec.head_dim)))
+            return {"block_m": self.gluon_block_m, "num_stages": self.gluon_bwd_stages, "consumers": self.consumers,
+                    "consumer_regs": self.consumer_regs, "dq_slice": slices}
         axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
         if kernel == "fwd":
@@ -111,7 +123,7 @@ class SearchSpace:
         programs = math.ceil(rows / max(self.block_m)) * shape.kv_heads * shape.batch
         return programs >= SPLIT_WAVES * sms
 
-    def grid(self, kernel: str, shape: Shape, sms: int | None = None) -> list[LaunchConfig | GluonConfig]:
+    def grid(self, kernel: str, shape: Shape, sms: int | None = None) -> list[Config]:
         """Every config of the axes that the family accepts (make_config)."""
         axes = self.axes(kernel, shape, sms)
         configs = []
@@ -122,7 +134,7 @@ class SearchSpace:
                 continue
         return configs
 
-    def feasible(self, kernel: str, shape: Shape, target: Target) -> frozenset[LaunchConfig | GluonConfig]:
+    def feasible(self, kernel: str, shape: Shape, target: Target) -> frozenset[Config]:
         """The grid's configs that the resource model (infeasible) lets run on `target`: the points a search
         may try, and so the most trials it can run."""
         return _feasible(self, kernel, shape, target.sms, target.shared_limit, target.arch)
@@ -139,12 +151,14 @@ INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32), num_warps=(4
                                 families=("triton",))  # nor does it run Gluon kernels
 
 
-def infeasible(kernel: str, spec: KernelSpec, config: LaunchConfig | GluonConfig, shared_limit: int | None,
+def infeasible(kernel: str, spec: KernelSpec, config: Config, shared_limit: int | None,
                arch: tuple[int, int] = (9, 0)) -> str | None:
     """Why `config` cannot run well for `kernel` on a GPU of compute capability `arch` with `shared_limit` bytes
     per block (None: the interpreter, where only correctness matters), decided without compiling; None if it may."""
     if isinstance(config, GluonConfig):
         return gluon_resources.infeasible(spec, config, shared_limit)
+    if isinstance(config, GluonBackwardConfig):
+        return gluon_resources.backward_infeasible(spec, config, shared_limit)
     if shared_limit is None:
         return None
     if config.block_m * config.block_n < config.num_warps * 32 * MIN_ELEMENTS_PER_THREAD:
@@ -167,7 +181,7 @@ def default_space(target: Target) -> SearchSpace:
 
 @functools.lru_cache(maxsize=1024)
 def _feasible(space: SearchSpace, kernel: str, shape: Shape, sms: int | None, shared_limit: int | None,
-              arch: tuple[int, int]) -> frozenset[LaunchConfig | GluonConfig]:
+              arch: tuple[int, int]) -> frozenset[Config]:
     return frozenset(config for config in space.grid(kernel, shape, sms)
                      if infeasible(kernel, shape.spec, config, shared_limit, arch) is None)
 

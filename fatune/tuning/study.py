@@ -31,14 +31,14 @@ import torch
 
 from fatune.db import is_decode, key_columns, seqlen_bucket
 from fatune.kernel.family import family
-from fatune.kernel.gluon.family import default_forward
-from fatune.kernel.spec import KERNELS, AttentionConfig, GluonConfig, KernelSpec, LaunchConfig
+from fatune.kernel.gluon.family import default_backward, default_forward
+from fatune.kernel.spec import KERNELS, AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig
 from fatune.kernel.triton.structure import runnable_backward
 from fatune.tuning import compile_log, precompile
 from fatune.tuning import storage as storage_module
 from fatune.tuning.precompile import CompilePool
 from fatune.tuning.shape import Shape, shape_key
-from fatune.tuning.space import (GLUON_FORWARD, SearchSpace, axes_digest, default_space, infeasible, make_config,
+from fatune.tuning.space import (GLUON_BACKWARD, GLUON_FORWARD, GLUON_STUDIES, SearchSpace, axes_digest, default_space, infeasible, make_config,
                                   slot, trial_budget)
 from fatune.tuning.storage import Heartbeat, storage_lock
 from fatune.tuning.target import Checker, Stopwatch, Target
@@ -89,18 +89,26 @@ def forward_only(shape: Shape) -> bool:
 
 def shape_kernels(shape: Shape, target: Target | None = None, space: SearchSpace | None = None) -> tuple[str, ...]:
     """The studies searched for `shape`, in search order: the Triton family's kernels (the forward's alone for a
-    forward-only shape), with the Gluon forward's (GLUON_FORWARD) after the forward's where `space` (default: the
-    target's) searches that family and it serves the shape on `target`'s GPU."""
+    forward-only shape), with the Gluon forward's (GLUON_FORWARD) after the forward's and the Gluon backward's
+    (GLUON_BACKWARD) after dK/dV's where `space` (default: the target's) searches that family and it serves the
+    shape on `target`'s GPU."""
     kernels = ("fwd",) if forward_only(shape) else KERNELS
-    if target is None or "gluon" not in (space or default_space(target)).families or \
-            family("gluon").serves(shape.spec, target.device) is not None:
+    if target is None or "gluon" not in (space or default_space(target)).families:
         return kernels
-    return (kernels[0], GLUON_FORWARD, *kernels[1:])
+    gluon = family("gluon")
+    studies = []
+    for kernel in kernels:
+        studies.append(kernel)
+        if kernel == "fwd" and gluon.serves(shape.spec, target.device) is None:
+            studies.append(GLUON_FORWARD)
+        if kernel == "dkdv" and gluon.serves_backward(shape.spec, target.device) is None:
+            studies.append(GLUON_BACKWARD)
+    return tuple(studies)
 
 
 def study_family(kernel: str) -> str:
     """The kernel family a study's configs belong to."""
-    return "gluon" if kernel == GLUON_FORWARD else "triton"
+    return "gluon" if kernel in GLUON_STUDIES else "triton"
 
 
 def study_name(target: Target, shape: Shape, kernel: str, space: SearchSpace | None = None) -> str:
@@ -209,8 +217,14 @@ def heuristic_params(heuristic: AttentionConfig, kernel: str, spec: KernelSpec, 
     if kernel == GLUON_FORWARD:
         forward = heuristic.fwd if isinstance(heuristic.fwd, GluonConfig) else default_forward(spec)
         return {axis: value for axis, value in dataclasses.asdict(forward).items() if axis in axes}
-    if kernel == "fwd" and isinstance(heuristic.fwd, GluonConfig):
+    if kernel == GLUON_BACKWARD:
+        backward = heuristic.dkdv if isinstance(heuristic.dkdv, GluonBackwardConfig) else default_backward(spec)
+        return {axis: value for axis, value in dataclasses.asdict(backward).items() if axis in axes}
+    if kernel == "fwd" and isinstance(heuristic.fwd, GluonConfig) or \
+            kernel == "dkdv" and isinstance(heuristic.dkdv, GluonBackwardConfig):
         return {}
+    if isinstance(heuristic.dkdv, GluonBackwardConfig):  # the dQ study's runs beside the Triton family's dK/dV
+        heuristic = heuristic.replace(dkdv=family("gluon").triton_part(spec, heuristic).dkdv)
     if kernel == "dq":  # dQ trials run beside a dK/dV without atomic dQ (base_config): its structure as it is
         heuristic = heuristic.replace(dkdv=dataclasses.replace(heuristic.dkdv, atomic_dq=0))
     runs_as = runnable_backward(heuristic, spec, tma=True)

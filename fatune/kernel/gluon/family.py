@@ -15,9 +15,10 @@ import torch
 from fatune.hardware import Arch
 from fatune.kernel.codegen import Templates
 from fatune.kernel.gluon import codegen
-from fatune.kernel.gluon.launch import GluonPlan, passes_config, unserved
+from fatune.kernel.gluon.launch import (GluonPlan, backward_unserved, backward_untemplated, passes_config,
+                                        unserved)
 from fatune.kernel.problem import AttentionProblem
-from fatune.kernel.spec import AttentionConfig, GluonConfig, KernelSpec, LaunchConfig
+from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig
 from fatune.kernel.triton import resolve
 from fatune.kernel.triton.family import TRITON
 from fatune.kernel.triton.resolve import source_hash
@@ -37,6 +38,12 @@ def default_forward(spec: KernelSpec) -> GluonConfig:
     return GluonConfig(block_n=128, num_stages=2)
 
 
+def default_backward(spec: KernelSpec) -> GluonBackwardConfig:
+    """The backward's config before a search: two consumer warpgroups of 64 keys, 64-row query tiles two deep, dQ
+    in 64-lane slices (what fits 240 registers per consumer at d128 with little spilled)."""
+    return GluonBackwardConfig()
+
+
 @dataclass(frozen=True)
 class GluonFamily:
     name: str = "gluon"
@@ -45,6 +52,10 @@ class GluonFamily:
 
     def serves(self, spec: KernelSpec, device: torch.device) -> str | None:
         return unserved(spec, device)
+
+    def serves_backward(self, spec: KernelSpec, device: torch.device) -> str | None:
+        """None if the Gluon backward runs calls of `spec` on `device`; else why not."""
+        return backward_unserved(spec, device)
 
     def heuristic(self, problem: AttentionProblem, arch: Arch | None, sms: int | None) -> AttentionConfig:
         """The Triton family's heuristic with this family's forward (default_forward)."""
@@ -85,11 +96,16 @@ class GluonFamily:
         return ",".join(sorted(hashes))
 
     def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
-        """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not
-        (what its study renders; the tiles and registers only fill in numbers)."""
+        """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not,
+        and the backward's with two and three (what the studies render; the tiles and registers only fill in
+        numbers)."""
         sources = [source_hash("fwd", codegen.render(spec, GluonConfig(consumers=consumers, consumer_regs=160,
                                                                        overlap=overlap, pingpong=pingpong)))
                    for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1))]
+        if backward_untemplated(spec) is None:
+            sources += [source_hash("bwd", codegen.render_backward(spec, GluonBackwardConfig(consumers=consumers,
+                                                                                              consumer_regs=160)))
+                        for consumers in (2, 3)]
         return hashlib.sha256(",".join(sources).encode()).hexdigest()[:16]
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
