@@ -32,6 +32,7 @@ from fatune.bench.common import bench_device, error_text, geomean, peak_step_byt
 from fatune.bench.results import PlotSpec, Report
 from fatune.hardware import device_arch, sm_count
 from fatune.kernel.family import family
+from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.triton.heuristics import heuristic_config
 from fatune.tuning.competitors import Attention, competitors, sdpa_default
 from fatune.tuning.shape import Shape, make_inputs
@@ -86,14 +87,21 @@ class BenchRow:
 
 def _fatune_config(name: str, shape: Shape, device: torch.device):
     """The config an implementation named in FATUNE_IMPLS forces on `device` (None: dispatched): the heuristic's
-    (fatune-heuristic), unsplit and unpacked (fatune-plain), with the Gluon family's forward (fatune-gluon; the
-    Triton family's where Gluon does not serve the shape), or the Triton family's alone (fatune-triton)."""
+    (fatune-heuristic), unsplit and unpacked (fatune-plain), with the Gluon family's forward and backward
+    (fatune-gluon; the Triton family's where Gluon does not serve the shape), or the Triton family's alone
+    (fatune-triton)."""
     if name not in ("fatune-heuristic", "fatune-plain", "fatune-gluon", "fatune-triton"):
         return None
-    if name in ("fatune-gluon", "fatune-triton"):
-        chosen = family(name.removeprefix("fatune-"))
-        serves = chosen.serves(shape.spec, device) is None
-        return (chosen if serves else family("triton")).heuristic(shape.problem, device_arch(device), sm_count(device))
+    if name == "fatune-gluon":  # its forward and backward where each serves the shape, the Triton family's else
+        gluon = family("gluon")
+        config = family("triton").heuristic(shape.problem, device_arch(device), sm_count(device))
+        if gluon.serves(shape.spec, device) is None:
+            config = config.replace(fwd=default_forward(shape.spec))
+        if gluon.serves_backward(shape.spec, device) is None:
+            config = config.replace(dkdv=default_backward(shape.spec))
+        return config
+    if name == "fatune-triton":
+        return family("triton").heuristic(shape.problem, device_arch(device), sm_count(device))
     config = heuristic_config(shape.problem, device_arch(device), sm_count(device), packed=name != "fatune-plain")
     if name == "fatune-plain":
         config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
