@@ -300,7 +300,7 @@ def misplaced_structure(kernel: str, config: LaunchConfig) -> list[str]:
     return sorted(name for name in config.structure if kernel not in STRUCTURE_OWNER[name])
 
 
-GLUON_SPLIT_M = 64  # query rows per consumer warpgroup of the Gluon forward (a wgmma's M per warpgroup)
+GLUON_SPLIT_M = 64  # rows per consumer warpgroup of a Gluon kernel, the forward's queries, the backward's keys (a wgmma's M)
 
 
 GLUON_PRODUCER_REGS = 24  # registers per thread the Gluon forward's producer warpgroup keeps (setmaxnreg)

@@ -10,7 +10,7 @@ from typing import Any
 
 from fatune.kernel import codegen
 from fatune.kernel.codegen import Templates
-from fatune.kernel.spec import GLUON_PRODUCER_REGS, GluonBackwardConfig, GluonConfig, KernelSpec
+from fatune.kernel.spec import GLUON_PRODUCER_REGS, GLUON_SPLIT_M, GluonBackwardConfig, GluonConfig, KernelSpec
 
 TEMPLATES = Templates("gluon")
 # the head-dim widths the forward is compiled for (a tile's dims are powers of two); a call's head dim runs at the
@@ -88,7 +88,7 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(config.to_dict(), sort_keys=True),
         "HEAD_DIM": width(spec.head_dim), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-        "STAGES": config.num_stages, "DQ_SLICE": min(config.dq_slice, width(spec.head_dim)),
+        "SPLIT_N": GLUON_SPLIT_M, "STAGES": config.num_stages, "DQ_SLICE": min(config.dq_slice, width(spec.head_dim)),
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
         "EXACT_DELTA_KEYS": EXACT_DELTA_KEYS, "BOTTOM_RIGHT": spec.bottom_right, "HAS_LEFT": spec.window_left,
         "HAS_RIGHT": has_right, "HAS_BAND": split_ds, "SPLIT_DS": split_ds,

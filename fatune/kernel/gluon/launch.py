@@ -61,6 +61,14 @@ def passes_config(spec: KernelSpec) -> LaunchConfig:
     return dataclasses.replace(default_config(spec, (9, 0)).dkdv, atomic_dq=1)
 
 
+def described(tensor: torch.Tensor) -> bool:
+    """Whether a four-dim TMA descriptor over `tensor` (B, H, L, D) can be made: a unit head-dim stride and a
+    16-byte aligned base and strides, every dim's (tma_readable leaves out those of size 1)."""
+    size = tensor.element_size()
+    return (tensor.stride(-1) == 1 and tensor.data_ptr() % 16 == 0
+            and all(stride > 0 and stride * size % 16 == 0 for stride in tensor.stride()[:-1]))
+
+
 def backward_unserved(spec: KernelSpec, device: torch.device) -> str | None:
     """None if the Gluon backward can run calls of `spec` on `device`; else why not (one line)."""
     if device.type != "cuda" or device_arch(device) != (9, 0):
@@ -283,7 +291,7 @@ class GluonPlan:
         """Whether the Gluon backward runs for gradients like `grad_out` (`atomic`: as for Plan.bwd_launches; in
         torch's deterministic mode the Triton backward's dQ kernel runs)."""
         return (self._backward is not None and self.triton.atomic_dq and self.triton._atomic(atomic)
-                and tma_readable(grad_out, 2, every_head=True))
+                and described(grad_out))
 
     def bwd_launches(self, grad_out: torch.Tensor, atomic: bool | None = None) -> tuple:
         """The Triton plan's backward launches, its atomic-dQ dK/dV kernel replaced by the Gluon backward where
@@ -294,11 +302,12 @@ class GluonPlan:
         return launches[0], self._backward, launches[2]
 
     def backward(self, grad_out, q, k, v, out, lse, extras=NO_EXTRAS, seed=None, key_spans=None):
-        if not self.runs_backward(grad_out):
+        if not (self.runs_backward(grad_out) and all(described(t) for t in (q, k, v))):
             return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
         if not self.triton.on_device():
             with torch.cuda.device(self.triton.device):
                 return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+        grad_out = self.triton.addressable(grad_out)  # the Triton passes around the kernel read it too
         buffers = self.triton.allocate_backward(True)
         slots = self.triton.slots(q, k, v, out, lse, extras, seed, backward=True, key_spans=key_spans)
         slots += (grad_out, *buffers)

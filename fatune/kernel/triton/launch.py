@@ -500,6 +500,13 @@ class Plan:
         dq_acc = new_buffer(*self.dq_acc_layout, torch.float32, self.device) if atomic else None
         return delta, dq, dk, dv, dq_acc
 
+    def addressable(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """`grad_out`, or where its rows lie too far apart for the kernels' int32 offsets a copy in the output's
+        layout, which fits."""
+        if slice_offset(grad_out.shape, grad_out.stride(), 0 if self.packed else 2) > MAX_SLICE_OFFSET:
+            return new_buffer(*self.out_layout, self.dtype, self.device).copy_(grad_out)
+        return grad_out
+
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, extras: tuple = NO_EXTRAS,
                  seed: torch.Tensor | None = None, key_spans: torch.Tensor | None = None
@@ -508,9 +515,7 @@ class Plan:
         if not self.on_device():
             with torch.cuda.device(self.device):
                 return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
-        if slice_offset(grad_out.shape, grad_out.stride(), 0 if self.packed else 2) > MAX_SLICE_OFFSET:
-            # its rows lie too far apart for the kernels' int32 offsets: a copy in the output's layout, which fits
-            grad_out = new_buffer(*self.out_layout, self.dtype, self.device).copy_(grad_out)
+        grad_out = self.addressable(grad_out)
         atomic = self.adds_dq_atomically()
         buffers = self.allocate_backward(atomic)
         slots = self.slots(q, k, v, out, lse, extras, seed, backward=True, key_spans=key_spans) + (grad_out, *buffers)
