@@ -47,6 +47,8 @@ COMPILED = [
     # packed sequences: each program makes its sequence's Q, K, V and O descriptors
     (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True, seqlens="varlen"),
      GluonConfig(128, 2), 0),
+    # ALiBi: every score carries its bias
+    (KernelSpec("bfloat16", 128, causal=True, alibi=True), GluonConfig(128, 2), 0),
 ]
 
 
@@ -133,6 +135,28 @@ def test_gpu_gluon_forward_with_a_sliding_window(case, dtype, poison_outputs, re
     config = default_config(problem.spec, (9, 0)).replace(fwd=default_forward(problem.spec))
     explained = fatune.explain(q, k, v, config=config, **kwargs)
     assert explained.launched.family == "gluon", explained
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("slopes", ["per-head", "per-batch"])
+@pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300, 128), (1, 4, 4, 129, 333, 64), (2, 2, 1, 257, 100, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_gluon_forward_with_alibi(shape, causal, alignment, slopes, dtype, poison_outputs, record_gpu_errors):
+    """ALiBi slopes of shape (H,) or (B, H): the Gluon forward adds the bias to every score, the Triton backward
+    after it reads the same LSE."""
+    batch, heads, kv_heads, lq, lk, d = shape
+    torch.manual_seed(stable_seed(shape, causal, alignment, slopes, dtype))
+    q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
+    alibi = torch.rand(heads if slopes == "per-head" else (batch, heads), device="cuda") * 0.5
+    kwargs = {"is_causal": causal, "enable_gqa": kv_heads != heads, "alibi_slopes": alibi}
+    if alignment is not None:
+        kwargs["causal_alignment"] = alignment
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec))
+    assert fatune.explain(q, k, v, config=config, **kwargs).launched.family == "gluon"
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
 
 

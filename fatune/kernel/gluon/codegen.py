@@ -35,7 +35,8 @@ def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
         "HEAD_DIM": width(spec.head_dim), "D": spec.head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "OVERLAP": bool(config.overlap),
         "PINGPONG": bool(config.pingpong), "PRODUCER_REGS": GLUON_PRODUCER_REGS,
-        "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right, **sequence_options(spec.seqlens),
+        "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right, **sequence_options(spec.seqlens, spec.alibi),
+        "ALIBI": spec.alibi,
         "HAS_LEFT": spec.window_left, "HAS_RIGHT": spec.causal or spec.window_right,
         "HAS_BAND": spec.causal or spec.window_left or spec.window_right,
     }
@@ -43,20 +44,21 @@ def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
 
 # the kernel's parameters per way a call gives its sequences' lengths (fatune.kernel.spec.KernelSpec.seqlens): the
 # bounds' tensors; the K and V (and, packed, Q) pointers the producer makes its sequence's descriptors from; and,
-# packed, the O pointer the consumers make theirs from
+# packed, the O pointer the consumers make theirs from (with ALiBi, the consumers' slopes too)
 _SEQUENCE_PARAMS = {"fixed": "", "seqlens_k": ", SEQLENS_K", "varlen": ", CU_Q, CU_K"}
 _KV_POINTERS = ", K, V, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl"
 _POINTER_PARAMS = {"fixed": "", "seqlens_k": _KV_POINTERS, "varlen": _KV_POINTERS + ", Q, stride_qh, stride_ql"}
-_OUTPUT_PARAMS = {"fixed": "", "seqlens_k": "", "varlen": ", O, stride_oh, stride_ol"}
+_CONSUMER_PARAMS = {"fixed": "", "seqlens_k": "", "varlen": ", O, stride_oh, stride_ol"}
+ALIBI_PARAMS = ", ALIBI, stride_ab, stride_ah"
 
 
-def sequence_options(seqlens: str) -> dict[str, str]:
-    """The template options of the way a call gives its sequences' lengths ("fixed", "seqlens_k", "varlen"); the
-    parameters are passed on under their own names, so each list is both."""
+def sequence_options(seqlens: str, alibi: bool = False) -> dict[str, str]:
+    """The template options of the way a call gives its sequences' lengths ("fixed", "seqlens_k", "varlen") and of
+    ALiBi; the parameters are passed on under their own names, so each list is both."""
+    consumers = _CONSUMER_PARAMS[seqlens] + (ALIBI_PARAMS if alibi else "")
     return {"SEQUENCES": seqlens, "SEQUENCE_PARAMS": _SEQUENCE_PARAMS[seqlens],
             "SEQUENCE_ARGS": _SEQUENCE_PARAMS[seqlens], "POINTER_PARAMS": _POINTER_PARAMS[seqlens],
-            "POINTER_ARGS": _POINTER_PARAMS[seqlens], "OUTPUT_PARAMS": _OUTPUT_PARAMS[seqlens],
-            "OUTPUT_ARGS": _OUTPUT_PARAMS[seqlens]}
+            "POINTER_ARGS": _POINTER_PARAMS[seqlens], "CONSUMER_PARAMS": consumers, "CONSUMER_ARGS": consumers}
 
 
 def render(spec: KernelSpec, config: GluonConfig) -> str:

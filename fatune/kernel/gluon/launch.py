@@ -49,7 +49,7 @@ def untemplated(spec: KernelSpec) -> str | None:
     if spec.head_dim != spec.head_dim_v or spec.head_dim > codegen.HEAD_DIMS[-1] or spec.head_dim % 8:
         return (f"the Gluon forward takes head dims that are multiples of 8 up to {codegen.HEAD_DIMS[-1]} (equal for "
                 f"q and v; TMA reads rows of 16-byte multiples), not {spec.head_dim}/{spec.head_dim_v}")
-    if spec.attn_mask != "none" or spec.alibi or spec.dropout or spec.paged:
+    if spec.attn_mask != "none" or spec.dropout or spec.paged:
         return f"the Gluon forward does not take the {spec.mask_variant} variant yet"
     return None
 
@@ -131,6 +131,8 @@ class GluonForward:
         self.config = config
         self.kernel = codegen.load(problem.spec, config).attn_fwd
         self.sequences = problem.spec.seqlens  # "fixed", or how the kernel makes its sequence's descriptors
+        # ALiBi: the slopes' (B, H) strides (a call's (H,) slopes broadcast over the batch at stride 0)
+        self.alibi = tuple(problem.alibi_slopes.stride()) if problem.spec.alibi else None
         self.packed = self.sequences == "varlen"
         self.grid = (triton.cdiv(problem.max_seqlen_q if self.packed else problem.seqlen_q, config.block_m),
                      problem.batch * problem.heads)
@@ -160,6 +162,8 @@ class GluonForward:
             args += (extras[_EXTRA["cu_seqlens_q"]], extras[_EXTRA["cu_seqlens_k"]], k, v, 0, k.stride(1), k.stride(0),
                      0, v.stride(1), v.stride(0), q, q.stride(1), q.stride(0), out, out.stride(1), out.stride(0))
             launch.ensure_triton_allocator()
+        if self.alibi is not None:
+            args += (extras[_EXTRA["alibi_slopes"]], *self.alibi)
         if launch.compiling_only():
             self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
             return

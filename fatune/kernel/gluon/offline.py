@@ -62,6 +62,8 @@ def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
         types |= {"SEQLENS_K": "*i32"} if spec.seqlens == "seqlens_k" else \
             {"CU_Q": "*i32", "CU_K": "*i32", "Q": f"*{name}", "O": f"*{name}", "stride_qh": "i32", "stride_ql": "i32",
              "stride_oh": "i32", "stride_ol": "i32"}
+    if spec.alibi:
+        types |= {"ALIBI": "*fp32", "stride_ab": "i32", "stride_ah": "i32"}
     return types, {"num_warps": 4}
 
 
