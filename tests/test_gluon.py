@@ -221,6 +221,7 @@ COMPILED_BACKWARD = [
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(), 384),
     (KernelSpec("float16", 96, window_left=True, window_right=True, bottom_right=True),
      GluonBackwardConfig(dq_slice=128), 512),
+    (KernelSpec("bfloat16", 128, causal=True, alibi=True), GluonBackwardConfig(), 384),
 ]
 
 
@@ -303,6 +304,25 @@ def test_gpu_gluon_backward_with_a_sliding_window(case, dtype, poison_outputs, r
     kwargs = {"is_causal": causal, "window_size": window, "enable_gqa": kv_heads != heads}
     spec = fatune.explain(q, k, v, **kwargs).spec
     config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig())
+    assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300, 128), (1, 4, 4, 129, 333, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_gluon_backward_with_alibi(shape, causal, alignment, dtype, poison_outputs, record_gpu_errors):
+    """Per-(batch, head) slopes, each query head of a GQA group its own: both Gluon kernels."""
+    batch, heads, kv_heads, lq, lk, d = shape
+    torch.manual_seed(stable_seed(shape, causal, alignment, dtype, "alibi-backward"))
+    q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
+    kwargs = {"is_causal": causal, "enable_gqa": kv_heads != heads,
+              "alibi_slopes": torch.rand(batch, heads, device="cuda") * 0.5}
+    if alignment is not None:
+        kwargs["causal_alignment"] = alignment
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec), dkdv=GluonBackwardConfig())
     assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
 

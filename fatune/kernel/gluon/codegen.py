@@ -95,6 +95,9 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
         "EXACT_DELTA_KEYS": EXACT_DELTA_KEYS, "BOTTOM_RIGHT": spec.bottom_right, "HAS_LEFT": spec.window_left,
         "HAS_RIGHT": has_right, "HAS_BAND": split_ds, "SPLIT_DS": split_ds,
         "DS_BUFFERS": config.consumers * (2 if split_ds else 1),
+        # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
+        "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi,
+        "CONSUMER_PARAMS": ALIBI_PARAMS if spec.alibi else "",
     }
 
 

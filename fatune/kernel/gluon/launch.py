@@ -83,7 +83,7 @@ def backward_untemplated(spec: KernelSpec) -> str | None:
     if spec.head_dim != spec.head_dim_v or not 32 < spec.head_dim <= 128 or spec.head_dim % 8:
         return (f"the Gluon backward takes head dims that are multiples of 8 in 40..128 (equal for q and v), not "
                 f"{spec.head_dim}/{spec.head_dim_v}")
-    if spec.attn_mask != "none" or spec.alibi or spec.dropout or spec.paged or spec.seqlens != "fixed":
+    if spec.attn_mask != "none" or spec.dropout or spec.paged or spec.seqlens != "fixed":
         return f"the Gluon backward does not take the {spec.mask_variant} variant yet"
     return None
 
@@ -107,6 +107,9 @@ class GluonBackward:
         self.key_layout = gl.NVMMASharedLayout.get_default_for(self.keys, dtype)
         self.dq_layout = gl.NVMMASharedLayout.get_default_for(self.dq_rows, gl.float32)
         self.slots = tuple(SLOTS.index(name) for name in ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA"))
+        # ALiBi: the slopes' slot and (B, H) strides
+        self.alibi = (SLOTS.index(POINTER_OF["alibi_slopes"]), *problem.alibi_slopes.stride()) \
+            if problem.spec.alibi else None
 
     def __call__(self, slots: tuple, stream: int | None = None) -> None:
         q, k, v, grad_out, dk, dv, dq_acc, lse, delta = (slots[index] for index in self.slots)
@@ -118,6 +121,8 @@ class GluonBackward:
                 TensorDescriptor.from_tensor(dk, keys, self.key_layout),
                 TensorDescriptor.from_tensor(dv, keys, self.key_layout),
                 TensorDescriptor.from_tensor(dq_acc, self.dq_rows, self.dq_layout), lse, delta, *self.scalars)
+        if self.alibi is not None:
+            args += (slots[self.alibi[0]], *self.alibi[1:])
         if launch.compiling_only():
             self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
             return
