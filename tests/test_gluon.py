@@ -222,6 +222,8 @@ COMPILED_BACKWARD = [
     (KernelSpec("float16", 96, window_left=True, window_right=True, bottom_right=True),
      GluonBackwardConfig(dq_slice=128), 512),
     (KernelSpec("bfloat16", 128, causal=True, alibi=True), GluonBackwardConfig(), 384),
+    # key lengths: the producer makes its sequence's K and V descriptors
+    (KernelSpec("bfloat16", 128, causal=True, bottom_right=True, seqlens="seqlens_k"), GluonBackwardConfig(), 384),
 ]
 
 
@@ -325,6 +327,36 @@ def test_gpu_gluon_backward_with_alibi(shape, causal, alignment, dtype, poison_o
     config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec), dkdv=GluonBackwardConfig())
     assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (64, 0))])
+@pytest.mark.parametrize("d", [64, 128, 96])
+def test_gpu_gluon_backward_with_key_lengths_never_reads_past_them(d, causal, window, dtype, poison_outputs,
+                                                                   record_gpu_errors):
+    """Keys past each sequence's length hold NaN: both Gluon kernels never read them, dK and dV there are 0, and
+    the gradients meet the accuracy rule; lengths 0, 1, ragged and full."""
+    torch.manual_seed(stable_seed(d, causal, window, dtype, "backward-lengths"))
+    q, k, v = random_qkv(4, 4, 2, 200, 333, d, d, dtype=dtype, device="cuda")
+    lengths = torch.tensor([0, 1, 150, 333], dtype=torch.int32, device="cuda")
+    for tensor in (k, v):
+        with torch.no_grad():
+            for b, n in enumerate(lengths.tolist()):
+                tensor[b, :, n:] = float("nan")
+    kwargs = {"is_causal": causal, "enable_gqa": True, "seqlens_k": lengths}
+    if window is not None:
+        kwargs["window_size"] = window
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec), dkdv=GluonBackwardConfig())
+    assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
+    out = fatune.attention(q, k, v, config=config, **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(torch.isfinite(g).all() for g in grads)
+    for b, n in enumerate(lengths.tolist()):
+        assert not grads[1][b, :, n:].any() and not grads[2][b, :, n:].any()
+    clean = [t.detach().nan_to_num(0.0).requires_grad_() for t in (k, v)]
+    record_gpu_errors(run_and_compare(q, *clean, config=config, **kwargs))
 
 
 @pytest.mark.gpu

@@ -49,8 +49,8 @@ BOTH = ("fwd", GLUON_FORWARD, "dkdv", GLUON_BACKWARD, "dq")
     (dataclasses.replace(SHAPE, head_dim=96, head_dim_v=96), ("triton", "gluon"), BOTH),  # d96 runs 128 lanes wide
     (dataclasses.replace(SHAPE, head_dim=64), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # D_v 128 != D 64
     (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), BOTH),
-    # the Gluon backward takes fixed lengths alone, and head dims up to 128
-    (dataclasses.replace(SHAPE, valid_keys=0.5), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (dataclasses.replace(SHAPE, valid_keys=0.5), ("triton", "gluon"), BOTH),  # key lengths
+    # the Gluon backward takes no packed sequences yet, and head dims up to 128
     (dataclasses.replace(SHAPE, documents=4), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),  # packed
     (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
     (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
@@ -305,15 +305,18 @@ def test_head_dims_between_the_compiled_widths_run_at_the_next_one(hopper, head_
         assert f"HEAD_DIM = gl.constexpr({width})" in gluon_codegen.render(spec, default_forward(spec))
 
 
-@pytest.mark.parametrize("spec, served", [
-    (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True), True),
-    (KernelSpec("bfloat16", 128, window_left=True, window_right=True, bottom_right=True), True),
-    (KernelSpec("bfloat16", 128, causal=True, seqlens="seqlens_k"), True),  # in-kernel descriptors end at each
-    (KernelSpec("bfloat16", 128, seqlens="varlen"), True),  # each program makes its sequence's descriptors
-    (KernelSpec("bfloat16", 128, causal=True, attn_mask="bool"), False),
-    (KernelSpec("bfloat16", 128, alibi=True), False),
-    (KernelSpec("bfloat16", 128, dropout=True), False),
-    (KernelSpec("float32", 128), False),
+@pytest.mark.parametrize("spec, forward, backward", [
+    (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True), True, True),
+    (KernelSpec("bfloat16", 128, window_left=True, window_right=True, bottom_right=True), True, True),
+    (KernelSpec("bfloat16", 128, causal=True, seqlens="seqlens_k"), True, True),  # in-kernel descriptors end there
+    (KernelSpec("bfloat16", 128, seqlens="varlen"), True, False),  # each program makes its sequence's descriptors
+    (KernelSpec("bfloat16", 128, causal=True, attn_mask="bool"), False, False),
+    (KernelSpec("bfloat16", 128, alibi=True), True, True),
+    (KernelSpec("bfloat16", 128, dropout=True), False, False),
+    (KernelSpec("float32", 128), False, False),
+    (KernelSpec("bfloat16", 256), True, False),  # the backward's dK and dV would not fit the registers
+    (KernelSpec("float16", 32), True, False),  # dS split everywhere at d32 (the Triton backward's rule)
 ])
-def test_the_variants_the_gluon_forward_serves(hopper, spec, served):
-    assert (gluon_launch.unserved(spec, torch.device("cuda")) is None) == served
+def test_the_variants_the_gluon_kernels_serve(hopper, spec, forward, backward):
+    assert (gluon_launch.unserved(spec, torch.device("cuda")) is None) == forward
+    assert (gluon_launch.backward_unserved(spec, torch.device("cuda")) is None) == backward

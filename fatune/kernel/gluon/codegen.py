@@ -96,8 +96,8 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
         "HAS_RIGHT": has_right, "HAS_BAND": split_ds, "SPLIT_DS": split_ds,
         "DS_BUFFERS": config.consumers * (2 if split_ds else 1),
         # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
-        "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi,
-        "CONSUMER_PARAMS": ALIBI_PARAMS if spec.alibi else "",
+        "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi, "D": spec.head_dim,
+        **sequence_options(spec.seqlens, spec.alibi),
     }
 
 

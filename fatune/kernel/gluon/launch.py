@@ -83,7 +83,7 @@ def backward_untemplated(spec: KernelSpec) -> str | None:
     if spec.head_dim != spec.head_dim_v or not 32 < spec.head_dim <= 128 or spec.head_dim % 8:
         return (f"the Gluon backward takes head dims that are multiples of 8 in 40..128 (equal for q and v), not "
                 f"{spec.head_dim}/{spec.head_dim_v}")
-    if spec.attn_mask != "none" or spec.dropout or spec.paged or spec.seqlens != "fixed":
+    if spec.attn_mask != "none" or spec.dropout or spec.paged or spec.seqlens == "varlen":
         return f"the Gluon backward does not take the {spec.mask_variant} variant yet"
     return None
 
@@ -107,6 +107,7 @@ class GluonBackward:
         self.key_layout = gl.NVMMASharedLayout.get_default_for(self.keys, dtype)
         self.dq_layout = gl.NVMMASharedLayout.get_default_for(self.dq_rows, gl.float32)
         self.slots = tuple(SLOTS.index(name) for name in ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA"))
+        self.key_lengths = SLOTS.index("SEQLENS_K") if problem.spec.seqlens == "seqlens_k" else None
         # ALiBi: the slopes' slot and (B, H) strides
         self.alibi = (SLOTS.index(POINTER_OF["alibi_slopes"]), *problem.alibi_slopes.stride()) \
             if problem.spec.alibi else None
@@ -121,6 +122,9 @@ class GluonBackward:
                 TensorDescriptor.from_tensor(dk, keys, self.key_layout),
                 TensorDescriptor.from_tensor(dv, keys, self.key_layout),
                 TensorDescriptor.from_tensor(dq_acc, self.dq_rows, self.dq_layout), lse, delta, *self.scalars)
+        if self.key_lengths is not None:  # the producer makes its sequence's K and V descriptors (in global scratch)
+            args += (slots[self.key_lengths], k, v, *k.stride()[:3], *v.stride()[:3])
+            launch.ensure_triton_allocator()
         if self.alibi is not None:
             args += (slots[self.alibi[0]], *self.alibi[1:])
         if launch.compiling_only():
