@@ -160,16 +160,10 @@ def test_gpu_gluon_forward_with_alibi(shape, causal, alignment, slopes, dtype, p
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (64, 0))])
-@pytest.mark.parametrize("d", [64, 128, 96])
-@pytest.mark.parametrize("pingpong", [0, 1])
-def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, window, pingpong, dtype, poison_outputs,
-                                                                  record_gpu_errors):
-    """Keys past each sequence's length hold NaN (an unwritten cache): the forward never reads them (its K and V
-    descriptors end there) and meets the accuracy rule; lengths 0, 1, ragged and full."""
-    torch.manual_seed(stable_seed(d, causal, window, dtype))
+def _unwritten_cache(d, causal, window, dtype, seed):
+    """(q, k, v, lengths, kwargs) of 4 sequences of 200 queries against up to 333 keys, of lengths 0, 1, ragged and
+    full, whose keys and values past each length hold NaN (an unwritten cache)."""
+    torch.manual_seed(seed)
     q, k, v = random_qkv(4, 4, 2, 200, 333, d, d, dtype=dtype, device="cuda")
     lengths = torch.tensor([0, 1, 150, 333], dtype=torch.int32, device="cuda")
     for tensor in (k, v):
@@ -179,6 +173,19 @@ def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, win
     kwargs = {"is_causal": causal, "enable_gqa": True, "seqlens_k": lengths}
     if window is not None:
         kwargs["window_size"] = window
+    return q, k, v, lengths, kwargs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (64, 0))])
+@pytest.mark.parametrize("d", [64, 128, 96])
+@pytest.mark.parametrize("pingpong", [0, 1])
+def test_gpu_gluon_forward_with_key_lengths_never_reads_past_them(d, causal, window, pingpong, dtype, poison_outputs,
+                                                                  record_gpu_errors):
+    """Keys past each sequence's length hold NaN (an unwritten cache): the forward never reads them (its K and V
+    descriptors end there) and meets the accuracy rule; lengths 0, 1, ragged and full."""
+    q, k, v, lengths, kwargs = _unwritten_cache(d, causal, window, dtype, stable_seed(d, causal, window, dtype))
     spec = fatune.explain(q, k, v, **kwargs).spec
     config = default_config(spec, (9, 0)).replace(fwd=dataclasses.replace(default_forward(spec), pingpong=pingpong))
     explained = fatune.explain(q, k, v, config=config, **kwargs)
@@ -337,16 +344,8 @@ def test_gpu_gluon_backward_with_key_lengths_never_reads_past_them(d, causal, wi
                                                                    record_gpu_errors):
     """Keys past each sequence's length hold NaN: both Gluon kernels never read them, dK and dV there are 0, and
     the gradients meet the accuracy rule; lengths 0, 1, ragged and full."""
-    torch.manual_seed(stable_seed(d, causal, window, dtype, "backward-lengths"))
-    q, k, v = random_qkv(4, 4, 2, 200, 333, d, d, dtype=dtype, device="cuda")
-    lengths = torch.tensor([0, 1, 150, 333], dtype=torch.int32, device="cuda")
-    for tensor in (k, v):
-        with torch.no_grad():
-            for b, n in enumerate(lengths.tolist()):
-                tensor[b, :, n:] = float("nan")
-    kwargs = {"is_causal": causal, "enable_gqa": True, "seqlens_k": lengths}
-    if window is not None:
-        kwargs["window_size"] = window
+    q, k, v, lengths, kwargs = _unwritten_cache(d, causal, window, dtype,
+                                                stable_seed(d, causal, window, dtype, "backward-lengths"))
     spec = fatune.explain(q, k, v, **kwargs).spec
     config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec), dkdv=GluonBackwardConfig())
     assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
