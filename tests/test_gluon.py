@@ -12,7 +12,7 @@ import torch
 import fatune
 from fatune.kernel.family import family
 from fatune.kernel.gluon import resources
-from fatune.kernel.gluon.family import default_forward
+from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.codegen import code_hash
 from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.heuristics import default_config
@@ -231,6 +231,10 @@ COMPILED_BACKWARD = [
     (KernelSpec("bfloat16", 128, causal=True, alibi=True), GluonBackwardConfig(), 384),
     # key lengths: the producer makes its sequence's K and V descriptors
     (KernelSpec("bfloat16", 128, causal=True, bottom_right=True, seqlens="seqlens_k"), GluonBackwardConfig(), 384),
+    # packed sequences: descriptors over each sequence's rows (the family's default under a left window)
+    (KernelSpec("bfloat16", 128, causal=True, seqlens="varlen"), GluonBackwardConfig(), 384),
+    (KernelSpec("float16", 128, causal=True, window_left=True, bottom_right=True, seqlens="varlen"),
+     default_backward(KernelSpec("float16", 128, causal=True, window_left=True, seqlens="varlen")), 512),
 ]
 
 
@@ -356,6 +360,28 @@ def test_gpu_gluon_backward_with_key_lengths_never_reads_past_them(d, causal, wi
         assert not grads[1][b, :, n:].any() and not grads[2][b, :, n:].any()
     clean = [t.detach().nan_to_num(0.0).requires_grad_() for t in (k, v)]
     record_gpu_errors(run_and_compare(q, *clean, config=config, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (100, 0))])
+@pytest.mark.parametrize("d", [64, 128, 96])
+def test_gpu_gluon_backward_of_packed_sequences(d, causal, window, dtype, poison_outputs, record_gpu_errors):
+    """Packed sequences of unequal lengths (a single token, empty ones in the middle and last, L_q != L_k): each
+    program reads, adds into and writes its sequence's rows alone."""
+    from tests.test_variants import _packed
+
+    lengths_q, lengths_k = [1, 0, 300, 129, 64, 777, 0], [5, 3, 300, 333, 64, 700, 7]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, d, d, dtype=dtype,
+                                  seed=stable_seed(d, causal, dtype, "backward"))
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    kwargs = {"cu_seqlens_q": cu_q.cuda(), "cu_seqlens_k": cu_k.cuda(), "is_causal": causal, "enable_gqa": True}
+    if window is not None:
+        kwargs["window_size"] = window
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    config = default_config(spec, (9, 0)).replace(fwd=default_forward(spec), dkdv=default_backward(spec))
+    assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
 
 
 @pytest.mark.gpu

@@ -50,8 +50,8 @@ BOTH = ("fwd", GLUON_FORWARD, "dkdv", GLUON_BACKWARD, "dq")
     (dataclasses.replace(SHAPE, head_dim=64), ("triton", "gluon"), ("fwd", "dkdv", "dq")),  # D_v 128 != D 64
     (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), BOTH),
     (dataclasses.replace(SHAPE, valid_keys=0.5), ("triton", "gluon"), BOTH),  # key lengths
-    # the Gluon backward takes no packed sequences yet, and head dims up to 128
-    (dataclasses.replace(SHAPE, documents=4), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),  # packed
+    (dataclasses.replace(SHAPE, documents=4), ("triton", "gluon"), BOTH),  # packed
+    # the Gluon backward takes head dims up to 128
     (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
     (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
 ])
@@ -309,7 +309,7 @@ def test_head_dims_between_the_compiled_widths_run_at_the_next_one(hopper, head_
     (KernelSpec("bfloat16", 128, causal=True, window_left=True, bottom_right=True), True, True),
     (KernelSpec("bfloat16", 128, window_left=True, window_right=True, bottom_right=True), True, True),
     (KernelSpec("bfloat16", 128, causal=True, seqlens="seqlens_k"), True, True),  # in-kernel descriptors end there
-    (KernelSpec("bfloat16", 128, seqlens="varlen"), True, False),  # each program makes its sequence's descriptors
+    (KernelSpec("bfloat16", 128, seqlens="varlen"), True, True),  # each program makes its sequence's descriptors
     (KernelSpec("bfloat16", 128, causal=True, attn_mask="bool"), False, False),
     (KernelSpec("bfloat16", 128, alibi=True), True, True),
     (KernelSpec("bfloat16", 128, dropout=True), False, False),

@@ -97,8 +97,22 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
         "DS_BUFFERS": config.consumers * (2 if split_ds else 1),
         # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
         "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi, "D": spec.head_dim,
-        **sequence_options(spec.seqlens, spec.alibi),
+        **backward_sequence_options(spec.seqlens, spec.alibi),
     }
+
+
+# the backward's: the producer's pointers (packed: dO's too), and packed, the consumers' to dQ's accumulator, dK, dV
+_BACKWARD_POINTER_PARAMS = {**_POINTER_PARAMS, "varlen": _POINTER_PARAMS["varlen"] + ", DO, stride_doh, stride_dol"}
+_BACKWARD_CONSUMER_PARAMS = {"fixed": "", "seqlens_k": "", "varlen": ", DQA, stride_dqah, stride_dqal, DK, stride_dkh, "
+                                                                      "stride_dkl, DV, stride_dvh, stride_dvl"}
+
+
+def backward_sequence_options(seqlens: str, alibi: bool) -> dict[str, str]:
+    """sequence_options for the backward template."""
+    consumers = _BACKWARD_CONSUMER_PARAMS[seqlens] + (ALIBI_PARAMS if alibi else "")
+    return {**sequence_options(seqlens), "POINTER_PARAMS": _BACKWARD_POINTER_PARAMS[seqlens],
+            "POINTER_ARGS": _BACKWARD_POINTER_PARAMS[seqlens], "CONSUMER_PARAMS": consumers,
+            "CONSUMER_ARGS": consumers}
 
 
 def render_backward(spec: KernelSpec, config: GluonBackwardConfig) -> str:

@@ -83,7 +83,7 @@ def backward_untemplated(spec: KernelSpec) -> str | None:
     if spec.head_dim != spec.head_dim_v or not 32 < spec.head_dim <= 128 or spec.head_dim % 8:
         return (f"the Gluon backward takes head dims that are multiples of 8 in 40..128 (equal for q and v), not "
                 f"{spec.head_dim}/{spec.head_dim_v}")
-    if spec.attn_mask != "none" or spec.dropout or spec.paged or spec.seqlens == "varlen":
+    if spec.attn_mask != "none" or spec.dropout or spec.paged:
         return f"the Gluon backward does not take the {spec.mask_variant} variant yet"
     return None
 
@@ -95,9 +95,13 @@ class GluonBackward:
     def __init__(self, problem: AttentionProblem, config: GluonBackwardConfig, lse_strides: tuple[int, ...]):
         self.config = config
         self.kernel = codegen.load_backward(problem.spec, config).attn_bwd_dkdv
-        self.grid = (triton.cdiv(problem.seqlen_k, config.block_n), problem.batch * problem.kv_heads)
+        self.sequences = problem.spec.seqlens
+        self.packed = self.sequences == "varlen"
+        self.grid = (triton.cdiv(problem.max_seqlen_k if self.packed else problem.seqlen_k, config.block_n),
+                     problem.batch * problem.kv_heads)
         self.scalars = (problem.scale, problem.kv_heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
-                        lse_strides[0], lse_strides[1], problem.window_left, problem.window_right)
+                        0 if self.packed else lse_strides[0], lse_strides[1], problem.window_left,
+                        problem.window_right)
         head_dim = codegen.width(problem.spec.head_dim)
         dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
         dq_slice = min(config.dq_slice, head_dim)
@@ -107,7 +111,9 @@ class GluonBackward:
         self.key_layout = gl.NVMMASharedLayout.get_default_for(self.keys, dtype)
         self.dq_layout = gl.NVMMASharedLayout.get_default_for(self.dq_rows, gl.float32)
         self.slots = tuple(SLOTS.index(name) for name in ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA"))
-        self.key_lengths = SLOTS.index("SEQLENS_K") if problem.spec.seqlens == "seqlens_k" else None
+        # how the kernel makes its sequence's descriptors: the slots of the lengths' tensors
+        self.lengths = {"fixed": (), "seqlens_k": (SLOTS.index("SEQLENS_K"),),
+                        "varlen": (SLOTS.index("CU_Q"), SLOTS.index("CU_K"))}[self.sequences]
         # ALiBi: the slopes' slot and (B, H) strides
         self.alibi = (SLOTS.index(POINTER_OF["alibi_slopes"]), *problem.alibi_slopes.stride()) \
             if problem.spec.alibi else None
@@ -115,16 +121,26 @@ class GluonBackward:
     def __call__(self, slots: tuple, stream: int | None = None) -> None:
         q, k, v, grad_out, dk, dv, dq_acc, lse, delta = (slots[index] for index in self.slots)
         rows, keys = self.rows, self.keys
-        args = (TensorDescriptor.from_tensor(q, rows, self.row_layout),
-                TensorDescriptor.from_tensor(k, keys, self.key_layout),
-                TensorDescriptor.from_tensor(v, keys, self.key_layout),
-                TensorDescriptor.from_tensor(grad_out, rows, self.row_layout),
-                TensorDescriptor.from_tensor(dk, keys, self.key_layout),
-                TensorDescriptor.from_tensor(dv, keys, self.key_layout),
+        # packed (tokens, H, D) tensors: their (1, H, tokens, D) views, for the descriptors' types and layouts
+        view = (lambda t: t.unsqueeze(0).transpose(1, 2)) if self.packed else (lambda t: t)
+        args = (TensorDescriptor.from_tensor(view(q), rows, self.row_layout),
+                TensorDescriptor.from_tensor(view(k), keys, self.key_layout),
+                TensorDescriptor.from_tensor(view(v), keys, self.key_layout),
+                TensorDescriptor.from_tensor(view(grad_out), rows, self.row_layout),
+                TensorDescriptor.from_tensor(view(dk), keys, self.key_layout),
+                TensorDescriptor.from_tensor(view(dv), keys, self.key_layout),
                 TensorDescriptor.from_tensor(dq_acc, self.dq_rows, self.dq_layout), lse, delta, *self.scalars)
-        if self.key_lengths is not None:  # the producer makes its sequence's K and V descriptors (in global scratch)
-            args += (slots[self.key_lengths], k, v, *k.stride()[:3], *v.stride()[:3])
+        if self.sequences != "fixed":  # the kernel makes its sequence's descriptors (in global scratch)
+            args += tuple(slots[index] for index in self.lengths)
+            if self.packed:  # rows (tokens) and heads, no batch
+                args += (k, v, 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0), q, q.stride(1), q.stride(0),
+                         grad_out, grad_out.stride(1), grad_out.stride(0))
+            else:
+                args += (k, v, *k.stride()[:3], *v.stride()[:3])
             launch.ensure_triton_allocator()
+        if self.packed:  # the consumers' sequence rows of dQ's accumulator (1, H, tokens, D), dK and dV
+            args += (dq_acc, dq_acc.stride(1), dq_acc.stride(2), dk, dk.stride(1), dk.stride(0), dv, dv.stride(1),
+                     dv.stride(0))
         if self.alibi is not None:
             args += (slots[self.alibi[0]], *self.alibi[1:])
         if launch.compiling_only():

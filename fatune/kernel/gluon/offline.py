@@ -99,9 +99,11 @@ def backward_signature(spec: KernelSpec, config: GluonBackwardConfig) -> tuple[d
              "desc_dqa": desc("fp32", dq_block, dq_layout), "LSE": "*fp32", "DELTA": "*fp32", "sm_scale": "fp32",
              "HKV": "i32", "GROUP": "i32", "L_Q": "i32", "L_K": "i32", "stride_lb": "i32", "stride_lh": "i32",
              "window_left": "i32", "window_right": "i32", "num_warps": "constexpr"}
-    if spec.seqlens == "seqlens_k":  # the producer makes its sequence's K and V descriptors
-        types |= {"SEQLENS_K": "*i32", "K": f"*{name}", "V": f"*{name}",
-                  **{f"stride_{t}{d}": "i32" for t in "kv" for d in "bhl"}}
+    if spec.seqlens != "fixed":  # the producer makes its sequence's K and V descriptors
+        types |= {"K": f"*{name}", "V": f"*{name}", **{f"stride_{t}{d}": "i32" for t in "kv" for d in "bhl"}}
+        types |= {"SEQLENS_K": "*i32"} if spec.seqlens == "seqlens_k" else {
+            "CU_Q": "*i32", "CU_K": "*i32", "Q": f"*{name}", "DO": f"*{name}", "DQA": "*fp32", "DK": f"*{name}",
+            "DV": f"*{name}", **{f"stride_{t}{d}": "i32" for t in ("q", "do", "dqa", "dk", "dv") for d in "hl"}}
     if spec.alibi:
         types |= {"ALIBI": "*fp32", "stride_ab": "i32", "stride_ah": "i32"}
     return types, {"num_warps": 4}
