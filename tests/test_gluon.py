@@ -235,6 +235,9 @@ COMPILED_BACKWARD = [
     (KernelSpec("bfloat16", 128, causal=True, seqlens="varlen"), GluonBackwardConfig(), 384),
     (KernelSpec("float16", 128, causal=True, window_left=True, bottom_right=True, seqlens="varlen"),
      default_backward(KernelSpec("float16", 128, causal=True, window_left=True, seqlens="varlen")), 512),
+    # a head-dim split at 256 lanes: two consumers share each key tile, each owning 128 lanes of dK, dV and dQ
+    (KernelSpec("bfloat16", 256), default_backward(KernelSpec("bfloat16", 256)), 768),
+    (KernelSpec("bfloat16", 256, causal=True), default_backward(KernelSpec("bfloat16", 256)), 1024),
 ]
 
 
@@ -275,7 +278,8 @@ def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA summed in-kernel, L_q != L_k, head
 # dims between the compiled widths (d96 runs at 128, d40 at 64), key tiles past the sequence
 BACKWARD_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 1000, 777, 128),
-                   (1, 4, 2, 333, 333, 96), (1, 2, 1, 129, 70, 40), (1, 2, 2, 64, 1500, 128)]
+                   (1, 4, 2, 333, 333, 96), (1, 2, 1, 129, 70, 40), (1, 2, 2, 64, 1500, 128), (1, 4, 2, 300, 257, 256),
+                   (1, 2, 2, 200, 301, 192)]
 
 
 @pytest.mark.gpu
@@ -290,7 +294,7 @@ def test_gpu_gluon_backward_matches_reference(shape, dtype, causal, alignment, t
     torch.manual_seed(stable_seed(shape, dtype, causal, alignment, tiles))
     q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
     spec = KernelSpec(dtype, d, causal=causal, bottom_right=alignment == "bottom_right")
-    backward = {"default": GluonBackwardConfig(), "128-query": GluonBackwardConfig(block_m=128, dq_slice=64),
+    backward = {"default": default_backward(spec), "128-query": GluonBackwardConfig(block_m=128, dq_slice=64),
                 "three-deep": GluonBackwardConfig(num_stages=3)}[tiles]
     if resources.backward_infeasible(spec, backward, 232448):
         pytest.skip("does not fit shared memory")
@@ -310,13 +314,11 @@ def test_gpu_gluon_backward_matches_reference(shape, dtype, causal, alignment, t
 @pytest.mark.parametrize("case", WINDOWED, ids=lambda c: "x".join(map(str, c[:6])) + f"-w{c[6][0]}.{c[6][1]}")
 def test_gpu_gluon_backward_with_a_sliding_window(case, dtype, poison_outputs, record_gpu_errors):
     batch, heads, kv_heads, lq, lk, d, window, causal = case
-    if d > 128:
-        pytest.skip("the Gluon backward takes head dims up to 128")
     torch.manual_seed(stable_seed(case, dtype, "backward"))
     q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
     kwargs = {"is_causal": causal, "window_size": window, "enable_gqa": kv_heads != heads}
     spec = fatune.explain(q, k, v, **kwargs).spec
-    config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig())
+    config = default_config(spec, (9, 0)).replace(dkdv=default_backward(spec))
     assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_backward
     record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
 
@@ -365,7 +367,7 @@ def test_gpu_gluon_backward_with_key_lengths_never_reads_past_them(d, causal, wi
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (100, 0))])
-@pytest.mark.parametrize("d", [64, 128, 96])
+@pytest.mark.parametrize("d", [64, 128, 96, 256])
 def test_gpu_gluon_backward_of_packed_sequences(d, causal, window, dtype, poison_outputs, record_gpu_errors):
     """Packed sequences of unequal lengths (a single token, empty ones in the middle and last, L_q != L_k): each
     program reads, adds into and writes its sequence's rows alone."""

@@ -51,8 +51,7 @@ BOTH = ("fwd", GLUON_FORWARD, "dkdv", GLUON_BACKWARD, "dq")
     (dataclasses.replace(SHAPE, window=256, causal=True), ("triton", "gluon"), BOTH),
     (dataclasses.replace(SHAPE, valid_keys=0.5), ("triton", "gluon"), BOTH),  # key lengths
     (dataclasses.replace(SHAPE, documents=4), ("triton", "gluon"), BOTH),  # packed
-    # the Gluon backward takes head dims up to 128
-    (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256), ("triton", "gluon"), ("fwd", GLUON_FORWARD, "dkdv", "dq")),
+    (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256), ("triton", "gluon"), BOTH),
     (Shape(64, 16, 1, 8192, 128, "bfloat16"), ("triton", "gluon"), ("fwd", GLUON_FORWARD)),  # decode: forward only
 ])
 def test_a_shape_the_gluon_family_serves_gets_gluon_studies(hopper, shape, families, expected):
@@ -314,7 +313,7 @@ def test_head_dims_between_the_compiled_widths_run_at_the_next_one(hopper, head_
     (KernelSpec("bfloat16", 128, alibi=True), True, True),
     (KernelSpec("bfloat16", 128, dropout=True), False, False),
     (KernelSpec("float32", 128), False, False),
-    (KernelSpec("bfloat16", 256), True, False),  # the backward's dK and dV would not fit the registers
+    (KernelSpec("bfloat16", 256), True, True),  # two consumer warpgroups share each key tile
     (KernelSpec("float16", 32), True, False),  # dS split everywhere at d32 (the Triton backward's rule)
 ])
 def test_the_variants_the_gluon_kernels_serve(hopper, spec, forward, backward):

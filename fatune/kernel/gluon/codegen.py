@@ -81,35 +81,55 @@ def load(spec: KernelSpec, config: GluonConfig) -> ModuleType:
 EXACT_DELTA_KEYS = 128
 
 
+def backward_head_split(spec: KernelSpec) -> int:
+    """How many consumer warpgroups share a key tile, each owning a part of dK's, dV's and dQ's lanes: 2 at 256
+    lanes, where one warpgroup's dK and dV (128 + 128 registers per thread) would not fit; else 1."""
+    return 2 if width(spec.head_dim) > 128 else 1
+
+
+def backward_block_n(spec: KernelSpec, config: GluonBackwardConfig) -> int:
+    """Key rows per backward program: 64 per group of consumers that share a key tile."""
+    return GLUON_SPLIT_M * config.consumers // backward_head_split(spec)
+
+
 def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str, Any]:
     """The options the backward template renders from."""
     has_right = spec.causal or spec.window_right
     split_ds = bool(has_right or spec.window_left)  # rows with few keys exist only under a band
+    head_split = backward_head_split(spec)
+    lanes = width(spec.head_dim)
+    if config.consumers % head_split:
+        raise ValueError(f"consumers: expected a multiple of {head_split} at head dim {spec.head_dim} (that many "
+                         f"consumer warpgroups share each key tile), got {config.consumers}")
     return {
         "template_name": f"{TEMPLATES.folder}/attn_bwd.py.jinja",
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(config.to_dict(), sort_keys=True),
-        "HEAD_DIM": width(spec.head_dim), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-        "SPLIT_N": GLUON_SPLIT_M, "STAGES": config.num_stages, "DQ_SLICE": min(config.dq_slice, width(spec.head_dim)),
+        "HEAD_DIM": lanes, "BLOCK_M": config.block_m, "BLOCK_N": backward_block_n(spec, config),
+        "SPLIT_N": GLUON_SPLIT_M, "HEAD_SPLIT": head_split, "KEY_GROUPS": config.consumers // head_split,
+        "OWN": lanes // head_split, "STAGES": config.num_stages, "DQ_SLICE": min(config.dq_slice, lanes // head_split),
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
         "EXACT_DELTA_KEYS": EXACT_DELTA_KEYS, "BOTTOM_RIGHT": spec.bottom_right, "HAS_LEFT": spec.window_left,
         "HAS_RIGHT": has_right, "HAS_BAND": split_ds, "SPLIT_DS": split_ds,
         "DS_BUFFERS": config.consumers * (2 if split_ds else 1),
         # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
         "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi, "D": spec.head_dim,
-        **backward_sequence_options(spec.seqlens, spec.alibi),
+        # dK and dV stored from registers: a packed sequence's rows, or a consumer's own lanes
+        "STORE_BY_POINTERS": spec.seqlens == "varlen" or head_split > 1,
+        **backward_sequence_options(spec.seqlens, spec.alibi, spec.seqlens == "varlen" or head_split > 1),
     }
 
 
-# the backward's: the producer's pointers (packed: dO's too), and packed, the consumers' to dQ's accumulator, dK, dV
+# the backward's: the producer's pointers (packed: dO's too); packed, the consumers' to dQ's accumulator; and the
+# consumers' to dK and dV where they store them from registers
 _BACKWARD_POINTER_PARAMS = {**_POINTER_PARAMS, "varlen": _POINTER_PARAMS["varlen"] + ", DO, stride_doh, stride_dol"}
-_BACKWARD_CONSUMER_PARAMS = {"fixed": "", "seqlens_k": "", "varlen": ", DQA, stride_dqah, stride_dqal, DK, stride_dkh, "
-                                                                      "stride_dkl, DV, stride_dvh, stride_dvl"}
+_BACKWARD_CONSUMER_PARAMS = {"fixed": "", "seqlens_k": "", "varlen": ", DQA, stride_dqah, stride_dqal"}
+STORE_PARAMS = ", DK, stride_dkb, stride_dkh, stride_dkl, DV, stride_dvb, stride_dvh, stride_dvl"
 
 
-def backward_sequence_options(seqlens: str, alibi: bool) -> dict[str, str]:
-    """sequence_options for the backward template."""
-    consumers = _BACKWARD_CONSUMER_PARAMS[seqlens] + (ALIBI_PARAMS if alibi else "")
+def backward_sequence_options(seqlens: str, alibi: bool, stores: bool) -> dict[str, str]:
+    """sequence_options for the backward template (`stores`: dK and dV stored through pointers)."""
+    consumers = _BACKWARD_CONSUMER_PARAMS[seqlens] + (STORE_PARAMS if stores else "") + (ALIBI_PARAMS if alibi else "")
     return {**sequence_options(seqlens), "POINTER_PARAMS": _BACKWARD_POINTER_PARAMS[seqlens],
             "POINTER_ARGS": _BACKWARD_POINTER_PARAMS[seqlens], "CONSUMER_PARAMS": consumers,
             "CONSUMER_ARGS": consumers}

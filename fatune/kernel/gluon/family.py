@@ -40,8 +40,12 @@ def default_forward(spec: KernelSpec) -> GluonConfig:
 
 def default_backward(spec: KernelSpec) -> GluonBackwardConfig:
     """The backward's config before a search: two consumer warpgroups of 64 keys, 64-row query tiles two deep, dQ
-    in 64-lane slices (what fits 240 registers per consumer at d128 with little spilled). Packed sequences under a
-    left window at 128 lanes take whole-row dQ slices: Triton 3.6's ptxas crashes compiling 64-lane ones there."""
+    in 64-lane slices (what fits 240 registers per consumer at d128 with little spilled). At 256 lanes the two
+    share one key tile, one ring stage deep, each with its 128 lanes of dQ in one slice; packed sequences under a
+    left window at 128 lanes take whole-row dQ slices too: Triton 3.6's ptxas crashes compiling 64-lane ones
+    there."""
+    if codegen.width(spec.head_dim) > 128:  # two consumers share a 64-key tile; one ring stage fits
+        return GluonBackwardConfig(num_stages=1, dq_slice=128)
     if spec.seqlens == "varlen" and spec.window_left and codegen.width(spec.head_dim) == 128:
         return GluonBackwardConfig(dq_slice=128)
     return GluonBackwardConfig()

@@ -80,9 +80,9 @@ def backward_untemplated(spec: KernelSpec) -> str | None:
     """None if the Gluon backward template renders a kernel for `spec` (on any machine); else why not."""
     if spec.dtype not in ("float16", "bfloat16"):
         return f"the Gluon backward takes float16 and bfloat16, not {spec.dtype}"
-    if spec.head_dim != spec.head_dim_v or not 32 < spec.head_dim <= 128 or spec.head_dim % 8:
-        return (f"the Gluon backward takes head dims that are multiples of 8 in 40..128 (equal for q and v), not "
-                f"{spec.head_dim}/{spec.head_dim_v}")
+    if spec.head_dim != spec.head_dim_v or not 32 < spec.head_dim <= codegen.HEAD_DIMS[-1] or spec.head_dim % 8:
+        return (f"the Gluon backward takes head dims that are multiples of 8 in 40..{codegen.HEAD_DIMS[-1]} (equal "
+                f"for q and v), not {spec.head_dim}/{spec.head_dim_v}")
     if spec.attn_mask != "none" or spec.dropout or spec.paged:
         return f"the Gluon backward does not take the {spec.mask_variant} variant yet"
     return None
@@ -97,14 +97,15 @@ class GluonBackward:
         self.kernel = codegen.load_backward(problem.spec, config).attn_bwd_dkdv
         self.sequences = problem.spec.seqlens
         self.packed = self.sequences == "varlen"
-        self.grid = (triton.cdiv(problem.max_seqlen_k if self.packed else problem.seqlen_k, config.block_n),
-                     problem.batch * problem.kv_heads)
+        self.grid = (triton.cdiv(problem.max_seqlen_k if self.packed else problem.seqlen_k,
+                                 codegen.backward_block_n(problem.spec, config)), problem.batch * problem.kv_heads)
+        self.stores = self.packed or codegen.backward_head_split(problem.spec) > 1  # dK, dV through pointers
         self.scalars = (problem.scale, problem.kv_heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
                         0 if self.packed else lse_strides[0], lse_strides[1], problem.window_left,
                         problem.window_right)
         head_dim = codegen.width(problem.spec.head_dim)
         dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
-        dq_slice = min(config.dq_slice, head_dim)
+        dq_slice = min(config.dq_slice, head_dim // codegen.backward_head_split(problem.spec))
         self.rows, self.keys = [1, 1, config.block_m, head_dim], [1, 1, GLUON_SPLIT_M, head_dim]
         self.dq_rows = [1, 1, config.block_m, dq_slice]
         self.row_layout = gl.NVMMASharedLayout.get_default_for(self.rows, dtype)
@@ -138,9 +139,11 @@ class GluonBackward:
             else:
                 args += (k, v, *k.stride()[:3], *v.stride()[:3])
             launch.ensure_triton_allocator()
-        if self.packed:  # the consumers' sequence rows of dQ's accumulator (1, H, tokens, D), dK and dV
-            args += (dq_acc, dq_acc.stride(1), dq_acc.stride(2), dk, dk.stride(1), dk.stride(0), dv, dv.stride(1),
-                     dv.stride(0))
+        if self.packed:  # the consumers' sequence rows of dQ's accumulator (1, H, tokens, D)
+            args += (dq_acc, dq_acc.stride(1), dq_acc.stride(2))
+        if self.stores:  # dK and dV: (batch, head, row) strides; packed (tokens, H, D), no batch
+            for grad in (dk, dv):
+                args += (grad, 0, grad.stride(1), grad.stride(0)) if self.packed else (grad, *grad.stride()[:3])
         if self.alibi is not None:
             args += (slots[self.alibi[0]], *self.alibi[1:])
         if launch.compiling_only():

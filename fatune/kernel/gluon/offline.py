@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from fatune.kernel.gluon.codegen import load, load_backward, width
+from fatune.kernel.gluon.codegen import backward_head_split, load, load_backward, width
 from fatune.kernel.spec import GLUON_SPLIT_M as SPLIT_M
 from fatune.kernel.spec import GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.offline import _cuobjdump
@@ -86,7 +86,7 @@ def backward_signature(spec: KernelSpec, config: GluonBackwardConfig) -> tuple[d
     """Argument types and constexprs of the backward's kernel as a launch passes them."""
     dtype, name = _DTYPES[spec.dtype]
     head_dim = width(spec.head_dim)
-    dq_slice = min(config.dq_slice, head_dim)
+    dq_slice = min(config.dq_slice, head_dim // backward_head_split(spec))
     q_block, kv_block, dq_block = [1, 1, config.block_m, head_dim], [1, 1, SPLIT_M, head_dim], [1, 1, config.block_m,
                                                                                                dq_slice]
     q_layout = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
@@ -102,8 +102,11 @@ def backward_signature(spec: KernelSpec, config: GluonBackwardConfig) -> tuple[d
     if spec.seqlens != "fixed":  # the producer makes its sequence's K and V descriptors
         types |= {"K": f"*{name}", "V": f"*{name}", **{f"stride_{t}{d}": "i32" for t in "kv" for d in "bhl"}}
         types |= {"SEQLENS_K": "*i32"} if spec.seqlens == "seqlens_k" else {
-            "CU_Q": "*i32", "CU_K": "*i32", "Q": f"*{name}", "DO": f"*{name}", "DQA": "*fp32", "DK": f"*{name}",
-            "DV": f"*{name}", **{f"stride_{t}{d}": "i32" for t in ("q", "do", "dqa", "dk", "dv") for d in "hl"}}
+            "CU_Q": "*i32", "CU_K": "*i32", "Q": f"*{name}", "DO": f"*{name}", "DQA": "*fp32",
+            **{f"stride_{t}{d}": "i32" for t in ("q", "do", "dqa") for d in "hl"}}
+    if spec.seqlens == "varlen" or backward_head_split(spec) > 1:  # dK and dV stored through pointers
+        types |= {"DK": f"*{name}", "DV": f"*{name}",
+                  **{f"stride_{t}{d}": "i32" for t in ("dk", "dv") for d in "bhl"}}
     if spec.alibi:
         types |= {"ALIBI": "*fp32", "stride_ab": "i32", "stride_ah": "i32"}
     return types, {"num_warps": 4}

@@ -3,7 +3,7 @@ fit before it spends a trial on it."""
 
 from __future__ import annotations
 
-from fatune.kernel.gluon.codegen import width
+from fatune.kernel.gluon.codegen import backward_head_split, width
 from fatune.kernel.spec import GLUON_SPLIT_M, GluonBackwardConfig, GluonConfig, KernelSpec
 
 ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
@@ -39,19 +39,22 @@ def backward_shared_memory_bytes(spec: KernelSpec, config: GluonBackwardConfig) 
     """Shared memory of one backward program, an upper bound within 1 KiB of what Triton allocates: each
     consumer's K and V tiles, the Q and dO ring, each consumer's dS tile (two under a band: dS's low part), each
     consumer's float32 dQ slice and the mbarriers."""
-    lanes = width(spec.head_dim)
-    keys = 2 * config.consumers * GLUON_SPLIT_M * lanes * ELEMENT_BYTES
+    lanes, split = width(spec.head_dim), backward_head_split(spec)
+    keys = 2 * (config.consumers // split) * GLUON_SPLIT_M * lanes * ELEMENT_BYTES
     ring = 2 * config.num_stages * config.block_m * lanes * ELEMENT_BYTES
     banded = spec.causal or spec.window_left or spec.window_right
     ds = config.consumers * (2 if banded else 1) * GLUON_SPLIT_M * config.block_m * ELEMENT_BYTES
-    dq = config.consumers * config.block_m * min(config.dq_slice, lanes) * 4
-    barriers = 8 * (config.consumers + 3 * config.num_stages)
+    dq = config.consumers * config.block_m * min(config.dq_slice, lanes // split) * 4
+    barriers = 8 * (config.consumers // split + 3 * config.num_stages)
     return keys + ring + ds + dq + barriers + 512  # alignment
 
 
 def backward_infeasible(spec: KernelSpec, config: GluonBackwardConfig, shared_limit: int | None) -> str | None:
     """Why the backward `config` cannot run for `spec` on a GPU with `shared_limit` bytes of shared memory per
     block (None: unknown); None if it may."""
+    split = backward_head_split(spec)
+    if config.consumers % split:
+        return f"{config.consumers} consumer warpgroups cannot share key tiles {split} to a tile"
     if shared_limit is None:
         return None
     needed = backward_shared_memory_bytes(spec, config)
