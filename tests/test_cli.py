@@ -50,13 +50,15 @@ def test_codegen_shows_the_backward_the_calls_gqa_group_runs(group, beside):
     assert ("def attn_bwd_prep(" in result.output) is beside
 
 
+@pytest.mark.parametrize("head_dim, backward", [(128, "gluon"), (32, "triton")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_codegen_shows_the_gluon_forward_and_the_triton_backward_after_it(causal):
-    args = ["codegen", "--head-dim", "128", "--dtype", "bf16", "--family", "gluon", *(["--causal"] if causal else [])]
+def test_codegen_shows_the_gluon_kernels_and_the_triton_backward_where_gluon_has_none(causal, head_dim, backward):
+    args = ["codegen", "--head-dim", str(head_dim), "--dtype", "bf16", "--family", "gluon",
+            *(["--causal"] if causal else [])]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "templates/gluon/attn_fwd.py.jinja" in result.output and "warp_specialize" in result.output
-    assert "templates/triton/attn_bwd.py.jinja" in result.output
+    assert f"templates/{backward}/attn_bwd.py.jinja" in result.output
     assert ('"causal": true' in result.output) is causal
 
 
@@ -124,6 +126,9 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("codegen-zero-group", ["codegen", "--head-dim", "64", "--group", "0"], 2, "--group"),
     ("codegen-unknown-family", ["codegen", "--head-dim", "64", "--family", "cuda"], 2, "--family"),
     ("codegen-gluon-head-dim", ["codegen", "--head-dim", "100", "--family", "gluon"], 2, "--family gluon"),
+    ("codegen-gluon-backward-head-dim", ["codegen", "--head-dim", "32", "--family", "gluon", "--kernel", "bwd"], 2,
+     "--family gluon: the Gluon backward"),
+    ("codegen-gluon-dkdv", ["codegen", "--head-dim", "64", "--family", "gluon", "--dkdv", "64x64"], 2, "--dkdv"),
     ("codegen-gluon-fp32", ["codegen", "--head-dim", "64", "--dtype", "fp32", "--family", "gluon"], 2, "float32"),
     ("codegen-gluon-triton-fwd", ["codegen", "--head-dim", "64", "--family", "gluon", "--fwd", "64x64/w4/s2"], 2,
      "--fwd"),

@@ -12,8 +12,8 @@ from fatune.cli.options import (
     parse_capability,
 )
 from fatune.kernel.family import FAMILIES, family
-from fatune.kernel.gluon.family import default_forward
-from fatune.kernel.gluon.launch import untemplated
+from fatune.kernel.gluon.family import default_backward, default_forward
+from fatune.kernel.gluon.launch import backward_untemplated, untemplated
 from fatune.kernel.spec import KernelSpec, LaunchConfig
 from fatune.kernel.triton.heuristics import default_config
 from fatune.kernel.triton.structure import with_runnable_split_d
@@ -29,8 +29,8 @@ from fatune.kernel.triton.structure import with_runnable_split_d
 @click.option("--group", type=click.IntRange(1, 65536), default=1, show_default=True,
               help="GQA group the call has (query heads per key/value head): the heuristic's choice can depend on it.")
 @click.option("--family", "family_name", type=click.Choice(sorted(FAMILIES)), default="triton", show_default=True,
-              help="Kernel family: triton, or gluon (the Hopper forward with its built-in config; the backward is "
-                   "Triton's).")
+              help="Kernel family: triton, or gluon (the Hopper forward and backward with their built-in configs; "
+                   "the Triton backward where the Gluon one does not serve the spec).")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
               help="Write attn_fwd.py / attn_bwd.py into this folder instead of printing.")
 def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
@@ -53,13 +53,17 @@ def codegen(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
         raise click.UsageError(f"{given}: {error}") from None
     config = with_runnable_split_d(config, spec)  # as a launch runs it
     if family_name == "gluon":
-        if fwd_config is not None:
-            raise click.UsageError(f"--fwd {fwd_config}: a Triton forward config; --family gluon renders the Gluon "
-                                   f"forward's built-in config")
-        why = untemplated(spec)
+        for name, given in (("fwd", fwd_config), ("dkdv", dkdv_config)):
+            if given is not None:
+                raise click.UsageError(f"--{name} {given}: a Triton config; --family gluon renders the Gluon "
+                                       f"kernels' built-in configs")
+        # the kernel asked for must be the family's; with --kernel all, a backward it does not serve is Triton's
+        why = backward_untemplated(spec) if kernel == "bwd" else untemplated(spec)
         if why is not None:
             raise click.UsageError(f"--family gluon: {why}")
         config = config.replace(fwd=default_forward(spec))
+        if backward_untemplated(spec) is None:
+            config = config.replace(dkdv=default_backward(spec))
     kinds = ["fwd", "bwd"] if kernel == "all" else [kernel]
     for kind in kinds:
         source = family(family_name).render(kind, spec, config)
