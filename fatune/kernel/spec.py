@@ -349,18 +349,25 @@ class GluonConfig:
         return GLUON_SPLIT_M * self.consumers
 
     def to_dict(self) -> dict[str, Any]:
-        return {"family": "gluon", "block_n": self.block_n, "num_stages": self.num_stages, "consumers": self.consumers,
-                "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg, "overlap": self.overlap,
-                "pingpong": self.pingpong}
+        return _gluon_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GluonConfig:
-        return cls(**{name: int(data[name]) for name in ("block_n", "num_stages", "consumers", "consumer_regs",
-                                                          "maxnreg", "overlap", "pingpong") if name in data})
+        return _gluon_config(cls, data)
 
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
                 f"/m{self.maxnreg}{'' if self.overlap else '/sequential'}{'/pingpong' if self.pingpong else ''}")
+
+
+def _gluon_dict(config: GluonConfig | GluonBackwardConfig) -> dict[str, Any]:
+    """A Gluon config as stored: its family named, then its fields."""
+    return {"family": "gluon", **dataclasses.asdict(config)}
+
+
+def _gluon_config(cls: type, data: dict[str, Any]) -> Any:
+    """A Gluon config of `cls` from a stored dict: the fields it holds, as ints (absent ones take their defaults)."""
+    return cls(**{field.name: int(data[field.name]) for field in dataclasses.fields(cls) if field.name in data})
 
 
 def _check_registers(config: GluonConfig | GluonBackwardConfig) -> None:
@@ -407,14 +414,11 @@ class GluonBackwardConfig:
         return GLUON_SPLIT_M * self.consumers
 
     def to_dict(self) -> dict[str, Any]:
-        return {"family": "gluon", "block_m": self.block_m, "num_stages": self.num_stages,
-                "consumers": self.consumers, "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg,
-                "dq_slice": self.dq_slice}
+        return _gluon_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GluonBackwardConfig:
-        return cls(**{name: int(data[name]) for name in ("block_m", "num_stages", "consumers", "consumer_regs",
-                                                          "maxnreg", "dq_slice") if name in data})
+        return _gluon_config(cls, data)
 
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
