@@ -1,5 +1,6 @@
-"""The Gluon family's Hopper forward: compiled for sm_90 on the CPU (no spills, the softmax under the tensor-core
-products), and on a GPU against the float64 golden with the accuracy rule, its backward the Triton family's."""
+"""The Gluon family's Hopper forward and backward: compiled for sm_90 on the CPU (no spills, the softmax under the
+tensor-core products), where the built-in config takes them, and on a GPU against the float64 golden with the
+accuracy rule."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 import fatune
-from fatune.kernel.family import family
+from fatune.kernel.family import builtin_config, family
 from fatune.kernel.gluon import resources
 from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.codegen import code_hash
+from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.heuristics import default_config
 from tests.reference import random_qkv, run_and_compare, stable_seed
@@ -82,6 +84,43 @@ def test_the_registry_names_both_families_and_a_config_its_own():
     hashes = family("gluon").kernel_hashes(spec, gluon_config, False).split(",")
     assert sum(h.startswith("fwd:") for h in hashes) == 1 and any(h.startswith("bwd:") for h in hashes)
     assert "templates/gluon/attn_fwd.py.jinja" in family("gluon").render("fwd", spec, gluon_config)
+
+
+# (spec, seqlen_q, seqlen_k, arch, Gluon forward?, Gluon backward?): where the built-in config takes the Gluon
+# kernels, as an H100 measured them against the Triton family's heuristic kernels
+BUILTIN = [
+    (KernelSpec("bfloat16", 128), 4096, 4096, (9, 0), True, False),
+    (KernelSpec("float16", 128, causal=True), 1024, 1024, (9, 0), True, False),
+    (KernelSpec("bfloat16", 96), 2048, 2048, (9, 0), True, False),
+    (KernelSpec("bfloat16", 256, causal=True), 1024, 1024, (9, 0), True, True),
+    (KernelSpec("bfloat16", 192), 8192, 8192, (9, 0), True, True),
+    (KernelSpec("bfloat16", 64), 4096, 4096, (9, 0), True, False),
+    (KernelSpec("bfloat16", 64), 1024, 1024, (9, 0), False, False),
+    (KernelSpec("float16", 64, causal=True), 1024, 1024, (9, 0), False, True),
+    (KernelSpec("bfloat16", 64, causal=True, bottom_right=True), 128, 16384, (9, 0), True, True),
+    (KernelSpec("bfloat16", 128), 1, 8192, (9, 0), False, False),  # decode: the split-KV forward
+    (KernelSpec("bfloat16", 256, causal=True, window_left=True), 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256, seqlens="seqlens_k"), 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256, alibi=True), 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256, attn_mask="additive"), 8192, 8192, (9, 0), False, False),
+    (KernelSpec("float32", 256), 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256), 8192, 8192, (8, 0), False, False),
+    (KernelSpec("bfloat16", 256), 8192, 8192, (10, 0), False, False),
+    (KernelSpec("float16", 256), 8192, 8192, None, False, False),  # the interpreter
+]
+
+
+@pytest.mark.parametrize("spec, seqlen_q, seqlen_k, arch, forward, backward", BUILTIN)
+def test_the_builtin_config_takes_the_gluon_kernels_where_they_measured_faster(spec, seqlen_q, seqlen_k, arch,
+                                                                                forward, backward):
+    problem = AttentionProblem(spec, 2, 8, 8, seqlen_q, seqlen_k, seqlen_q, seqlen_k, 0.125)
+    config = builtin_config(problem, arch, 132)
+    triton = family("triton").heuristic(problem, arch, 132)
+    assert config.gluon_forward == forward and config.gluon_backward == backward
+    assert config.fwd == (default_forward(spec) if forward else triton.fwd)
+    assert config.dkdv == (default_backward(spec) if backward else triton.dkdv)
+    assert config.dq == triton.dq
+    assert config.family == ("gluon" if forward or backward else "triton")
 
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA, L_q != L_k; head dims between the
@@ -405,3 +444,28 @@ def test_gpu_gluon_backward_takes_any_gradient_layout_and_deterministic_mode(gra
         record_gpu_errors(run_and_compare(q, k, v, is_causal=True, enable_gqa=True, config=config))
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+def test_gpu_a_gluon_backward_that_cannot_be_built_runs_the_triton_backward_without_atomic_dq(
+        poison_outputs, record_gpu_errors, monkeypatch):
+    """A config over the shared memory of a Hopper GPU runs the Triton backward instead, with its dQ kernel (the
+    atomic-dQ passes it would have run around the Gluon kernel are 2x slower alone at d128), within the
+    accuracy rule."""
+    from fatune.kernel.triton.launch import Plan
+
+    asked = []
+    original = Plan.backward
+
+    def recording(self, *args, **kwargs):
+        asked.append(kwargs.get("atomic"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Plan, "backward", recording)
+    torch.manual_seed(stable_seed("unbuildable"))
+    q, k, v = random_qkv(2, 4, 4, 300, 300, 128, 128, dtype=torch.bfloat16, device="cuda")
+    spec = KernelSpec(torch.bfloat16, 128)
+    config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig(block_m=128, num_stages=2, dq_slice=128))
+    record_gpu_errors(run_and_compare(q, k, v, config=config))
+    assert asked and all(atomic is False for atomic in asked), asked
+    assert not fatune.explain(q, k, v, config=config).launched.gluon_backward

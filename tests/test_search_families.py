@@ -284,7 +284,10 @@ def test_gpu_a_search_over_both_families_stores_and_serves_its_winner(tmp_path, 
     try:
         q = torch.randn(4, 16, 2048, 128, device="cuda", dtype=torch.bfloat16)
         explanation = fatune.explain(q, q, q, is_causal=True)
-        assert explanation.backend == family and explanation.decision.config == result.config, str(explanation)
+        # where torch SDPA measured faster than both families the entry routes the call there
+        routed = f"sdpa-{explanation.decision.route}" if explanation.decision.route else family
+        assert explanation.backend in (family, routed), str(explanation)
+        assert explanation.decision.config == result.config, str(explanation)
     finally:
         clear()
     print(f"search of {shape.label()} over both families, 8 trials per study: {seconds:.1f} s; "

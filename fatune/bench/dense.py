@@ -31,7 +31,7 @@ import fatune
 from fatune.bench.common import bench_device, error_text, geomean, peak_step_bytes, shape_columns, time_step
 from fatune.bench.results import PlotSpec, Report
 from fatune.hardware import device_arch, sm_count
-from fatune.kernel.family import family
+from fatune.kernel.family import builtin_config, family
 from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.triton.heuristics import heuristic_config
 from fatune.tuning.competitors import Attention, competitors, sdpa_default
@@ -86,10 +86,10 @@ class BenchRow:
 
 
 def _fatune_config(name: str, shape: Shape, device: torch.device):
-    """The config an implementation named in FATUNE_IMPLS forces on `device` (None: dispatched): the heuristic's
-    (fatune-heuristic), unsplit and unpacked (fatune-plain), with the Gluon family's forward and backward
-    (fatune-gluon; the Triton family's where Gluon does not serve the shape), or the Triton family's alone
-    (fatune-triton)."""
+    """The config an implementation named in FATUNE_IMPLS forces on `device` (None: dispatched): the built-in
+    config (fatune-heuristic: what runs without a tuned entry), the Triton family's heuristic unsplit and unpacked
+    (fatune-plain), with the Gluon family's forward and backward (fatune-gluon; the Triton family's where Gluon
+    does not serve the shape), or the Triton family's alone (fatune-triton)."""
     if name not in ("fatune-heuristic", "fatune-plain", "fatune-gluon", "fatune-triton"):
         return None
     if name == "fatune-gluon":  # its forward and backward where each serves the shape, the Triton family's else
@@ -102,10 +102,10 @@ def _fatune_config(name: str, shape: Shape, device: torch.device):
         return config
     if name == "fatune-triton":
         return family("triton").heuristic(shape.problem, device_arch(device), sm_count(device))
-    config = heuristic_config(shape.problem, device_arch(device), sm_count(device), packed=name != "fatune-plain")
-    if name == "fatune-plain":
-        config = config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
-    return config
+    if name == "fatune-heuristic":
+        return builtin_config(shape.problem, device_arch(device), sm_count(device))
+    config = heuristic_config(shape.problem, device_arch(device), sm_count(device), packed=False)
+    return config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
 
 
 def fatune_impl(name: str, shape: Shape, device: torch.device | str = "cuda") -> Attention:

@@ -15,7 +15,7 @@ import torch
 
 from fatune.hardware import Arch
 from fatune.kernel.codegen import Templates
-from fatune.kernel.gluon.family import GLUON
+from fatune.kernel.gluon.family import GLUON, measured_faster
 from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import AttentionConfig, KernelSpec
 from fatune.kernel.triton.family import TRITON
@@ -64,3 +64,14 @@ def family(name: str = DEFAULT_FAMILY) -> KernelFamily:
     if found is None:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {name!r}")
     return found
+
+
+def builtin_config(problem: AttentionProblem, arch: Arch | None, sms: int | None) -> AttentionConfig:
+    """The config a call runs with no tuned entry: the Triton family's heuristic, with the Gluon family's forward
+    and backward on Hopper where they measured faster (gluon.family.measured_faster)."""
+    config = family().heuristic(problem, arch, sms)
+    if arch != (9, 0):
+        return config
+    gluon = GLUON.heuristic(problem, arch, sms)
+    forward, backward = measured_faster(problem)
+    return config.replace(fwd=gluon.fwd if forward else config.fwd, dkdv=gluon.dkdv if backward else config.dkdv)

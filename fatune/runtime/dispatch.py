@@ -26,7 +26,7 @@ import torch
 from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, label, problem_key
 from fatune.db.store import shipped_dbs
 from fatune.hardware import Arch, device_arch, device_identity, sm_count
-from fatune.kernel.family import family
+from fatune.kernel.family import builtin_config
 from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.triton.heuristics import decode_shares
@@ -129,7 +129,7 @@ class Dispatcher:
             skipped.append(message)
 
         key = problem_key(problem)
-        heuristic = family().heuristic(problem, arch, sms)
+        heuristic = builtin_config(problem, arch, sms)
         for layer, paths in self._layers(report):
             for path in paths:
                 try:

@@ -26,7 +26,7 @@ import torch
 
 from fatune.call import Call
 from fatune.db import TunedDB, default_path
-from fatune.kernel.family import FAMILIES
+from fatune.kernel.family import FAMILIES, builtin_config
 from fatune.kernel.problem import AttentionProblem
 from fatune.logs import warn_once
 from fatune.runtime import plans, routes
@@ -128,8 +128,9 @@ def _tune(shape: Shape, problem: AttentionProblem, query: torch.Tensor, key: tor
     timer = time_training_step if training else time_forward
     kwargs = shape.attention_kwargs(device)
     inputs = make_inputs(shape, device, seed=0)
-    configs = {family.heuristic(problem, target.arch_or_none, target.sms) for family in FAMILIES.values()
-               if family.serves(problem.spec, device) is None}
+    configs = {builtin_config(problem, target.arch_or_none, target.sms)} | {
+        family.heuristic(problem, target.arch_or_none, target.sms) for family in FAMILIES.values()
+        if family.serves(problem.spec, device) is None}
     timed, compile_s = [], 0.0
     for config in configs:
         try:

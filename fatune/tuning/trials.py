@@ -18,7 +18,7 @@ import optuna
 import torch
 
 from fatune.hardware import sm_count
-from fatune.kernel.family import family
+from fatune.kernel.family import builtin_config
 from fatune.kernel.spec import KERNELS, AttentionConfig, LaunchConfig
 from fatune.tuning.precompile import CompilePool
 from fatune.tuning.shape import Shape, make_inputs
@@ -173,7 +173,7 @@ def run_trials(searches: list[KernelSearch], heuristic: AttentionConfig, fixture
 
 def shape_heuristic(shape: Shape, target: Target) -> AttentionConfig:
     """The config the dispatcher would take for `shape` on `target` with no tuned entry."""
-    return family().heuristic(shape.problem, target.arch_or_none, target.sms or sm_count(target.device))
+    return builtin_config(shape.problem, target.arch_or_none, target.sms or sm_count(target.device))
 
 
 def kernel_searches(shape: Shape, target: Target, *, trials: int, seconds: float,

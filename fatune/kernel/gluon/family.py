@@ -1,7 +1,9 @@
-"""The Gluon family: the warp-specialized Hopper forward of templates/gluon/, the Triton family's backward after it.
+"""The Gluon family: the warp-specialized Hopper forward and backward of templates/gluon/, with the Triton family's
+kernels for what they do not take (the backward's Delta and dQ passes, masks not ported yet).
 
-It serves the calls `unserved` lets through (Hopper, 16-bit, head dims 64/128/256, no mask or a causal one);
-a config with a Gluon forward for any other call runs the Triton family instead, said once.
+Its kernels serve the calls `unserved` and `backward_unserved` let through (Hopper, 16-bit, head dims up to 256
+that are multiples of 8, no mask tensor, dropout or paged cache); a config with a Gluon kernel for any other call
+runs the Triton family's instead, said once. `measured_faster` says where the built-in config takes them.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from fatune.hardware import Arch
 from fatune.kernel.codegen import Templates
 from fatune.kernel.gluon import codegen
 from fatune.kernel.gluon.launch import (GluonPlan, backward_unserved, backward_untemplated, passes_config,
-                                        unserved)
+                                        unserved, untemplated)
 from fatune.kernel.problem import AttentionProblem
-from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig
+from fatune.kernel.spec import (DECODE_QUERIES, AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec,
+                                LaunchConfig)
 from fatune.kernel.triton import resolve
 from fatune.kernel.triton.family import TRITON
 from fatune.kernel.triton.resolve import source_hash
@@ -27,15 +30,33 @@ TRITON_FORWARD = LaunchConfig(64, 64)  # any Triton forward: only the backward's
 
 
 def default_forward(spec: KernelSpec) -> GluonConfig:
-    """The forward's config before a search (an H100 sweep, bf16, B L = 16384, H D = 2048, forward beside cuDNN's):
-    128-key tiles two deep; at d64 without a causal mask three consumer warpgroups (0.96-0.98x cuDNN, two: 0.92);
-    64-key tiles above d128 (d192, d256), whose 128-key tiles would not fit 227 KiB of shared memory."""
+    """The forward's config before a search (H100 sweeps, bf16, B L = 16384, H D = 2048, beside cuDNN's forward):
+    two consumer warpgroups on 128-key tiles, three deep at d96-d128 (0.95-1.02x cuDNN; two deep: 0.92-1.04x),
+    two deep at d64 (0.90-0.97x; three consumers: 0.78-0.91x); 64-key tiles above d128 (d192, d256), whose
+    128-key tiles would not fit 227 KiB of shared memory."""
     lanes = codegen.width(spec.head_dim)
     if lanes > 128:
         return GluonConfig(block_n=64, num_stages=2)
-    if lanes <= 64 and not spec.causal:
-        return GluonConfig(block_n=128, num_stages=2, consumers=3, consumer_regs=160, maxnreg=128)
+    if lanes > 64:
+        return GluonConfig(block_n=128, num_stages=3)
     return GluonConfig(block_n=128, num_stages=2)
+
+
+def measured_faster(problem: AttentionProblem) -> tuple[bool, bool]:
+    """Whether the Gluon forward and the Gluon backward (default_forward, default_backward) ran `problem` faster
+    than the Triton family's heuristic kernels on an H100 (a training step's grid: bf16 and fp16, d64/128/256,
+    causal or not, L 1k-16k). The forward: above d64 everywhere (1.1-1.5x), at d64 from 4k keys (at 1k the Triton
+    forward is 1.15x faster). The backward: above d128 (1.05-1.2x) and causal at d64 (1.0-1.2x); at d128 the
+    Triton backward is 1.1-1.45x faster. Masks it was not measured on (windows, key lengths, packed sequences,
+    ALiBi) and decode keep the Triton kernels."""
+    spec = problem.spec
+    if spec.window_left or spec.window_right or spec.seqlens != "fixed" or spec.alibi:
+        return False, False
+    lanes = codegen.width(spec.head_dim)
+    forward = (untemplated(spec) is None and problem.max_seqlen_q > DECODE_QUERIES
+               and (lanes > 64 or problem.max_seqlen_k >= 4096))
+    backward = backward_untemplated(spec) is None and (lanes > 128 or (lanes <= 64 and spec.causal))
+    return forward, backward
 
 
 def default_backward(spec: KernelSpec) -> GluonBackwardConfig:
@@ -65,8 +86,13 @@ class GluonFamily:
         return backward_unserved(spec, device)
 
     def heuristic(self, problem: AttentionProblem, arch: Arch | None, sms: int | None) -> AttentionConfig:
-        """The Triton family's heuristic with this family's forward (default_forward)."""
-        return TRITON.heuristic(problem, arch, sms).replace(fwd=default_forward(problem.spec))
+        """The Triton family's heuristic with this family's forward and backward wherever they render."""
+        config = TRITON.heuristic(problem, arch, sms)
+        if untemplated(problem.spec) is None:
+            config = config.replace(fwd=default_forward(problem.spec))
+        if backward_untemplated(problem.spec) is None:
+            config = config.replace(dkdv=default_backward(problem.spec))
+        return config
 
     def render(self, kind: str, spec: KernelSpec, config: AttentionConfig) -> str:
         if kind == "fwd" and config.gluon_forward:

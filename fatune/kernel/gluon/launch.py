@@ -265,11 +265,14 @@ class GluonPlan:
 
     @property
     def config(self) -> AttentionConfig:
+        """What runs: the Gluon kernels that build here, the Triton family's for the rest (in a Gluon backward's
+        place, the Triton backward with its dQ kernel)."""
         config = self.triton.config
+        if self.backward_config is not None:
+            config = (config.replace(dkdv=self.backward_config) if self._backward is not None
+                      else self.triton.deterministic_config())
         if self._forward is not None:
             config = config.replace(fwd=self.gluon_config)
-        if self._backward is not None and self.triton.atomic_dq:
-            config = config.replace(dkdv=self.backward_config)
         return config
 
     def deterministic_config(self) -> AttentionConfig:
@@ -335,7 +338,7 @@ class GluonPlan:
 
     def backward(self, grad_out, q, k, v, out, lse, extras=NO_EXTRAS, seed=None, key_spans=None):
         if not (self.runs_backward(grad_out) and all(described(t) for t in (q, k, v))):
-            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans, atomic=False)
         if not self.triton.on_device():
             with torch.cuda.device(self.triton.device):
                 return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
@@ -348,7 +351,7 @@ class GluonPlan:
         try:
             prep(slots, stream)
         except (KernelBuildError, StaleKernels):  # the Triton plan's own passes: it falls back as it does
-            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans, atomic=False)
         try:
             gluon(slots, stream)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be built costs speed, not the call
@@ -359,10 +362,10 @@ class GluonPlan:
             self.build_failure = (f"the Gluon backward {self.backward_config} cannot be built here "
                                   f"({type(error).__name__}: {first}): the Triton backward runs")
             warn_once(f"fatune: {self.build_failure}")
-            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans, atomic=False)
         self._backward_launched = True
         try:
             store(slots, stream)
         except (KernelBuildError, StaleKernels):
-            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+            return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans, atomic=False)
         return buffers[1:4]

@@ -509,14 +509,15 @@ class Plan:
 
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, extras: tuple = NO_EXTRAS,
-                 seed: torch.Tensor | None = None, key_spans: torch.Tensor | None = None
+                 seed: torch.Tensor | None = None, key_spans: torch.Tensor | None = None, atomic: bool | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dQ, dK, dV. `key_spans`: the forward's of the same call (forward_with_spans), or None: made again."""
+        """dQ, dK, dV. `key_spans`: the forward's of the same call (forward_with_spans), or None: made again;
+        `atomic`: False runs an atomic-dQ config with the dQ kernel instead (as bwd_launches)."""
         if not self.on_device():
             with torch.cuda.device(self.device):
-                return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+                return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans, atomic)
         grad_out = self.addressable(grad_out)
-        atomic = self.adds_dq_atomically()
+        atomic = self._atomic(atomic)
         buffers = self.allocate_backward(atomic)
         slots = self.slots(q, k, v, out, lse, extras, seed, backward=True, key_spans=key_spans) + (grad_out, *buffers)
         config = self.config
@@ -524,7 +525,7 @@ class Plan:
             self.run_backward(slots, self.bwd_launches(grad_out, atomic), self.beside())
         except (KernelBuildError, StaleKernels) as error:  # O and LSE stand: any backward config takes them
             self.fall_back(error, config, q, k, v)
-            return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans)
+            return self.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans, atomic)
         return buffers[1:4]
 
     # -- arguments ---------------------------------------------------------------------------
