@@ -277,6 +277,8 @@ COMPILED_BACKWARD = [
     # a head-dim split at 256 lanes: two consumers share each key tile, each owning 128 lanes of dK, dV and dQ
     (KernelSpec("bfloat16", 256), default_backward(KernelSpec("bfloat16", 256)), 768),
     (KernelSpec("bfloat16", 256, causal=True), default_backward(KernelSpec("bfloat16", 256)), 1024),
+    # shared dQ: both consumers' dS in two slots, each consumer adding up half of dQ's lanes over all 128 keys
+    (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(shared_dq=1), 384),
 ]
 
 
@@ -312,6 +314,17 @@ def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
         GluonBackwardConfig(consumers=3, consumer_regs=240)
     with pytest.raises(ValueError, match="fwd: a Gluon config runs the forward"):
         AttentionConfig(fwd=GluonBackwardConfig(), dkdv=config.dkdv, dq=config.dq)
+    with pytest.raises(ValueError, match="shared_dq: expected one of"):
+        GluonBackwardConfig(shared_dq=2)
+    shared = GluonBackwardConfig(shared_dq=1)
+    assert GluonBackwardConfig.from_dict(shared.to_dict()) == shared and str(shared).endswith("/shared")
+    assert resources.backward_infeasible(spec, shared, 232448) is None
+    # three consumers cannot split 128 lanes evenly; at 256 lanes the consumers split the head dim already
+    for other, config in ((spec, GluonBackwardConfig(consumers=3, consumer_regs=160, shared_dq=1)),
+                          (KernelSpec("bfloat16", 256), GluonBackwardConfig(num_stages=1, shared_dq=1))):
+        assert "cannot share dQ" in resources.backward_infeasible(other, config, 232448)
+        with pytest.raises(ValueError, match="shared_dq"):
+            family("gluon").render("bwd", other, default_config(other, (9, 0)).replace(dkdv=config))
 
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA summed in-kernel, L_q != L_k, head
@@ -323,7 +336,7 @@ BACKWARD_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("forward", ["triton", "gluon"])
-@pytest.mark.parametrize("tiles", ["default", "128-query", "three-deep"])
+@pytest.mark.parametrize("tiles", ["default", "128-query", "three-deep", "shared-dq"])
 @pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -334,9 +347,10 @@ def test_gpu_gluon_backward_matches_reference(shape, dtype, causal, alignment, t
     q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
     spec = KernelSpec(dtype, d, causal=causal, bottom_right=alignment == "bottom_right")
     backward = {"default": default_backward(spec), "128-query": GluonBackwardConfig(block_m=128, dq_slice=64),
-                "three-deep": GluonBackwardConfig(num_stages=3)}[tiles]
+                "three-deep": GluonBackwardConfig(num_stages=3),
+                "shared-dq": dataclasses.replace(default_backward(spec), shared_dq=1)}[tiles]
     if resources.backward_infeasible(spec, backward, 232448):
-        pytest.skip("does not fit shared memory")
+        pytest.skip(resources.backward_infeasible(spec, backward, 232448))
     config = default_config(spec, (9, 0)).replace(dkdv=backward)
     if forward == "gluon":
         config = config.replace(fwd=default_forward(spec))

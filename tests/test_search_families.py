@@ -244,7 +244,7 @@ def test_the_fastest_backward_of_either_family_wins(hopper, tmp_path, dkdv_ms, d
 def test_the_gluon_backward_axes_fit_the_gpu():
     grid = GPU_SPACE.feasible(GLUON_BACKWARD, SHAPE, HOPPER)
     assert set(GPU_SPACE.axes(GLUON_BACKWARD, SHAPE, 132)) == {"block_m", "num_stages", "consumers", "consumer_regs",
-                                                               "dq_slice"}
+                                                               "dq_slice", "shared_dq"}
     assert grid and all(isinstance(config, GluonBackwardConfig) for config in grid)
     assert all(resources.backward_shared_memory_bytes(SHAPE.spec, config) <= H100_SHARED for config in grid)
     assert GluonBackwardConfig(block_m=128, num_stages=2) not in grid  # 128-row Q and dO tiles two deep at d128

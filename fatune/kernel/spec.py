@@ -393,7 +393,8 @@ class GluonBackwardConfig:
     """A Gluon backward's launch (its dK/dV kernel, which also adds dQ up): `consumers` warpgroups of 64 keys each
     (block_n = 64 x consumers), query tiles of block_m rows (Q and dO) streamed `num_stages` deep, dQ's products
     and bulk reductions `dq_slice` lanes wide, the consumers' register budget and the launch's register cap, as
-    for GluonConfig."""
+    for GluonConfig. `shared_dq`: the consumers add up a query tile's dQ over the whole key tile, each for its
+    share of the lanes (one reduction per tile, FlashAttention-3's), instead of each over its own keys."""
 
     block_m: int = 64
     num_stages: int = 2
@@ -401,10 +402,11 @@ class GluonBackwardConfig:
     consumer_regs: int = 240
     maxnreg: int = 0
     dq_slice: int = 64
+    shared_dq: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_m", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
-                              ("dq_slice", (64, 128, 256))):
+                              ("dq_slice", (64, 128, 256)), ("shared_dq", (0, 1))):
             if getattr(self, name) not in allowed or not _is_int(getattr(self, name)):
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         _check_registers(self)
@@ -422,7 +424,7 @@ class GluonBackwardConfig:
 
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
-                f"/m{self.maxnreg}/dq{self.dq_slice}")
+                f"/m{self.maxnreg}/dq{self.dq_slice}{'/shared' if self.shared_dq else ''}")
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,12 @@ class SearchSpace:
     consumer_regs: tuple[int, ...] = (160, 192, 216, 232, 240)
     overlap: tuple[int, ...] = (0, 1)  # the softmax under the previous tile's P V, or one step after the other
     pingpong: tuple[int, ...] = (0, 1)  # the consumers take turns issuing their products (with overlap only)
-    # the Gluon backward (GLUON_BACKWARD): query tiles, ring depth, and dQ's slice (consumers and registers above)
+    # the Gluon backward (GLUON_BACKWARD): query tiles, ring depth, dQ's slice and whether the consumers share its
+    # reduction (consumers and registers above)
     gluon_block_m: tuple[int, ...] = (64, 128)
     gluon_bwd_stages: tuple[int, ...] = (1, 2, 3)
     dq_slice: tuple[int, ...] = (64, 128)
+    shared_dq: tuple[int, ...] = (0, 1)
     families: tuple[str, ...] = ("triton", "gluon")  # the kernel families whose studies a search runs
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -94,7 +96,7 @@ class SearchSpace:
         if kernel == GLUON_BACKWARD:
             slices = tuple(value for value in self.dq_slice if value <= max(64, lanes(shape.spec.head_dim)))
             return {"block_m": self.gluon_block_m, "num_stages": self.gluon_bwd_stages, "consumers": self.consumers,
-                    "consumer_regs": self.consumer_regs, "dq_slice": slices}
+                    "consumer_regs": self.consumer_regs, "dq_slice": slices, "shared_dq": self.shared_dq}
         axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
         if kernel == "fwd":

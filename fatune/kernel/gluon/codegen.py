@@ -92,6 +92,31 @@ def backward_block_n(spec: KernelSpec, config: GluonBackwardConfig) -> int:
     return GLUON_SPLIT_M * config.consumers // backward_head_split(spec)
 
 
+def unshared_dq(spec: KernelSpec, config: GluonBackwardConfig) -> str | None:
+    """Why the consumers of `config` cannot share dQ's reduction for `spec` (None: they can, or do not try): each
+    takes an equal share of the lanes, at least 16, and none may split the head dim already."""
+    lanes = width(spec.head_dim)
+    if not config.shared_dq:
+        return None
+    if backward_head_split(spec) > 1:
+        return f"at head dim {spec.head_dim} the consumers split the head dim already"
+    if lanes % (16 * config.consumers):
+        return f"{lanes} lanes do not split into {config.consumers} equal shares of 16 or more"
+    return None
+
+
+def backward_dq_lanes(spec: KernelSpec, config: GluonBackwardConfig) -> int:
+    """Lanes of dQ each consumer adds up: its share of the head dim where the consumers share dQ's reduction,
+    else every lane it owns."""
+    lanes = width(spec.head_dim) // backward_head_split(spec)
+    return lanes // config.consumers if config.shared_dq else lanes
+
+
+def backward_dq_slice(spec: KernelSpec, config: GluonBackwardConfig) -> int:
+    """Lanes of dQ per product and bulk reduction (the config's slice, at most a consumer's lanes)."""
+    return min(config.dq_slice, backward_dq_lanes(spec, config))
+
+
 def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str, Any]:
     """The options the backward template renders from."""
     has_right = spec.causal or spec.window_right
@@ -101,17 +126,21 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
     if config.consumers % head_split:
         raise ValueError(f"consumers: expected a multiple of {head_split} at head dim {spec.head_dim} (that many "
                          f"consumer warpgroups share each key tile), got {config.consumers}")
+    reason = unshared_dq(spec, config)
+    if reason is not None:
+        raise ValueError(f"shared_dq: {reason}")
     return {
         "template_name": f"{TEMPLATES.folder}/attn_bwd.py.jinja",
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
         "config_json": json.dumps(config.to_dict(), sort_keys=True),
         "HEAD_DIM": lanes, "BLOCK_M": config.block_m, "BLOCK_N": backward_block_n(spec, config),
         "SPLIT_N": GLUON_SPLIT_M, "HEAD_SPLIT": head_split, "KEY_GROUPS": config.consumers // head_split,
-        "OWN": lanes // head_split, "STAGES": config.num_stages, "DQ_SLICE": min(config.dq_slice, lanes // head_split),
+        "OWN": lanes // head_split, "STAGES": config.num_stages, "DQ_SLICE": backward_dq_slice(spec, config),
+        "DQ_LANES": backward_dq_lanes(spec, config), "SHARED_DQ": bool(config.shared_dq),
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
         "EXACT_DELTA_KEYS": EXACT_DELTA_KEYS, "BOTTOM_RIGHT": spec.bottom_right, "HAS_LEFT": spec.window_left,
         "HAS_RIGHT": has_right, "HAS_BAND": split_ds, "SPLIT_DS": split_ds,
-        "DS_BUFFERS": config.consumers * (2 if split_ds else 1),
+        "DS_BUFFERS": config.consumers * (2 if split_ds else 1) * (2 if config.shared_dq else 1),
         # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
         "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi, "D": spec.head_dim,
         # dK and dV stored from registers: a packed sequence's rows, or a consumer's own lanes

@@ -105,7 +105,7 @@ class GluonBackward:
                         problem.window_right)
         head_dim = codegen.width(problem.spec.head_dim)
         dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
-        dq_slice = min(config.dq_slice, head_dim // codegen.backward_head_split(problem.spec))
+        dq_slice = codegen.backward_dq_slice(problem.spec, config)
         self.rows, self.keys = [1, 1, config.block_m, head_dim], [1, 1, GLUON_SPLIT_M, head_dim]
         self.dq_rows = [1, 1, config.block_m, dq_slice]
         self.row_layout = gl.NVMMASharedLayout.get_default_for(self.rows, dtype)

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from fatune.kernel.gluon.codegen import backward_head_split, load, load_backward, width
+from fatune.kernel.gluon.codegen import backward_dq_slice, backward_head_split, load, load_backward, width
 from fatune.kernel.spec import GLUON_SPLIT_M as SPLIT_M
 from fatune.kernel.spec import GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.offline import _cuobjdump
@@ -86,7 +86,7 @@ def backward_signature(spec: KernelSpec, config: GluonBackwardConfig) -> tuple[d
     """Argument types and constexprs of the backward's kernel as a launch passes them."""
     dtype, name = _DTYPES[spec.dtype]
     head_dim = width(spec.head_dim)
-    dq_slice = min(config.dq_slice, head_dim // backward_head_split(spec))
+    dq_slice = backward_dq_slice(spec, config)
     q_block, kv_block, dq_block = [1, 1, config.block_m, head_dim], [1, 1, SPLIT_M, head_dim], [1, 1, config.block_m,
                                                                                                dq_slice]
     q_layout = gl.NVMMASharedLayout.get_default_for(q_block, dtype)

@@ -3,7 +3,7 @@ fit before it spends a trial on it."""
 
 from __future__ import annotations
 
-from fatune.kernel.gluon.codegen import backward_head_split, width
+from fatune.kernel.gluon.codegen import backward_dq_slice, backward_head_split, unshared_dq, width
 from fatune.kernel.spec import GLUON_SPLIT_M, GluonBackwardConfig, GluonConfig, KernelSpec
 
 ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
@@ -37,15 +37,17 @@ def infeasible(spec: KernelSpec, config: GluonConfig, shared_limit: int | None) 
 
 def backward_shared_memory_bytes(spec: KernelSpec, config: GluonBackwardConfig) -> int:
     """Shared memory of one backward program, an upper bound within 1 KiB of what Triton allocates: each
-    consumer's K and V tiles, the Q and dO ring, each consumer's dS tile (two under a band: dS's low part), each
-    consumer's float32 dQ slice and the mbarriers."""
+    consumer's K and V tiles, the Q and dO ring, each consumer's dS tile (two under a band: dS's low part; twice
+    that where the consumers share dQ's reduction: two slots), each consumer's float32 dQ slice and the
+    mbarriers."""
     lanes, split = width(spec.head_dim), backward_head_split(spec)
     keys = 2 * (config.consumers // split) * GLUON_SPLIT_M * lanes * ELEMENT_BYTES
     ring = 2 * config.num_stages * config.block_m * lanes * ELEMENT_BYTES
     banded = spec.causal or spec.window_left or spec.window_right
-    ds = config.consumers * (2 if banded else 1) * GLUON_SPLIT_M * config.block_m * ELEMENT_BYTES
-    dq = config.consumers * config.block_m * min(config.dq_slice, lanes // split) * 4
-    barriers = 8 * (config.consumers // split + 3 * config.num_stages)
+    slots = 2 if config.shared_dq else 1
+    ds = slots * config.consumers * (2 if banded else 1) * GLUON_SPLIT_M * config.block_m * ELEMENT_BYTES
+    dq = config.consumers * config.block_m * backward_dq_slice(spec, config) * 4
+    barriers = 8 * (config.consumers // split + 3 * config.num_stages + 2)
     return keys + ring + ds + dq + barriers + 512  # alignment
 
 
@@ -55,6 +57,9 @@ def backward_infeasible(spec: KernelSpec, config: GluonBackwardConfig, shared_li
     split = backward_head_split(spec)
     if config.consumers % split:
         return f"{config.consumers} consumer warpgroups cannot share key tiles {split} to a tile"
+    reason = unshared_dq(spec, config)
+    if reason is not None:
+        return f"the consumers cannot share dQ's reduction: {reason}"
     if shared_limit is None:
         return None
     needed = backward_shared_memory_bytes(spec, config)
