@@ -5,7 +5,8 @@
   implementations (the curves must agree: the largest relative gap is reported) and the training throughput in
   tokens per second over the steps after the first few (compiles and allocator warm-up left out).
 - generate: greedy decoding of `new_tokens` tokens for a batch of 8 prompts that fill a 4k cache (DynamicCache),
-  the prompt's prefill timed apart; milliseconds per generated token.
+  after a warm-up generation from the same prompt; the prompt's prefill timed apart (median of PREFILL_REPEATS),
+  then milliseconds per generated token.
 
 Wall-clock timings with the GPU synchronized around each measured region, medians where repeated. In Triton's
 interpreter (`--interpret`) a tiny model runs a few steps on the CPU (a smoke run; timings not meaningful).
@@ -15,6 +16,7 @@ Needs transformers (`pip install 'fatune[transformers]'`).
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -65,6 +67,7 @@ GPU_WORKLOAD = Workload(hidden=2048, layers=8, heads=16, kv_heads=4, head_dim=12
 INTERPRETER_WORKLOAD = Workload(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97, batch=2,
                                 length=24, steps=3, prompt=12, new_tokens=3, generate_batch=2, dtype=torch.float32)
 WARMUP_STEPS = 5  # steps left out of the throughput (compiles, allocator warm-up)
+PREFILL_REPEATS = 3  # the prefill's time: their median
 
 
 def _sync(device: torch.device) -> None:
@@ -119,12 +122,17 @@ def generate(workload: Workload, device: torch.device) -> dict[str, dict]:
         model.set_attn_implementation(implementation)
         options = dict(do_sample=False, pad_token_id=0, min_new_tokens=workload.new_tokens)
         with torch.no_grad():
-            model.generate(prompt[:, :16], max_new_tokens=2, **options | {"min_new_tokens": 2})  # warm-up
+            # warm-up on the timed prompt itself: the prefill's and the decode steps' kernels compile (or tune on
+            # first use) here, not in the timed calls
+            model.generate(prompt, max_new_tokens=2, **options | {"min_new_tokens": 2})
             _sync(device)
-            start = time.perf_counter()
-            model.generate(prompt, max_new_tokens=1, **options | {"min_new_tokens": 1})
-            _sync(device)
-            prefill = time.perf_counter() - start
+            prefills = []
+            for _ in range(PREFILL_REPEATS):
+                start = time.perf_counter()
+                model.generate(prompt, max_new_tokens=1, **options | {"min_new_tokens": 1})
+                _sync(device)
+                prefills.append(time.perf_counter() - start)
+            prefill = statistics.median(prefills)
             start = time.perf_counter()
             tokens = model.generate(prompt, max_new_tokens=workload.new_tokens, **options)
             _sync(device)
