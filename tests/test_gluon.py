@@ -86,34 +86,40 @@ def test_the_registry_names_both_families_and_a_config_its_own():
     assert "templates/gluon/attn_fwd.py.jinja" in family("gluon").render("fwd", spec, gluon_config)
 
 
-# (spec, seqlen_q, seqlen_k, arch, Gluon forward?, Gluon backward?): where the built-in config takes the Gluon
-# kernels, as an H100 measured them against the Triton family's heuristic kernels
+# (spec, batch, heads, K/V heads, seqlen_q, seqlen_k, arch, Gluon forward?, Gluon backward?): where the built-in
+# config takes the Gluon kernels, as an H100 measured them against the Triton family's heuristic kernels
 BUILTIN = [
-    (KernelSpec("bfloat16", 128), 4096, 4096, (9, 0), True, False),
-    (KernelSpec("float16", 128, causal=True), 1024, 1024, (9, 0), True, False),
-    (KernelSpec("bfloat16", 96), 2048, 2048, (9, 0), True, False),
-    (KernelSpec("bfloat16", 256, causal=True), 1024, 1024, (9, 0), True, True),
-    (KernelSpec("bfloat16", 192), 8192, 8192, (9, 0), True, True),
-    (KernelSpec("bfloat16", 64), 4096, 4096, (9, 0), True, False),
-    (KernelSpec("bfloat16", 64), 1024, 1024, (9, 0), False, False),
-    (KernelSpec("float16", 64, causal=True), 1024, 1024, (9, 0), False, True),
-    (KernelSpec("bfloat16", 64, causal=True, bottom_right=True), 128, 16384, (9, 0), True, True),
-    (KernelSpec("bfloat16", 128), 1, 8192, (9, 0), False, False),  # decode: the split-KV forward
-    (KernelSpec("bfloat16", 256, causal=True, window_left=True), 8192, 8192, (9, 0), False, False),
-    (KernelSpec("bfloat16", 256, seqlens="seqlens_k"), 8192, 8192, (9, 0), False, False),
-    (KernelSpec("bfloat16", 256, alibi=True), 8192, 8192, (9, 0), False, False),
-    (KernelSpec("bfloat16", 256, attn_mask="additive"), 8192, 8192, (9, 0), False, False),
-    (KernelSpec("float32", 256), 8192, 8192, (9, 0), False, False),
-    (KernelSpec("bfloat16", 256), 8192, 8192, (8, 0), False, False),
-    (KernelSpec("bfloat16", 256), 8192, 8192, (10, 0), False, False),
-    (KernelSpec("float16", 256), 8192, 8192, None, False, False),  # the interpreter
+    (KernelSpec("bfloat16", 128), 4, 16, 16, 4096, 4096, (9, 0), True, False),
+    (KernelSpec("float16", 128, causal=True), 16, 16, 16, 1024, 1024, (9, 0), True, False),
+    (KernelSpec("bfloat16", 96), 8, 16, 16, 2048, 2048, (9, 0), True, False),
+    (KernelSpec("bfloat16", 256, causal=True), 16, 8, 8, 1024, 1024, (9, 0), True, True),
+    (KernelSpec("bfloat16", 192), 2, 8, 8, 8192, 8192, (9, 0), True, True),
+    (KernelSpec("bfloat16", 64), 4, 32, 32, 4096, 4096, (9, 0), True, False),
+    (KernelSpec("bfloat16", 64), 16, 32, 32, 1024, 1024, (9, 0), False, False),
+    (KernelSpec("float16", 64, causal=True), 16, 32, 32, 1024, 1024, (9, 0), False, True),
+    (KernelSpec("bfloat16", 64, causal=True, bottom_right=True), 16, 32, 32, 512, 16384, (9, 0), True, True),
+    # grouped query heads: the forward as without them; the backward sums the group in a program (not measured)
+    (KernelSpec("bfloat16", 256, causal=True), 4, 32, 8, 4096, 4096, (9, 0), True, False),
+    # too few programs to fill the GPU (a chunked prefill: the Triton forward splits its keys), and decode
+    (KernelSpec("bfloat16", 128, causal=True, bottom_right=True), 4, 32, 8, 128, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256), 1, 8, 8, 2048, 2048, (9, 0), False, False),
+    (KernelSpec("bfloat16", 128), 8, 32, 8, 1, 8192, (9, 0), False, False),
+    # masks not measured yet, tensors, dtypes and GPUs the Gluon kernels do not take, the interpreter
+    (KernelSpec("bfloat16", 256, causal=True, window_left=True), 2, 8, 8, 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256, seqlens="seqlens_k"), 2, 8, 8, 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256, alibi=True), 2, 8, 8, 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256, attn_mask="additive"), 2, 8, 8, 8192, 8192, (9, 0), False, False),
+    (KernelSpec("float32", 256), 2, 8, 8, 8192, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256), 2, 8, 8, 8192, 8192, (8, 0), False, False),
+    (KernelSpec("bfloat16", 256), 2, 8, 8, 8192, 8192, (10, 0), False, False),
+    (KernelSpec("float16", 256), 2, 8, 8, 8192, 8192, None, False, False),
 ]
 
 
-@pytest.mark.parametrize("spec, seqlen_q, seqlen_k, arch, forward, backward", BUILTIN)
-def test_the_builtin_config_takes_the_gluon_kernels_where_they_measured_faster(spec, seqlen_q, seqlen_k, arch,
-                                                                                forward, backward):
-    problem = AttentionProblem(spec, 2, 8, 8, seqlen_q, seqlen_k, seqlen_q, seqlen_k, 0.125)
+@pytest.mark.parametrize("spec, batch, heads, kv_heads, seqlen_q, seqlen_k, arch, forward, backward", BUILTIN)
+def test_the_builtin_config_takes_the_gluon_kernels_where_they_measured_faster(spec, batch, heads, kv_heads, seqlen_q,
+                                                                                seqlen_k, arch, forward, backward):
+    problem = AttentionProblem(spec, batch, heads, kv_heads, seqlen_q, seqlen_k, seqlen_q, seqlen_k, 0.125)
     config = builtin_config(problem, arch, 132)
     triton = family("triton").heuristic(problem, arch, 132)
     assert config.gluon_forward == forward and config.gluon_backward == backward

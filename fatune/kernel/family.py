@@ -73,5 +73,5 @@ def builtin_config(problem: AttentionProblem, arch: Arch | None, sms: int | None
     if arch != (9, 0):
         return config
     gluon = GLUON.heuristic(problem, arch, sms)
-    forward, backward = measured_faster(problem)
+    forward, backward = measured_faster(problem, sms)
     return config.replace(fwd=gluon.fwd if forward else config.fwd, dkdv=gluon.dkdv if backward else config.dkdv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from math import ceil
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from fatune.kernel.triton.family import TRITON
 from fatune.kernel.triton.resolve import source_hash
 
 TRITON_FORWARD = LaunchConfig(64, 64)  # any Triton forward: only the backward's hashes are taken from its config
+MIN_WAVES = 4  # programs per multiprocessor below which the built-in config keeps the Triton kernels
+HOPPER_SMS = 132  # an H100 SXM's and an H200's multiprocessors, where the count is unknown
 
 
 def default_forward(spec: KernelSpec) -> GluonConfig:
@@ -42,20 +45,27 @@ def default_forward(spec: KernelSpec) -> GluonConfig:
     return GluonConfig(block_n=128, num_stages=2)
 
 
-def measured_faster(problem: AttentionProblem) -> tuple[bool, bool]:
+def measured_faster(problem: AttentionProblem, sms: int | None) -> tuple[bool, bool]:
     """Whether the Gluon forward and the Gluon backward (default_forward, default_backward) ran `problem` faster
     than the Triton family's heuristic kernels on an H100 (a training step's grid: bf16 and fp16, d64/128/256,
-    causal or not, L 1k-16k). The forward: above d64 everywhere (1.1-1.5x), at d64 from 4k keys (at 1k the Triton
-    forward is 1.15x faster). The backward: above d128 (1.05-1.2x) and causal at d64 (1.0-1.2x); at d128 the
-    Triton backward is 1.1-1.45x faster. Masks it was not measured on (windows, key lengths, packed sequences,
-    ALiBi) and decode keep the Triton kernels."""
+    causal or not, L 1k-16k, 8 or more waves of programs). The forward: above d64 everywhere (1.1-1.5x), at d64
+    from 4k keys (at 1k the Triton forward is 1.15x faster). The backward: above d128 (1.05-1.2x) and causal at
+    d64 (1.0-1.2x); at d128 the Triton backward is 1.1-1.45x faster. The Triton kernels keep what was not
+    measured: masks other than causal (windows, key lengths, packed sequences, ALiBi), decode, grids of fewer
+    than MIN_WAVES waves on the GPU's `sms` multiprocessors (the Triton forward splits their keys, e.g. a chunked
+    prefill), and a backward over grouped query heads (the Gluon one sums the group in each program)."""
     spec = problem.spec
     if spec.window_left or spec.window_right or spec.seqlens != "fixed" or spec.alibi:
         return False, False
     lanes = codegen.width(spec.head_dim)
+    waves = MIN_WAVES * (sms or HOPPER_SMS)
     forward = (untemplated(spec) is None and problem.max_seqlen_q > DECODE_QUERIES
+               and problem.batch * problem.heads * ceil(problem.max_seqlen_q / default_forward(spec).block_m) >= waves
                and (lanes > 64 or problem.max_seqlen_k >= 4096))
-    backward = backward_untemplated(spec) is None and (lanes > 128 or (lanes <= 64 and spec.causal))
+    backward = (backward_untemplated(spec) is None and problem.group_size == 1
+                and problem.batch * problem.kv_heads * ceil(problem.max_seqlen_k /
+                                                            codegen.backward_block_n(spec, default_backward(spec))) >= waves
+                and (lanes > 128 or (lanes <= 64 and spec.causal)))
     return forward, backward
 
 
