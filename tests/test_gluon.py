@@ -51,6 +51,9 @@ COMPILED = [
      GluonConfig(128, 2), 0),
     # ALiBi: every score carries its bias
     (KernelSpec("bfloat16", 128, causal=True, alibi=True), GluonConfig(128, 2), 0),
+    # persistent: one program per multiprocessor takes query tiles in turn (with ping-pong's turns counted over them)
+    (KernelSpec("bfloat16", 128, causal=True), GluonConfig(128, 2, persistent=1), 0),
+    (KernelSpec("bfloat16", 128), GluonConfig(128, 3, pingpong=1, persistent=1), 0),
 ]
 
 
@@ -137,7 +140,7 @@ GPU_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 1000,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["default", "64-key", "sequential", "pingpong"])
+@pytest.mark.parametrize("tiles", ["default", "64-key", "sequential", "pingpong", "persistent"])
 @pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -150,7 +153,8 @@ def test_gpu_gluon_forward_matches_reference(shape, dtype, causal, alignment, ti
     spec = KernelSpec(dtype, d, causal=causal, bottom_right=alignment == "bottom_right")
     forward = {"default": default_forward(spec), "sequential": dataclasses.replace(default_forward(spec), overlap=0),
                "pingpong": dataclasses.replace(default_forward(spec), pingpong=1),
-               "64-key": GluonConfig(block_n=64, num_stages=2 if d > 128 else 3)}[tiles]
+               "64-key": GluonConfig(block_n=64, num_stages=2 if d > 128 else 3),
+               "persistent": dataclasses.replace(default_forward(spec), persistent=1)}[tiles]
     assert family("gluon").serves(spec, q.device) is None
     config = default_config(spec, (9, 0)).replace(fwd=forward)
     kwargs = {"is_causal": causal, "enable_gqa": kv_heads != heads, "config": config}
@@ -159,6 +163,37 @@ def test_gpu_gluon_forward_matches_reference(shape, dtype, causal, alignment, ti
     explained = fatune.explain(q, k, v, **{key: value for key, value in kwargs.items()})
     assert explained.launched.family == "gluon", explained
     record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal alignment, window, ALiBi, ping-pong): more query
+# tiles than an H100 or H200 has multiprocessors, so each persistent program takes several, heads and tile
+# lengths changing between them (causal: the longest tiles first, over every head)
+PERSISTENT = [(4, 16, 16, 1000, 1000, 128, None, None, False, 0), (2, 32, 8, 1100, 1100, 64, "top_left", None, False, 1),
+              (3, 16, 4, 777, 1200, 128, "bottom_right", None, True, 0), (2, 16, 16, 1500, 1500, 256, "top_left", None, False, 0),
+              (4, 8, 8, 1300, 1300, 96, "bottom_right", (200, 0), False, 1), (5, 8, 2, 900, 900, 128, None, (64, 64), True, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", PERSISTENT, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[6]}-w{c[7]}-a{c[8]}-p{c[9]}")
+def test_gpu_persistent_gluon_forward_takes_several_tiles_per_program(case, dtype, poison_outputs, record_gpu_errors):
+    batch, heads, kv_heads, lq, lk, d, alignment, window, alibi, pingpong = case
+    torch.manual_seed(stable_seed(case, dtype))
+    q, k, v = random_qkv(batch, heads, kv_heads, lq, lk, d, d, dtype=dtype, device="cuda")
+    kwargs = {"is_causal": alignment is not None, "enable_gqa": kv_heads != heads}
+    if alignment is not None:
+        kwargs["causal_alignment"] = alignment
+    if window is not None:
+        kwargs["window_size"] = window
+    if alibi:
+        kwargs["alibi_slopes"] = torch.rand(heads, device="cuda") * 0.5
+    spec = fatune.explain(q, k, v, **kwargs).spec
+    forward = dataclasses.replace(default_forward(spec), persistent=1, pingpong=pingpong)
+    config = default_config(spec, (9, 0)).replace(fwd=forward)
+    tiles = batch * heads * -(-lq // forward.block_m)
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    assert fatune.explain(q, k, v, config=config, **kwargs).launched.gluon_forward
+    record_gpu_errors(run_and_compare(q, k, v, config=config, **kwargs))
 
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, window_size, is_causal): windows narrower and wider than a
@@ -322,6 +357,13 @@ def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
         AttentionConfig(fwd=GluonBackwardConfig(), dkdv=config.dkdv, dq=config.dq)
     with pytest.raises(ValueError, match="shared_dq: expected one of"):
         GluonBackwardConfig(shared_dq=2)
+    persistent = GluonConfig(persistent=1)
+    assert GluonConfig.from_dict(persistent.to_dict()) == persistent and str(persistent).endswith("/persistent")
+    # a persistent program would make a sequence's descriptors again while a copy in flight may read them
+    packed = KernelSpec("bfloat16", 128, causal=True, seqlens="varlen")
+    assert "persistent" in resources.infeasible(packed, persistent, 232448)
+    with pytest.raises(ValueError, match="persistent: "):
+        family("gluon").render("fwd", packed, default_config(packed, (9, 0)).replace(fwd=persistent))
     shared = GluonBackwardConfig(shared_dq=1)
     assert GluonBackwardConfig.from_dict(shared.to_dict()) == shared and str(shared).endswith("/shared")
     assert resources.backward_infeasible(spec, shared, 232448) is None

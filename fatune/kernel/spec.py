@@ -322,9 +322,11 @@ class GluonConfig:
     warpgroup with setmaxnreg; the producer keeps GLUON_PRODUCER_REGS), the launch's register cap (`maxnreg`;
     0: gluon_register_cap), whether a consumer runs the softmax of tile j while P_{j-1} V_{j-1} is on the
     tensor cores (`overlap`, 1) or one step after the other (0), and whether the consumers take turns issuing
-    their products (`pingpong`, FlashAttention-3's schedule: one's softmax under another's products). The
-    consumers' and the producer's registers must fit the pool the cap launches with (setmaxnreg waits for
-    registers that never come otherwise)."""
+    their products (`pingpong`, FlashAttention-3's schedule: one's softmax under another's products), and
+    whether one program per multiprocessor takes the query tiles in turn (`persistent`: the next tile's loads
+    under the last one's epilogue; causal, the longest tiles first). The consumers' and the producer's
+    registers must fit the pool the cap launches with (setmaxnreg waits for registers that never come
+    otherwise)."""
 
     block_n: int = 128
     num_stages: int = 2
@@ -333,10 +335,11 @@ class GluonConfig:
     maxnreg: int = 0
     overlap: int = 1
     pingpong: int = 0
+    persistent: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_n", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
-                              ("overlap", (0, 1)), ("pingpong", (0, 1))):
+                              ("overlap", (0, 1)), ("pingpong", (0, 1)), ("persistent", (0, 1))):
             if getattr(self, name) not in allowed or not _is_int(getattr(self, name)):
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if self.pingpong and not self.overlap:
@@ -357,7 +360,8 @@ class GluonConfig:
 
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
-                f"/m{self.maxnreg}{'' if self.overlap else '/sequential'}{'/pingpong' if self.pingpong else ''}")
+                f"/m{self.maxnreg}{'' if self.overlap else '/sequential'}{'/pingpong' if self.pingpong else ''}"
+                f"{'/persistent' if self.persistent else ''}")
 
 
 def _gluon_dict(config: GluonConfig | GluonBackwardConfig) -> dict[str, Any]:

@@ -26,8 +26,20 @@ def width(head_dim: int) -> int:
     raise ValueError(f"head_dim: expected at most {HEAD_DIMS[-1]} for the Gluon forward, got {head_dim}")
 
 
+def unpersistent(spec: KernelSpec, config: GluonConfig) -> str | None:
+    """Why the forward of `config` cannot run persistent for `spec` (None: it can, or is not persistent): a
+    program that made its sequence's descriptors again for its next tile could overwrite one a copy in flight
+    still reads."""
+    if config.persistent and spec.seqlens != "fixed":
+        return f"the persistent forward takes no key lengths or packed sequences (a {spec.seqlens} spec)"
+    return None
+
+
 def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
     """The options the forward template renders from."""
+    reason = unpersistent(spec, config)
+    if reason is not None:
+        raise ValueError(f"persistent: {reason}")
     return {
         "template_name": f"{TEMPLATES.folder}/attn_fwd.py.jinja",
         "spec_json": json.dumps(spec.to_dict(), sort_keys=True),
@@ -35,6 +47,9 @@ def template_options(spec: KernelSpec, config: GluonConfig) -> dict[str, Any]:
         "HEAD_DIM": width(spec.head_dim), "D": spec.head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "STAGES": config.num_stages,
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "OVERLAP": bool(config.overlap),
         "PINGPONG": bool(config.pingpong), "PRODUCER_REGS": GLUON_PRODUCER_REGS,
+        # persistent: the partitions take q_empty (the Q buffers free again) and the tile count, the kernel the latter
+        "PERSISTENT": bool(config.persistent), "PERSISTENT_PARAMS": ", q_empty, M_TILES, BH" if config.persistent else "",
+        "KERNEL_PERSISTENT_PARAMS": ", M_TILES, BH" if config.persistent else "",
         "IS_CAUSAL": spec.causal, "BOTTOM_RIGHT": spec.bottom_right, **sequence_options(spec.seqlens, spec.alibi),
         "ALIBI": spec.alibi,
         "HAS_LEFT": spec.window_left, "HAS_RIGHT": spec.causal or spec.window_right,

@@ -17,7 +17,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fatune.hardware import device_arch
+from fatune.hardware import device_arch, sm_count
 from fatune.kernel.gluon import codegen
 from fatune.kernel.problem import NO_EXTRAS, OPTIONAL_TENSORS, AttentionProblem
 from fatune.kernel.spec import (DTYPES, GLUON_SPLIT_M, AttentionConfig, GluonBackwardConfig, GluonConfig,
@@ -155,7 +155,7 @@ class GluonBackward:
 class GluonForward:
     """The Gluon forward of one call signature: its compiled kernel, grid and scalar arguments."""
 
-    def __init__(self, problem: AttentionProblem, config: GluonConfig, lse_strides: tuple[int, ...]):
+    def __init__(self, problem: AttentionProblem, config: GluonConfig, lse_strides: tuple[int, ...], sms: int):
         self.config = config
         self.kernel = codegen.load(problem.spec, config).attn_fwd
         self.sequences = problem.spec.seqlens  # "fixed", or how the kernel makes its sequence's descriptors
@@ -167,6 +167,10 @@ class GluonForward:
         self.scalars = (problem.scale, problem.heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
                         0 if self.packed else lse_strides[0], lse_strides[1], problem.window_left,
                         problem.window_right)
+        self.tiles = ()  # persistent: the query tiles per (batch, head) and the (batch, head)s, after the rest
+        if config.persistent:  # one program per multiprocessor (or per tile, where there are fewer)
+            self.tiles = self.grid
+            self.grid = (min(self.grid[0] * self.grid[1], sms), 1)
         head_dim = codegen.width(problem.spec.head_dim)  # the tiles' width: lanes past the call's read 0
         dtype = _GL_DTYPES[DTYPES[problem.spec.dtype]]
         self.rows, self.keys = [1, 1, GLUON_SPLIT_M, head_dim], [1, 1, config.block_n, head_dim]
@@ -192,6 +196,7 @@ class GluonForward:
             launch.ensure_triton_allocator()
         if self.alibi is not None:
             args += (extras[_EXTRA["alibi_slopes"]], *self.alibi)
+        args += self.tiles
         if launch.compiling_only():
             self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
             return
@@ -229,7 +234,7 @@ class GluonPlan:
                 reason = f"{problem.batch} x {problem.heads} (batch x heads) programs exceed a grid's {MAX_GRID_Y} rows"
             if reason is None:
                 try:
-                    self._forward = GluonForward(problem, forward, self.triton.lse_layout[1])
+                    self._forward = GluonForward(problem, forward, self.triton.lse_layout[1], sm_count(device))
                     if sources is not None and source_hash("fwd", codegen.load(problem.spec, forward)) not in sources:
                         raise StaleKernels("the Gluon forward has changed since its tuned entry was measured")
                 except (StaleKernels, Exception) as error:  # noqa: BLE001 - any failure here costs speed, not the call

@@ -64,6 +64,8 @@ def signature(spec: KernelSpec, config: GluonConfig) -> tuple[dict, dict]:
              "stride_oh": "i32", "stride_ol": "i32"}
     if spec.alibi:
         types |= {"ALIBI": "*fp32", "stride_ab": "i32", "stride_ah": "i32"}
+    if config.persistent:
+        types |= {"M_TILES": "i32", "BH": "i32"}
     return types, {"num_warps": 4}
 
 

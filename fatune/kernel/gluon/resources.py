@@ -3,7 +3,7 @@ fit before it spends a trial on it."""
 
 from __future__ import annotations
 
-from fatune.kernel.gluon.codegen import backward_dq_slice, backward_head_split, unshared_dq, width
+from fatune.kernel.gluon.codegen import backward_dq_slice, backward_head_split, unpersistent, unshared_dq, width
 from fatune.kernel.spec import GLUON_SPLIT_M, GluonBackwardConfig, GluonConfig, KernelSpec
 
 ELEMENT_BYTES = 2  # float16 and bfloat16, the only dtypes the family takes
@@ -16,7 +16,8 @@ def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
     lanes = width(spec.head_dim)
     tiles = (config.consumers * GLUON_SPLIT_M + 2 * config.num_stages * config.block_n) * lanes * ELEMENT_BYTES
     pinned = config.consumers * GLUON_SPLIT_M * 4
-    barriers = 8 * ((1 + config.pingpong) * config.consumers + 4 * config.num_stages)  # Q's (ping-pong's), the ring's
+    # Q's (ready, persistent: empty too; ping-pong's turns), the ring's
+    barriers = 8 * ((1 + config.persistent + config.pingpong) * config.consumers + 4 * config.num_stages)
     # the descriptors made in-kernel: the sequence's K and V, and packed, its Q and each consumer's O
     descriptors = {"fixed": 0, "seqlens_k": 2 * 128, "varlen": (3 + config.consumers) * 128}[spec.seqlens]
     return tiles + pinned + barriers + descriptors + 64  # alignment
@@ -25,6 +26,9 @@ def shared_memory_bytes(spec: KernelSpec, config: GluonConfig) -> int:
 def infeasible(spec: KernelSpec, config: GluonConfig, shared_limit: int | None) -> str | None:
     """Why `config` cannot run for `spec` on a GPU with `shared_limit` bytes of shared memory per block (None:
     unknown, anything goes); None if it may."""
+    reason = unpersistent(spec, config)
+    if reason is not None:
+        return reason
     if shared_limit is None:
         return None
     needed = shared_memory_bytes(spec, config)
