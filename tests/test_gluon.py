@@ -107,6 +107,7 @@ BUILTIN = [
     (KernelSpec("bfloat16", 128, causal=True, bottom_right=True), 4, 32, 8, 128, 8192, (9, 0), False, False),
     (KernelSpec("bfloat16", 256), 1, 8, 8, 2048, 2048, (9, 0), False, False),
     (KernelSpec("bfloat16", 128), 8, 32, 8, 1, 8192, (9, 0), False, False),
+    (KernelSpec("bfloat16", 256), 16, 16, 16, 4096, 512, (9, 0), False, False),  # few keys: not measured
     # masks not measured yet, tensors, dtypes and GPUs the Gluon kernels do not take, the interpreter
     (KernelSpec("bfloat16", 256, causal=True, window_left=True), 2, 8, 8, 8192, 8192, (9, 0), False, False),
     (KernelSpec("bfloat16", 256, seqlens="seqlens_k"), 2, 8, 8, 8192, 8192, (9, 0), False, False),

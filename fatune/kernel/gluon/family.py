@@ -29,6 +29,7 @@ from fatune.kernel.triton.resolve import source_hash
 
 TRITON_FORWARD = LaunchConfig(64, 64)  # any Triton forward: only the backward's hashes are taken from its config
 MIN_WAVES = 4  # programs per multiprocessor below which the built-in config keeps the Triton kernels
+MIN_KEYS = 1024  # keys below which it keeps them too (the shortest measured)
 HOPPER_SMS = 132  # an H100 SXM's and an H200's multiprocessors, where the count is unknown
 
 
@@ -51,11 +52,14 @@ def measured_faster(problem: AttentionProblem, sms: int | None) -> tuple[bool, b
     causal or not, L 1k-16k, 8 or more waves of programs). The forward: above d64 everywhere (1.1-1.5x), at d64
     from 4k keys (at 1k the Triton forward is 1.15x faster). The backward: above d128 (1.05-1.2x) and causal at
     d64 (1.0-1.2x); at d128 the Triton backward is 1.1-1.45x faster. The Triton kernels keep what was not
-    measured: masks other than causal (windows, key lengths, packed sequences, ALiBi), decode, grids of fewer
-    than MIN_WAVES waves on the GPU's `sms` multiprocessors (the Triton forward splits their keys, e.g. a chunked
-    prefill), and a backward over grouped query heads (the Gluon one sums the group in each program)."""
+    measured: masks other than causal (windows, key lengths, packed sequences, ALiBi), fewer than MIN_KEYS keys,
+    decode, grids of fewer than MIN_WAVES waves on the GPU's `sms` multiprocessors (the Triton forward splits
+    their keys, e.g. a chunked prefill), and a backward over grouped query heads (the Gluon one sums the group in
+    each program)."""
     spec = problem.spec
     if spec.window_left or spec.window_right or spec.seqlens != "fixed" or spec.alibi:
+        return False, False
+    if problem.max_seqlen_k < MIN_KEYS:
         return False, False
     lanes = codegen.width(spec.head_dim)
     waves = MIN_WAVES * (sms or HOPPER_SMS)
