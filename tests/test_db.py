@@ -764,3 +764,16 @@ def test_between_two_stale_rows_the_faster_stays(tmp_path):
         assert db.upsert(old)
         assert not db.upsert(replace(old, fwd_config={**old.fwd_config, "num_stages": 2}, fwd_bwd_ms=9.0))
         assert db.count() == 1 and next(db.entries()).fwd_bwd_ms == 3.0
+
+
+@pytest.mark.parametrize("mask_variant, valid", [("causal", True), ("causal+varlen", False),
+                                                 ("causal+bottom-right+seqlens-k", False)])
+def test_a_persistent_gluon_forward_entry_is_refused_where_it_cannot_run(mask_variant, valid):
+    """A persistent program makes no sequence descriptors again per tile: an entry pairing one with key lengths
+    or packed sequences is invalid, named, not a silent fallback at launch."""
+    entry = make_entry(mask_variant=mask_variant, fwd_config={**GLUON_CONFIG, "persistent": 1})
+    if valid:
+        assert entry.check().attention_config().fwd.persistent == 1
+    else:
+        with pytest.raises(InvalidEntry, match="fwd_config.persistent: the persistent forward takes no"):
+            entry.check()

@@ -22,6 +22,7 @@ import triton
 
 from fatune.db.keys import KEY_COLUMNS, MAX_BUCKET, MIN_BUCKET, mask_variants, variant_fields
 from fatune.kernel.family import family
+from fatune.kernel.gluon.codegen import unpersistent
 from fatune.kernel.spec import (
     DTYPES,
     LATER_FIELDS,
@@ -174,7 +175,10 @@ class Entry:
         for kernel, name in (("fwd", "fwd_config"), ("dkdv", "bwd_config.dkdv"), ("dq", "bwd_config.dq")):
             data = self.fwd_config if kernel == "fwd" else self.bwd_config[kernel]
             if kernel in ("fwd", "dkdv") and isinstance(data, dict) and "family" in data:
-                _gluon_config(name, data, GluonConfig if kernel == "fwd" else GluonBackwardConfig)
+                config = _gluon_config(name, data, GluonConfig if kernel == "fwd" else GluonBackwardConfig)
+                unfit = unpersistent(self.spec(), config) if kernel == "fwd" else None
+                if unfit:
+                    raise InvalidEntry(f"{name}.persistent: {unfit}")
                 continue
             misplaced = misplaced_structure(kernel, _launch_config(name, data))
             if misplaced:
