@@ -107,6 +107,12 @@ def backward_block_n(spec: KernelSpec, config: GluonBackwardConfig) -> int:
     return GLUON_SPLIT_M * config.consumers // backward_head_split(spec)
 
 
+def backward_stores_by_pointers(spec: KernelSpec) -> bool:
+    """Whether the backward stores dK and dV from registers through pointers (a packed sequence's rows, or a
+    consumer's own lanes where the consumers split the head dim) rather than by TMA."""
+    return spec.seqlens == "varlen" or backward_head_split(spec) > 1
+
+
 def unshared_dq(spec: KernelSpec, config: GluonBackwardConfig) -> str | None:
     """Why the consumers of `config` cannot share dQ's reduction for `spec` (None: they can, or do not try): each
     takes an equal share of the lanes, at least 16, and none may split the head dim already."""
@@ -158,9 +164,8 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
         "DS_BUFFERS": config.consumers * (2 if split_ds else 1) * (2 if config.shared_dq else 1),
         # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
         "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi, "D": spec.head_dim,
-        # dK and dV stored from registers: a packed sequence's rows, or a consumer's own lanes
-        "STORE_BY_POINTERS": spec.seqlens == "varlen" or head_split > 1,
-        **backward_sequence_options(spec.seqlens, spec.alibi, spec.seqlens == "varlen" or head_split > 1),
+        "STORE_BY_POINTERS": backward_stores_by_pointers(spec),
+        **backward_sequence_options(spec.seqlens, spec.alibi, backward_stores_by_pointers(spec)),
     }
 
 

@@ -49,9 +49,9 @@ def default_forward(spec: KernelSpec) -> GluonConfig:
 def measured_faster(problem: AttentionProblem, sms: int | None) -> tuple[bool, bool]:
     """Whether the Gluon forward and the Gluon backward (default_forward, default_backward) ran `problem` faster
     than the Triton family's heuristic kernels on an H100 (a training step's grid: bf16 and fp16, d64/128/256,
-    causal or not, L 1k-16k, 8 or more waves of programs). The forward: above d64 everywhere (1.1-1.5x), at d64
-    from 4k keys (at 1k the Triton forward is 1.15x faster). The backward: above d128 (1.05-1.2x) and causal at
-    d64 (1.0-1.2x); at d128 the Triton backward is 1.1-1.45x faster. The Triton kernels keep what was not
+    causal or not, L 1k-16k, 8 or more waves of programs). The forward: above d64 everywhere (1.2-1.5x), at d64
+    from 4k keys (at 1k the Triton forward is 1.15x faster). The backward: above d128 (1.06-1.23x) and causal at
+    d64 (1.03-1.20x); at d128 the Triton backward is 1.1-1.45x faster. The Triton kernels keep what was not
     measured: masks other than causal (windows, key lengths, packed sequences, ALiBi), fewer than MIN_KEYS keys,
     decode, grids of fewer than MIN_WAVES waves on the GPU's `sms` multiprocessors (the Triton forward splits
     their keys, e.g. a chunked prefill), and a backward over grouped query heads (the Gluon one sums the group in

@@ -99,7 +99,7 @@ class GluonBackward:
         self.packed = self.sequences == "varlen"
         self.grid = (triton.cdiv(problem.max_seqlen_k if self.packed else problem.seqlen_k,
                                  codegen.backward_block_n(problem.spec, config)), problem.batch * problem.kv_heads)
-        self.stores = self.packed or codegen.backward_head_split(problem.spec) > 1  # dK, dV through pointers
+        self.stores = codegen.backward_stores_by_pointers(problem.spec)
         self.scalars = (problem.scale, problem.kv_heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
                         0 if self.packed else lse_strides[0], lse_strides[1], problem.window_left,
                         problem.window_right)

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from fatune.kernel.gluon.codegen import backward_dq_slice, backward_head_split, load, load_backward, width
+from fatune.kernel.gluon.codegen import backward_dq_slice, backward_stores_by_pointers, load, load_backward, width
 from fatune.kernel.spec import GLUON_SPLIT_M as SPLIT_M
 from fatune.kernel.spec import GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.offline import _cuobjdump
@@ -106,7 +106,7 @@ def backward_signature(spec: KernelSpec, config: GluonBackwardConfig) -> tuple[d
         types |= {"SEQLENS_K": "*i32"} if spec.seqlens == "seqlens_k" else {
             "CU_Q": "*i32", "CU_K": "*i32", "Q": f"*{name}", "DO": f"*{name}", "DQA": "*fp32",
             **{f"stride_{t}{d}": "i32" for t in ("q", "do", "dqa") for d in "hl"}}
-    if spec.seqlens == "varlen" or backward_head_split(spec) > 1:  # dK and dV stored through pointers
+    if backward_stores_by_pointers(spec):
         types |= {"DK": f"*{name}", "DV": f"*{name}",
                   **{f"stride_{t}{d}": "i32" for t in ("dk", "dv") for d in "bhl"}}
     if spec.alibi:
