@@ -13,11 +13,15 @@ import torch
 import fatune
 from fatune.kernel.family import builtin_config, family
 from fatune.kernel.gluon import resources
+from fatune.kernel.gluon import family as gluon_family
 from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.codegen import code_hash
 from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.heuristics import default_config
+from fatune.runtime import dispatch
+from fatune.runtime.dispatch import Dispatcher
+from tests.conftest import DEVICE, use_dispatcher
 from tests.reference import random_qkv, run_and_compare, stable_seed
 from tests.test_codegen import _compile_in_subprocess as compile_in_subprocess
 
@@ -131,6 +135,24 @@ def test_the_builtin_config_takes_the_gluon_kernels_where_they_measured_faster(s
     assert config.dkdv == (default_backward(spec) if backward else triton.dkdv)
     assert config.dq == triton.dq
     assert config.family == ("gluon" if forward or backward else "triton")
+
+
+@pytest.mark.parametrize("head_dim, causal, forward, backward", [(128, False, True, False), (64, True, False, True),
+                                                                 (256, True, True, True)])
+def test_the_builtin_configs_calls_run_where_a_gluon_kernel_cannot_build(monkeypatch, tmp_path, poison_outputs,
+                                                                           head_dim, causal, forward, backward):
+    """On Hopper the built-in config mixes the families (a Gluon forward beside the Triton backward, or the
+    reverse): its calls run end to end, and where a Gluon kernel cannot be built (here: no GPU) the Triton
+    family's kernels take its part with the accuracy rule's result. (The GPU's arch and multiprocessors are
+    patched, and the fewest keys lowered, so that a shape the interpreter runs quickly takes the Gluon kernels.)"""
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 1)
+    monkeypatch.setattr(gluon_family, "MIN_KEYS", 64)
+    use_dispatcher(monkeypatch, Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[]))
+    q, k, v = random_qkv(2, 2, 2, 200, 200, head_dim, head_dim, dtype=torch.float16, device=DEVICE)
+    config = fatune.explain(q, k, v, is_causal=causal).decision.config
+    assert (config.gluon_forward, config.gluon_backward) == (forward, backward)
+    run_and_compare(q, k, v, is_causal=causal)
 
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA, L_q != L_k; head dims between the
@@ -547,10 +569,29 @@ CONSAN_CASES = [
 ]
 
 CONSAN_SCRIPT = """
-import json, sys, torch, fatune
+import collections, json, sys, torch, triton, fatune
+from fatune.kernel.gluon import launch as gluon_launch
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.triton.heuristics import default_config
+from fatune.kernel.triton.launch import ensure_triton_allocator
 d, causal, forward, backward, b, h, n = json.loads(sys.argv[1])
+sanitized = collections.Counter()
+
+def under_consan(kernel, call):
+    # only the Gluon kernels compile with ConSan: Triton 3.6's ConSan also traps in the Triton family's forward, a
+    # Triton-language loop whose TMA pipeline Triton's compiler builds (its deadlock check, on an H100)
+    def run(*args, **kwargs):
+        sanitized[kernel] += 1
+        ensure_triton_allocator()  # ConSan's state lives in global scratch (per thread: autograd's too)
+        triton.knobs.compilation.instrumentation_mode = "consan"
+        try:
+            return call(*args, **kwargs)
+        finally:
+            triton.knobs.compilation.instrumentation_mode = ""
+    return run
+
+gluon_launch.GluonForward.__call__ = under_consan("forward", gluon_launch.GluonForward.__call__)
+gluon_launch.GluonBackward.__call__ = under_consan("backward", gluon_launch.GluonBackward.__call__)
 torch.manual_seed(0)
 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 spec = fatune.explain(q, k, v, is_causal=causal).spec
@@ -565,6 +606,7 @@ torch.cuda.synchronize()
 reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
 error = (out.float() - reference).abs().max().item()
 assert error < 0.05 and all(bool(torch.isfinite(g).all()) for g in grads), error
+assert set(sanitized) == {kernel for kernel, ran in (("forward", forward), ("backward", backward)) if ran}, sanitized
 print("CONSAN OK", error)
 """
 
@@ -572,15 +614,16 @@ print("CONSAN OK", error)
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONSAN_CASES, ids=[c[0] for c in CONSAN_CASES])
 def test_gpu_gluon_kernels_pass_the_concurrency_sanitizer(case, tmp_path):
-    """Each sampled kernel compiled with ConSan (TRITON_INSTRUMENTATION_MODE=consan, its own Triton and fatune
+    """Each sampled Gluon kernel compiled with ConSan (Triton's concurrency sanitizer, its own Triton and fatune
     caches) runs a forward and backward in a fresh process without a trap, its output close to float32 SDPA's."""
     import os
     import subprocess
     import sys
 
     _, d, causal, forward, backward, batch, heads, length = case
-    env = {**os.environ, "TRITON_INSTRUMENTATION_MODE": "consan", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "FATUNE_CACHE_DIR": str(tmp_path / "kernels"), "FATUNE_DB": str(tmp_path / "none.sqlite")}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FATUNE_CACHE_DIR": str(tmp_path / "kernels"),
+           "FATUNE_DB": str(tmp_path / "none.sqlite")}
+    env.pop("TRITON_INSTRUMENTATION_MODE", None)
     arguments = json.dumps([d, causal, forward.to_dict() if forward else None,
                             backward.to_dict() if backward else None, batch, heads, length])
     done = subprocess.run([sys.executable, "-c", CONSAN_SCRIPT, arguments], env=env, capture_output=True, text=True,

@@ -700,7 +700,8 @@ def test_a_warm_start_keeps_the_dq_kernels_place_beside_an_atomic_dkdv():
 
 def test_a_dq_trial_goes_with_the_best_dkdv_config_without_atomic_dq():
     """An atomic dK/dV adds dQ itself (the dQ kernel's tile would only size Delta's rows), so dQ candidates
-    are timed beside the best dK/dV without it, or the heuristic's tile without it when none finished yet."""
+    are timed beside the best dK/dV without it, or the dK/dV study's heuristic tile without it when none finished
+    yet."""
     from types import SimpleNamespace
 
     from fatune.kernel.triton.heuristics import default_config
@@ -709,7 +710,8 @@ def test_a_dq_trial_goes_with_the_best_dkdv_config_without_atomic_dq():
     heuristic = default_config(KernelSpec("bfloat16", 64, causal=True), (9, 0))
     atomic, separate, fwd = LaunchConfig(64, 64, atomic_dq=2), LaunchConfig(32, 128), LaunchConfig(128, 64)
     searches = [SimpleNamespace(kernel="fwd", known_best=(1.0, fwd), known_best_separate=(1.0, fwd)),
-                SimpleNamespace(kernel="dkdv", known_best=(2.0, atomic), known_best_separate=(2.4, separate)),
+                SimpleNamespace(kernel="dkdv", known_best=(2.0, atomic), known_best_separate=(2.4, separate),
+                                heuristic=heuristic),
                 SimpleNamespace(kernel="dq", known_best=(2.3, LaunchConfig(64, 32)), known_best_separate=(2.3, None))]
     assert base_config(searches, heuristic, "dkdv") == heuristic.replace(fwd=fwd)
     assert base_config(searches, heuristic, "dq") == heuristic.replace(fwd=fwd, dkdv=separate)

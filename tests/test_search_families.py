@@ -19,7 +19,8 @@ from fatune.kernel.spec import (AttentionConfig, GluonBackwardConfig, GluonConfi
                                 gluon_register_cap)
 from fatune.kernel.triton.heuristics import default_config
 from fatune.kernel.triton.resolve import source_hash
-from fatune.tuning import search, study
+from fatune.kernel.family import family
+from fatune.tuning import search, study, trials
 from fatune.tuning.shape import Shape
 from fatune.tuning.space import GLUON_BACKWARD, GLUON_FORWARD, GPU_SPACE, INTERPRETER_SPACE, infeasible, make_config
 from fatune.tuning.storage import Heartbeat, open_storage
@@ -154,6 +155,33 @@ def test_warm_starts_of_the_other_family_are_not_queued_in_a_study(hopper, tmp_p
                            if t.user_attrs.get("warm_start")]
     assert [make_config(GLUON_FORWARD, params) for params in warm(gluon)] == [tuned_gluon.fwd]
     assert [make_config("fwd", params) for params in warm(triton)] == [tuned_triton.fwd]
+
+
+@pytest.mark.parametrize("shape, forward, backward", [
+    (SHAPE, True, False),
+    (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256, causal=True), True, True),
+])
+def test_each_familys_studies_start_from_its_own_config_beside_a_mixed_builtin(hopper, tmp_path, shape, forward,
+                                                                               backward):
+    """On Hopper the built-in config runs Gluon kernels where they measured faster: the Gluon studies start from
+    it, the Triton studies from the Triton family's heuristic (queued, so the search always times it), and a dQ
+    trial runs beside a Triton dK/dV without atomic dQ."""
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    builtin, searches = trials.kernel_searches(shape, hopper, trials=30, seconds=600, storage=storage, seed=0,
+                                               space=GPU_SPACE)
+    assert (builtin.gluon_forward, builtin.gluon_backward) == (forward, backward)
+    triton = family("triton").heuristic(shape.problem, (9, 0), hopper.sms)
+    by_kernel = {s.kernel: s for s in searches}
+    for kernel in ("fwd", "dkdv", "dq"):
+        search_ = by_kernel[kernel]
+        assert search_.start and search_.start == study.heuristic_params(triton, kernel, shape.spec, search_.axes)
+        assert [t.system_attrs["fixed_params"] for t in search_.study.get_trials(
+            states=(optuna.trial.TrialState.WAITING,))] == [search_.start]
+    assert make_config(GLUON_FORWARD, by_kernel[GLUON_FORWARD].start) == builtin.fwd
+    if backward:
+        assert make_config(GLUON_BACKWARD, by_kernel[GLUON_BACKWARD].start) == builtin.dkdv
+    base = trials.base_config(searches, builtin, "dq")
+    assert isinstance(base.dkdv, LaunchConfig) and not base.dkdv.atomic_dq
 
 
 def _finished(search_: study.KernelSearch, configs_ms: list[tuple[object, float]]) -> None:

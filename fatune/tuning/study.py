@@ -30,6 +30,7 @@ import optuna
 import torch
 
 from fatune.db import is_decode, key_columns, seqlen_bucket
+from fatune.hardware import sm_count
 from fatune.kernel.family import family
 from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.spec import KERNELS, AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig
@@ -246,6 +247,11 @@ class KernelSearch:
         self.trials = trial_budget(space, target, shape, kernel, trials)
         self.exhausted = False  # every feasible point tried or held, as the last ask found
         self.spec = shape.spec
+        if kernel in KERNELS and not isinstance(getattr(heuristic, kernel), LaunchConfig):
+            # the built-in config runs a Gluon kernel here: this Triton study starts from the Triton family's own
+            triton = family().heuristic(shape.problem, target.arch_or_none, target.sms or sm_count(target.device))
+            heuristic = heuristic.replace(**{kernel: getattr(triton, kernel)})
+        self.heuristic = heuristic
         self.start = heuristic_params(heuristic, kernel, shape.spec, self.axes)
         # what this process knows of the study without asking the storage again: the best trial as of its last
         # census or tell, when it last looked for dead trials, and until when a study it found with all its
@@ -267,7 +273,7 @@ class KernelSearch:
     def ensure_heuristic(self) -> bool:
         """Queue the heuristic config (when in the space) unless a trial of it has finished, waits or
         runs; True if it queued one. The winner is then never slower than what fatune runs untuned."""
-        if not all(self.start[axis] in values for axis, values in self.axes.items()):
+        if not all(self.start.get(axis) in values for axis, values in self.axes.items()):
             return False
         with storage_lock(self.storage.url):
             trials = self.study.get_trials(deepcopy=False, states=(*FINISHED, WAITING, RUNNING))

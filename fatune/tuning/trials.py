@@ -31,15 +31,15 @@ from fatune.tuning.target import Checker, Stopwatch, Target
 def base_config(searches: list[KernelSearch], heuristic: AttentionConfig, kernel: str) -> AttentionConfig:
     """What a trial of `kernel` runs besides its candidate: the best so far (as this process knows it) of the
     kernels searched before it (the backward reads the forward's LSE), the heuristic for the others. A dQ
-    trial goes with the best dK/dV config without atomic dQ (an atomic one adds dQ itself, and the dQ
-    kernel's tile would only size Delta's rows): the dQ study tunes the separate backward, which
-    measure_shape weighs against the atomic one."""
+    trial goes with the best dK/dV config without atomic dQ, or its study's heuristic without it (an atomic one
+    adds dQ itself, and the dQ kernel's tile would only size Delta's rows): the dQ study tunes the separate
+    backward, which measure_shape weighs against the atomic one."""
     base = heuristic
     for search in searches:
         if search.kernel not in KERNELS or KERNELS.index(search.kernel) >= KERNELS.index(slot(kernel)):
             continue  # a kernel searched later, or the Gluon forward (the backward reads either forward's LSE)
         if kernel == "dq" and search.kernel == "dkdv":
-            best = search.known_best_separate[1] or dataclasses.replace(heuristic.dkdv, atomic_dq=0)
+            best = search.known_best_separate[1] or dataclasses.replace(search.heuristic.dkdv, atomic_dq=0)
         else:
             best = search.known_best[1]
         base = base.replace(**{search.kernel: best}) if best else base

@@ -152,14 +152,23 @@ class GluonFamily:
         if backward_untemplated(spec) is None:
             sources += [source_hash("bwd", codegen.render_backward(spec, GluonBackwardConfig(consumers=consumers,
                                                                                               consumer_regs=160)))
-                        for consumers in (2, 3)]
+                        for consumers in (2, 3) if consumers % codegen.backward_head_split(spec) == 0]
         return hashlib.sha256(",".join(sources).encode()).hexdigest()[:16]
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
              sources: frozenset[str] | None) -> GluonPlan:
-        return GluonPlan(problem, config, device, q, k, v, fallback or TRITON.heuristic(problem, (9, 0), None),
-                         sources)
+        return GluonPlan(problem, config, device, q, k, v, triton_fallback(problem, fallback), sources)
+
+
+def triton_fallback(problem: AttentionProblem, fallback: AttentionConfig | None) -> AttentionConfig:
+    """The Triton family's config a Gluon plan's kernels fall back to: `fallback` with the Triton heuristic's
+    kernels in place of its Gluon ones (the built-in config runs Gluon kernels on Hopper), or that heuristic."""
+    triton = TRITON.heuristic(problem, (9, 0), None)
+    if fallback is None:
+        return triton
+    return fallback.replace(fwd=triton.fwd if fallback.gluon_forward else fallback.fwd,
+                            dkdv=triton.dkdv if fallback.gluon_backward else fallback.dkdv)
 
 
 GLUON = GluonFamily()
