@@ -96,7 +96,10 @@ def test_the_registry_names_both_families_and_a_config_its_own():
 # (spec, batch, heads, K/V heads, seqlen_q, seqlen_k, arch, Gluon forward?, Gluon backward?): where the built-in
 # config takes the Gluon kernels, as an H100 measured them against the Triton family's heuristic kernels
 BUILTIN = [
-    (KernelSpec("bfloat16", 128), 4, 16, 16, 4096, 4096, (9, 0), True, False),
+    # d128: the backward without a mask from 4k keys (the consumers sharing dQ's reduction)
+    (KernelSpec("bfloat16", 128), 4, 16, 16, 4096, 4096, (9, 0), True, True),
+    (KernelSpec("bfloat16", 128), 16, 16, 16, 1024, 1024, (9, 0), True, False),
+    (KernelSpec("bfloat16", 128, causal=True), 4, 16, 16, 4096, 4096, (9, 0), True, False),
     (KernelSpec("float16", 128, causal=True), 16, 16, 16, 1024, 1024, (9, 0), True, False),
     (KernelSpec("bfloat16", 96), 8, 16, 16, 2048, 2048, (9, 0), True, False),
     (KernelSpec("bfloat16", 256, causal=True), 16, 8, 8, 1024, 1024, (9, 0), True, True),
@@ -112,9 +115,12 @@ BUILTIN = [
     (KernelSpec("bfloat16", 256), 1, 8, 8, 2048, 2048, (9, 0), False, False),
     (KernelSpec("bfloat16", 128), 8, 32, 8, 1, 8192, (9, 0), False, False),
     (KernelSpec("bfloat16", 256), 16, 16, 16, 4096, 512, (9, 0), False, False),  # few keys: not measured
-    # masks not measured yet, tensors, dtypes and GPUs the Gluon kernels do not take, the interpreter
-    (KernelSpec("bfloat16", 256, causal=True, window_left=True), 2, 8, 8, 8192, 8192, (9, 0), False, False),
-    (KernelSpec("bfloat16", 256, seqlens="seqlens_k"), 2, 8, 8, 8192, 8192, (9, 0), False, False),
+    # windows, key lengths and packed sequences: the forward above d64, never the backward
+    (KernelSpec("bfloat16", 256, causal=True, window_left=True), 2, 8, 8, 8192, 8192, (9, 0), True, False),
+    (KernelSpec("bfloat16", 128, seqlens="seqlens_k"), 2, 16, 16, 8192, 8192, (9, 0), True, False),
+    (KernelSpec("bfloat16", 128, causal=True, seqlens="varlen"), 2, 16, 16, 8192, 8192, (9, 0), True, False),
+    (KernelSpec("bfloat16", 64, causal=True, window_left=True), 2, 32, 32, 8192, 8192, (9, 0), False, False),
+    # ALiBi (not measured), tensors, dtypes and GPUs the Gluon kernels do not take, the interpreter
     (KernelSpec("bfloat16", 256, alibi=True), 2, 8, 8, 8192, 8192, (9, 0), False, False),
     (KernelSpec("bfloat16", 256, attn_mask="additive"), 2, 8, 8, 8192, 8192, (9, 0), False, False),
     (KernelSpec("float32", 256), 2, 8, 8, 8192, 8192, (9, 0), False, False),

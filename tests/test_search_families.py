@@ -14,7 +14,7 @@ from fatune.db import TunedDB
 from fatune.kernel.gluon import codegen as gluon_codegen
 from fatune.kernel.gluon import launch as gluon_launch
 from fatune.kernel.gluon import resources
-from fatune.kernel.gluon.family import default_forward
+from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.spec import (AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig,
                                 gluon_register_cap)
 from fatune.kernel.triton.heuristics import default_config
@@ -74,7 +74,7 @@ def test_the_gluon_axes_hold_only_register_splits_the_sm_can_give():
     threads); every config's launch cap leaves room for its split, and the cap follows the consumers."""
     grid = GPU_SPACE.grid(GLUON_FORWARD, SHAPE, 132)
     assert set(GPU_SPACE.axes(GLUON_FORWARD, SHAPE, 132)) == {"block_n", "num_stages", "consumers", "consumer_regs",
-                                                              "overlap", "pingpong"}
+                                                              "overlap", "pingpong", "persistent"}
     assert not any(c.pingpong and not c.overlap for c in grid)
     assert grid and all(isinstance(config, GluonConfig) for config in grid)
     assert {c.consumer_regs for c in grid if c.consumers == 3} == {160}
@@ -158,7 +158,8 @@ def test_warm_starts_of_the_other_family_are_not_queued_in_a_study(hopper, tmp_p
 
 
 @pytest.mark.parametrize("shape, forward, backward", [
-    (SHAPE, True, False),
+    (SHAPE, True, True),
+    (dataclasses.replace(SHAPE, causal=True), True, False),
     (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256, causal=True), True, True),
 ])
 def test_each_familys_studies_start_from_its_own_config_beside_a_mixed_builtin(hopper, tmp_path, shape, forward,
@@ -255,7 +256,7 @@ def test_the_fastest_backward_of_either_family_wins(hopper, tmp_path, dkdv_ms, d
     _finished(by_kernel["dkdv"], [(atomic, dkdv_ms), (separate, dkdv_ms + 1.0)])
     _finished(by_kernel["dq"], [(heuristic.dq, dq_ms)])
     backward = GluonBackwardConfig(num_stages=3)
-    assert make_config(GLUON_BACKWARD, by_kernel[GLUON_BACKWARD].start) == GluonBackwardConfig()
+    assert make_config(GLUON_BACKWARD, by_kernel[GLUON_BACKWARD].start) == default_backward(SHAPE.spec)
     if gluon_ms is not None:
         _finished(by_kernel[GLUON_BACKWARD], [(backward, gluon_ms), (GluonBackwardConfig(block_m=128), 9.0)])
     chosen, kernel_ms, _ = search.choose_winners(SHAPE, searches)

@@ -122,9 +122,9 @@ def generate(workload: Workload, device: torch.device) -> dict[str, dict]:
         model.set_attn_implementation(implementation)
         options = dict(do_sample=False, pad_token_id=0, min_new_tokens=workload.new_tokens)
         with torch.no_grad():
-            # warm-up on the timed prompt itself: the prefill's and the decode steps' kernels compile (or tune on
-            # first use) here, not in the timed calls
-            model.generate(prompt, max_new_tokens=2, **options | {"min_new_tokens": 2})
+            # warm-up: the timed generation itself, so that what each new cache length builds once (kernels, plans,
+            # cuDNN's graphs; tuning on first use) happens here, not in the timed calls
+            model.generate(prompt, max_new_tokens=workload.new_tokens, **options)
             _sync(device)
             prefills = []
             for _ in range(PREFILL_REPEATS):

@@ -94,7 +94,7 @@ def sdpa_best(shape: Shape, inputs: dict[str, torch.Tensor], target: Target) -> 
         runner = sdpa(backend, shape)
         try:
             ms = time_forward(runner, inputs, *SDPA_BENCH)["fwd_ms"] if forward_only(shape) \
-                else time_step_only(runner, inputs, *SDPA_BENCH)
+                else time_step_only(runner, inputs, *SDPA_BENCH)["fwd_bwd_ms"]
         except Exception:  # backend unavailable for this shape
             continue
         if ms < best[1]:

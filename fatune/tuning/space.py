@@ -76,6 +76,7 @@ class SearchSpace:
     consumer_regs: tuple[int, ...] = (160, 192, 216, 232, 240)
     overlap: tuple[int, ...] = (0, 1)  # the softmax under the previous tile's P V, or one step after the other
     pingpong: tuple[int, ...] = (0, 1)  # the consumers take turns issuing their products (with overlap only)
+    persistent: tuple[int, ...] = (0, 1)  # one program per multiprocessor takes the query tiles (fixed lengths only)
     # the Gluon backward (GLUON_BACKWARD): query tiles, ring depth, dQ's slice and whether the consumers share its
     # reduction (consumers and registers above)
     gluon_block_m: tuple[int, ...] = (64, 128)
@@ -92,7 +93,8 @@ class SearchSpace:
         its keys would add partial results and merges to a grid that already has no idle multiprocessor."""
         if kernel == GLUON_FORWARD:
             return {"block_n": self.gluon_block_n, "num_stages": self.gluon_stages, "consumers": self.consumers,
-                    "consumer_regs": self.consumer_regs, "overlap": self.overlap, "pingpong": self.pingpong}
+                    "consumer_regs": self.consumer_regs, "overlap": self.overlap, "pingpong": self.pingpong,
+                    "persistent": self.persistent if shape.spec.seqlens == "fixed" else (0,)}
         if kernel == GLUON_BACKWARD:
             slices = tuple(value for value in self.dq_slice if value <= max(64, lanes(shape.spec.head_dim)))
             return {"block_m": self.gluon_block_m, "num_stages": self.gluon_bwd_stages, "consumers": self.consumers,

@@ -145,7 +145,7 @@ def time_training_step(attention: Callable[..., torch.Tensor], inputs: dict[str,
     def step():
         attention(q, k, v).backward(grad_out)
 
-    compile_s = compile_seconds(step)
+    compile_s = compile_seconds(step) + compile_seconds(forward)  # without autograd, a forward may build apart
     fwd = bench(forward, warmup_ms, rep_ms)
     total = bench(step, warmup_ms, rep_ms, grad_to_none=[q, k, v])
     # a training step timed no slower than its forward (noise on a tiny problem): the shortest time an entry holds
@@ -153,16 +153,17 @@ def time_training_step(attention: Callable[..., torch.Tensor], inputs: dict[str,
 
 
 def time_step_only(attention: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
-                   warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Forward+backward ms of attention(q, k, v) through autograd, its first call untimed: the training
-    step alone, for a yardstick that needs no forward/backward split."""
+                   warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:
+    """Forward+backward ms of attention(q, k, v) through autograd, and the seconds of its first call (a
+    backend's plan or a kernel's build) apart: the training step alone, for a yardstick that needs no
+    forward/backward split."""
     q, k, v, grad_out = inputs["q"], inputs["k"], inputs["v"], inputs["do"]
 
     def step():
         attention(q, k, v).backward(grad_out)
 
-    compile_seconds(step)
-    return bench(step, warmup_ms, rep_ms, grad_to_none=[q, k, v])
+    compile_s = compile_seconds(step)
+    return {"fwd_bwd_ms": bench(step, warmup_ms, rep_ms, grad_to_none=[q, k, v]), "compile_s": compile_s}
 
 
 def time_forward(attention: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],

@@ -37,52 +37,69 @@ def default_forward(spec: KernelSpec) -> GluonConfig:
     """The forward's config before a search (H100 sweeps, bf16, B L = 16384, H D = 2048, beside cuDNN's forward):
     two consumer warpgroups on 128-key tiles, three deep at d96-d128 (0.95-1.02x cuDNN; two deep: 0.92-1.04x),
     two deep at d64 (0.90-0.97x; three consumers: 0.78-0.91x); 64-key tiles above d128 (d192, d256), whose
-    128-key tiles would not fit 227 KiB of shared memory."""
+    128-key tiles would not fit 227 KiB of shared memory. Without a mask, persistent: one program per
+    multiprocessor takes the query tiles in turn (2-8% faster at d64-d256, L 1k-4k; under a causal mask 3-40%
+    slower, so there it is not)."""
     lanes = codegen.width(spec.head_dim)
+    persistent = int(persistent_measured(spec))
     if lanes > 128:
-        return GluonConfig(block_n=64, num_stages=2)
+        return GluonConfig(block_n=64, num_stages=2, persistent=persistent)
     if lanes > 64:
-        return GluonConfig(block_n=128, num_stages=3)
-    return GluonConfig(block_n=128, num_stages=2)
+        return GluonConfig(block_n=128, num_stages=3, persistent=persistent)
+    return GluonConfig(block_n=128, num_stages=2, persistent=persistent)
+
+
+def persistent_measured(spec: KernelSpec) -> bool:
+    """Whether the persistent forward measured faster for `spec`: no mask at all (fixed lengths, no window,
+    causal mask or ALiBi)."""
+    return (spec.seqlens == "fixed" and not (spec.causal or spec.window_left or spec.window_right or spec.alibi)
+            and spec.attn_mask == "none" and not spec.dropout and not spec.paged)
 
 
 def measured_faster(problem: AttentionProblem, sms: int | None) -> tuple[bool, bool]:
     """Whether the Gluon forward and the Gluon backward (default_forward, default_backward) ran `problem` faster
     than the Triton family's heuristic kernels on an H100 (a training step's grid: bf16 and fp16, d64/128/256,
     causal or not, L 1k-16k, 8 or more waves of programs). The forward: above d64 everywhere (1.2-1.5x), at d64
-    from 4k keys (at 1k the Triton forward is 1.15x faster). The backward: above d128 (1.06-1.23x) and causal at
-    d64 (1.03-1.20x); at d128 the Triton backward is 1.1-1.45x faster. The Triton kernels keep what was not
-    measured: masks other than causal (windows, key lengths, packed sequences, ALiBi), fewer than MIN_KEYS keys,
-    decode, grids of fewer than MIN_WAVES waves on the GPU's `sms` multiprocessors (the Triton forward splits
-    their keys, e.g. a chunked prefill), and a backward over grouped query heads (the Gluon one sums the group in
-    each program)."""
+    from 4k keys (at 1k the Triton forward is 1.15x faster). The backward: above d128 (1.06-1.23x), causal at
+    d64 (1.03-1.20x), and at d128 without a mask from 4k keys, where the consumers share dQ's reduction (1.08x);
+    causal at d128 the Triton backward stays 1.18x faster. Under sliding windows, key lengths and packed
+    sequences (d128, L 8k) the Gluon forward is 1.07-1.29x faster and the Gluon backward mostly slower (0.95-1.62x
+    the Triton backward's time): the forward takes them above d64. The Triton kernels keep what was not measured
+    or measured slower: ALiBi, fewer than MIN_KEYS keys, decode, grids of fewer than MIN_WAVES waves on the GPU's
+    `sms` multiprocessors (the Triton forward splits their keys, e.g. a chunked prefill), a backward under any
+    mask but causal, and a backward over grouped query heads (the Gluon one sums the group in each program)."""
     spec = problem.spec
-    if spec.window_left or spec.window_right or spec.seqlens != "fixed" or spec.alibi:
+    if spec.alibi or problem.max_seqlen_k < MIN_KEYS:
         return False, False
-    if problem.max_seqlen_k < MIN_KEYS:
-        return False, False
+    masked = bool(spec.window_left or spec.window_right or spec.seqlens != "fixed")
     lanes = codegen.width(spec.head_dim)
     waves = MIN_WAVES * (sms or HOPPER_SMS)
     forward = (untemplated(spec) is None and problem.max_seqlen_q > DECODE_QUERIES
                and problem.batch * problem.heads * ceil(problem.max_seqlen_q / default_forward(spec).block_m) >= waves
-               and (lanes > 64 or problem.max_seqlen_k >= 4096))
-    backward = (backward_untemplated(spec) is None and problem.group_size == 1
+               and (lanes > 64 or (problem.max_seqlen_k >= 4096 and not masked)))
+    backward = (not masked and backward_untemplated(spec) is None and problem.group_size == 1
                 and problem.batch * problem.kv_heads * ceil(problem.max_seqlen_k /
                                                             codegen.backward_block_n(spec, default_backward(spec))) >= waves
-                and (lanes > 128 or (lanes <= 64 and spec.causal)))
+                and (lanes > 128 or (lanes <= 64 and spec.causal)
+                     or (lanes == 128 and not spec.causal and problem.max_seqlen_k >= 4096)))
     return forward, backward
 
 
 def default_backward(spec: KernelSpec) -> GluonBackwardConfig:
     """The backward's config before a search: two consumer warpgroups of 64 keys, 64-row query tiles two deep, dQ
-    in 64-lane slices (what fits 240 registers per consumer at d128 with little spilled). At 256 lanes the two
+    in 64-lane slices (what fits 240 registers per consumer at d128 with little spilled). At 128 lanes without
+    a mask or under a causal one, the consumers share dQ's reduction (H100, bf16, L 4k: 1.23-1.27x faster than
+    each reducing its own; at d64 it is not faster, 0.83-0.98x). At 256 lanes the two
     share one key tile, one ring stage deep, each with its 128 lanes of dQ in one slice; packed sequences under a
     left window at 128 lanes take whole-row dQ slices too: Triton 3.6's ptxas crashes compiling 64-lane ones
     there."""
-    if codegen.width(spec.head_dim) > 128:  # two consumers share a 64-key tile; one ring stage fits
+    lanes = codegen.width(spec.head_dim)
+    if lanes > 128:  # two consumers share a 64-key tile; one ring stage fits
         return GluonBackwardConfig(num_stages=1, dq_slice=128)
-    if spec.seqlens == "varlen" and spec.window_left and codegen.width(spec.head_dim) == 128:
+    if spec.seqlens == "varlen" and spec.window_left and lanes == 128:
         return GluonBackwardConfig(dq_slice=128)
+    if lanes == 128 and spec.seqlens == "fixed" and not (spec.window_left or spec.window_right or spec.alibi):
+        return GluonBackwardConfig(shared_dq=1)
     return GluonBackwardConfig()
 
 
