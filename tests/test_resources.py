@@ -6,7 +6,7 @@ import pytest
 
 from fatune.kernel.spec import KERNELS, KernelSpec, LaunchConfig
 from fatune.kernel.triton.heuristics import default_config
-from fatune.kernel.triton.resources import fit_shared_memory, shared_memory_bytes, shared_memory_limit
+from fatune.kernel.triton.resources import fit_shared_memory, shared_memory_bytes, shared_memory_limit, uncompilable
 from fatune.tuning.space import infeasible
 from tests.test_codegen import _compile_in_subprocess
 
@@ -103,3 +103,44 @@ def test_unknown_gpus_get_the_smallest_limit_of_their_generation():
     assert shared_memory_limit((6, 1)) == 64 * 1024
 
 
+
+
+# (spec, dQ tiles, GPU): configs Triton 3.6 cannot compile and their nearest neighbours that it can
+DQ_COMPILES = [
+    (KernelSpec("bfloat16", 128, causal=True), LaunchConfig(128, 64, num_warps=4, num_stages=2), (9, 0)),
+    (KernelSpec("float16", 64, seqlens="varlen"), LaunchConfig(128, 32, num_warps=4, num_stages=1), (9, 0)),
+    (KernelSpec("bfloat16", 128, causal=True), LaunchConfig(128, 64, num_warps=8, num_stages=1), (9, 0)),
+    (KernelSpec("bfloat16", 128, causal=True), LaunchConfig(64, 64, num_warps=4, num_stages=2), (9, 0)),
+    (KernelSpec("bfloat16", 128), LaunchConfig(128, 64, num_warps=4, num_stages=2), (8, 0)),
+]
+
+
+def test_the_dq_tiles_triton_cannot_compile_are_known_before_compiling(tmp_path):
+    """A search rejects a config its compiler would fail on before spending a trial (a GPU search of d128
+    causal lost 4 of 30 dQ trials to them): uncompilable names exactly the cases whose compile fails. One process
+    compiles them all."""
+    script = "\n".join([
+        "import os",
+        "from fatune.kernel.triton import offline",
+        "from fatune.kernel.triton.heuristics import default_config",
+        "from fatune.kernel.spec import KernelSpec, LaunchConfig",
+        "cases = [" + ", ".join(f"(KernelSpec.from_dict({spec.to_dict()!r}), LaunchConfig.from_dict({config.to_dict()!r}), "
+                               f"{arch!r})" for spec, config, arch in DQ_COMPILES) + "]",
+        "quiet = os.open(os.devnull, os.O_WRONLY)",
+        "for spec, config, arch in cases:",
+        "    stderr = os.dup(2); os.dup2(quiet, 2)  # the compiler's failure prints its pass pipeline",
+        "    try:",
+        "        offline.compile_kernel('dq', spec, default_config(spec, arch).replace(dq=config), arch=arch, group=1)",
+        "        print('compiles')",
+        "    except Exception as error:",
+        "        print('fails', type(error).__name__)",
+        "    finally:",
+        "        os.dup2(stderr, 2)",
+    ])
+    outcomes = _compile_in_subprocess(script, tmp_path).splitlines()
+    expected = ["fails" if uncompilable("dq", spec, config, arch) else "compiles"
+                for spec, config, arch in DQ_COMPILES]
+    assert [outcome.split()[0] for outcome in outcomes] == expected
+    assert expected.count("fails") == 2
+    assert all(infeasible("dq", spec, config, 227 * 1024, arch) for spec, config, arch in DQ_COMPILES
+               if uncompilable("dq", spec, config, arch))

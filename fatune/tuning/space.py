@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fatune.db import seqlen_bucket
 from fatune.kernel.gluon import resources as gluon_resources
 from fatune.kernel.spec import GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig, lanes
-from fatune.kernel.triton.resources import MIN_ELEMENTS_PER_THREAD, shared_memory_bytes
+from fatune.kernel.triton.resources import MIN_ELEMENTS_PER_THREAD, shared_memory_bytes, uncompilable
 from fatune.kernel.triton.structure import atomic_dq_kinds, split_d_searched
 from fatune.tuning.shape import Shape
 from fatune.tuning.target import Target
@@ -165,6 +165,9 @@ def infeasible(kernel: str, spec: KernelSpec, config: Config, shared_limit: int 
         return gluon_resources.backward_infeasible(spec, config, shared_limit)
     if shared_limit is None:
         return None
+    reason = uncompilable(kernel, spec, config, arch)
+    if reason is not None:
+        return reason
     if config.block_m * config.block_n < config.num_warps * 32 * MIN_ELEMENTS_PER_THREAD:
         return (f"{config.num_warps} warps for a {config.block_m}x{config.block_n} tile: under "
                 f"{MIN_ELEMENTS_PER_THREAD} elements per thread")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import triton
+
 from fatune.hardware import Arch
 from fatune.kernel.spec import KERNELS, AttentionConfig, KernelSpec, LaunchConfig, lanes
 
@@ -25,6 +27,16 @@ SHARED_MEMORY_PER_BLOCK = {(7, 0): 96 * 1024, (7, 2): 96 * 1024, (7, 5): 64 * 10
                            (8, 7): 163 * 1024, (9, 0): HOPPER_SHARED_MEMORY, (10, 0): HOPPER_SHARED_MEMORY,
                            (10, 3): HOPPER_SHARED_MEMORY}
 SHARED_MEMORY_DEFAULT = 99 * 1024  # sm_86, sm_89, sm_120 and others from sm_80 on; older ones: 64 KiB
+
+
+def uncompilable(kernel: str, spec: KernelSpec, config: LaunchConfig, arch: Arch) -> str | None:
+    """Why Triton cannot compile `config` of `kernel` for `spec` on `arch` (None: not known to fail). Triton 3.6's
+    layout-conversion pass fails on a 16-bit dQ kernel of 128-row tiles on 4 warps for sm_90, at every head dim
+    and mask (it compiles for sm_80, and on 2 or 8 warps)."""
+    if (kernel == "dq" and arch == (9, 0) and spec.dtype != "float32" and config.block_m == 128
+            and config.num_warps == 4 and triton.__version__.startswith("3.6.")):
+        return "Triton 3.6 cannot compile a 16-bit dQ kernel of 128-row tiles on 4 warps for sm_90"
+    return None
 
 
 def shared_memory_limit(arch: Arch) -> int:
