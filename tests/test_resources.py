@@ -124,8 +124,9 @@ def test_the_dq_tiles_triton_cannot_compile_are_known_before_compiling(tmp_path)
         "from fatune.kernel.triton import offline",
         "from fatune.kernel.triton.heuristics import default_config",
         "from fatune.kernel.spec import KernelSpec, LaunchConfig",
-        "cases = [" + ", ".join(f"(KernelSpec.from_dict({spec.to_dict()!r}), LaunchConfig.from_dict({config.to_dict()!r}), "
-                               f"{arch!r})" for spec, config, arch in DQ_COMPILES) + "]",
+        "cases = [" + ", ".join(f"(KernelSpec.from_dict({spec.to_dict()!r}), "
+                               f"LaunchConfig.from_dict({config.to_dict()!r}), {arch!r})"
+                               for spec, config, arch in DQ_COMPILES) + "]",
         "quiet = os.open(os.devnull, os.O_WRONLY)",
         "for spec, config, arch in cases:",
         "    stderr = os.dup(2); os.dup2(quiet, 2)  # the compiler's failure prints its pass pipeline",
