@@ -58,6 +58,9 @@ COMPILED = [
     # persistent: one program per multiprocessor takes query tiles in turn (with ping-pong's turns counted over them)
     (KernelSpec("bfloat16", 128, causal=True), GluonConfig(128, 2, persistent=1), 0),
     (KernelSpec("bfloat16", 128), GluonConfig(128, 3, pingpong=1, persistent=1), 0),
+    # the built-in configs without a mask (persistent): 64-key tiles at d256, three deep at d96 (near 227 KiB)
+    (KernelSpec("bfloat16", 256), default_forward(KernelSpec("bfloat16", 256)), 0),
+    (KernelSpec("float16", 96), default_forward(KernelSpec("float16", 96)), 0),
 ]
 
 
@@ -349,6 +352,7 @@ COMPILED_BACKWARD = [
     (KernelSpec("bfloat16", 256, causal=True), default_backward(KernelSpec("bfloat16", 256)), 1024),
     # shared dQ: both consumers' dS in two slots, each consumer adding up half of dQ's lanes over all 128 keys
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(shared_dq=1), 384),
+    (KernelSpec("bfloat16", 128), default_backward(KernelSpec("bfloat16", 128)), 384),  # the built-in d128 backward
 ]
 
 
