@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fatune
+from fatune.call import check_inputs
 from fatune.kernel.family import builtin_config, family
 from fatune.kernel.gluon import resources
 from fatune.kernel.gluon import family as gluon_family
@@ -19,6 +20,7 @@ from fatune.kernel.codegen import code_hash
 from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec
 from fatune.kernel.triton.heuristics import default_config
+from fatune.kernel.triton.launch import KernelBuildError
 from fatune.runtime import dispatch
 from fatune.runtime.dispatch import Dispatcher
 from tests.conftest import DEVICE, use_dispatcher
@@ -162,6 +164,60 @@ def test_the_builtin_configs_calls_run_where_a_gluon_kernel_cannot_build(monkeyp
     config = fatune.explain(q, k, v, is_causal=causal).decision.config
     assert (config.gluon_forward, config.gluon_backward) == (forward, backward)
     run_and_compare(q, k, v, is_causal=causal)
+
+
+def _mixed(spec: KernelSpec) -> AttentionConfig:
+    """A built-in config of Hopper that pairs the Gluon forward with the Triton backward."""
+    return default_config(spec, (9, 0)).replace(fwd=default_forward(spec))
+
+
+def test_a_stale_triton_entry_falls_back_to_the_triton_kernels_of_a_mixed_builtin_config(poison_outputs):
+    """A tuned Triton entry whose kernels changed since it was measured runs the built-in config instead; where that
+    pairs a Gluon forward with the Triton backward, the Triton plan takes the Triton heuristic's forward in the
+    Gluon one's place, said in its build_failure, with the right result."""
+    torch.manual_seed(3)
+    q, k, v = random_qkv(1, 2, 2, 100, 100, 128, 128, dtype=torch.float16, device=DEVICE)
+    problem = check_inputs(q, k, v)
+    tuned = default_config(problem.spec, None)
+    plan = family("triton").plan(problem, tuned, q.device, q, k, v, _mixed(problem.spec), frozenset({"fwd:stale"}))
+    out, _ = plan.forward(q, k, v)
+    assert "changed since" in plan.build_failure and plan.config.family == "triton"
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)
+
+
+def test_a_gluon_plan_says_why_any_part_of_its_call_runs_other_kernels_and_strict_mode_raises():
+    """A Gluon kernel that cannot run here (no GPU) hands its part to the Triton kernels, and the plan's
+    build_failure says so; in strict mode the plan raises instead."""
+    q, k, v = random_qkv(1, 2, 2, 64, 64, 64, 64, dtype=torch.float16, device=DEVICE)
+    problem = check_inputs(q, k, v)
+    plan = family("gluon").plan(problem, _mixed(problem.spec), q.device, q, k, v, None, None)
+    assert "does not run here" in plan.build_failure
+    with pytest.raises(KernelBuildError, match="strict mode"):
+        family("gluon").plan(problem, _mixed(problem.spec), q.device, q, k, v, None, None, strict=True)
+
+
+def test_the_builtin_decision_follows_the_batch_under_one_db_key(tmp_path, monkeypatch):
+    """Batch sizes share a DB key, but the built-in config takes the Gluon kernels only on grids that fill the GPU:
+    each batch gets its own memoised decision."""
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
+    chooser = Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[])
+    decided = []
+    for batch in (1, 64, 1):
+        q = torch.empty(batch, 16, 4096, 128, dtype=torch.bfloat16, device="meta")
+        decision = chooser.decide(check_inputs(q, q, q), torch.device("cpu"))
+        decided.append((decision.config.gluon_forward, decision.config.gluon_backward))
+    assert decided == [(False, False), (True, True), (False, False)]
+
+
+def test_a_gluon_forward_does_not_change_which_kernels_tuning_gain_compares():
+    from fatune.bench.tuning_gain import same_kernels
+    from fatune.tuning.shape import Shape
+
+    shape = Shape(4, 16, 4096, 4096, 128, "bfloat16")
+    mixed = _mixed(shape.spec)
+    assert same_kernels(shape, mixed, mixed) and not same_kernels(shape, mixed, default_config(shape.spec, (9, 0)))
 
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, GQA, L_q != L_k; head dims between the

@@ -38,13 +38,14 @@ import optuna
 
 from fatune.bench import resumable
 from fatune.bench.results import PlotSpec, Report
+from fatune.hardware import sm_count
+from fatune.kernel.family import family
 from fatune.kernel.spec import AttentionConfig, LaunchConfig
 from fatune.tuning import search, space, study
 from fatune.tuning import target as targets
 from fatune.tuning.precompile import CompilePool, compile_error
 from fatune.tuning.shape import Shape, make_inputs
 from fatune.tuning.timing import KernelRunner
-from fatune.tuning.trials import shape_heuristic
 
 NAME = "search-quality"
 PARTS = ("grid", "search", "retime", "table")
@@ -73,7 +74,9 @@ class Bench:
         self.shape, self.target = shape, target
         self.inputs = make_inputs(shape, target.device)
         self.checker = targets.Checker(shape, self.inputs)
-        self.heuristic = shape_heuristic(shape, target)
+        # the Triton family's own heuristic (its studies' start): the built-in config may run Gluon kernels
+        self.heuristic = family("triton").heuristic(shape.problem, target.arch_or_none,
+                                                    target.sms or sm_count(target.device))
 
     def config(self, kernel: str, launch: LaunchConfig) -> AttentionConfig:
         return self.heuristic.replace(**{kernel: launch})

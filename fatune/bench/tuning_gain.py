@@ -35,7 +35,7 @@ from fatune.bench import resumable
 from fatune.bench.results import Report
 from fatune.db import TunedDB, bucket_distance, is_decode, is_stale, nearest
 from fatune.hardware import device_identity
-from fatune.kernel.spec import AttentionConfig
+from fatune.kernel.spec import AttentionConfig, LaunchConfig
 from fatune.tuning import search
 from fatune.tuning.precompile import CompilePool
 from fatune.tuning.shape import Shape, make_inputs, shape_key
@@ -93,7 +93,8 @@ def step_ms(shape: Shape, config: AttentionConfig, target: search.Target) -> flo
 def same_kernels(shape: Shape, first: AttentionConfig, second: AttentionConfig) -> bool:
     """Whether two configs launch the same kernels on `shape` (GQA packing means nothing without GQA)."""
     if shape.kv_heads == shape.heads:
-        first, second = (c.replace(fwd=dataclasses.replace(c.fwd, pack_gqa=0)) for c in (first, second))
+        first, second = (c.replace(fwd=dataclasses.replace(c.fwd, pack_gqa=0)) if isinstance(c.fwd, LaunchConfig)
+                         else c for c in (first, second))
     return first == second
 
 

@@ -51,8 +51,9 @@ class KernelFamily(Protocol):
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
-             sources: frozenset[str] | None) -> Any:
-        """What launches `problem`'s kernels with `config` (forward_with_spans, backward; see the Triton plan)."""
+             sources: frozenset[str] | None, strict: bool = False) -> Any:
+        """What launches `problem`'s kernels with `config` (forward_with_spans, backward; see the Triton plan);
+        `strict`: a kernel that cannot be built raises rather than hand its part of the call to other kernels."""
 
 
 FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (TRITON, GLUON)}
@@ -64,6 +65,12 @@ def family(name: str = DEFAULT_FAMILY) -> KernelFamily:
     if found is None:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {name!r}")
     return found
+
+
+def builtin_choice(problem: AttentionProblem, arch: Arch | None, sms: int | None) -> tuple[bool, ...]:
+    """Which of the built-in config's kernels are the Gluon family's (forward, backward): what it decides from
+    the call beyond its DB key (batch, heads, exact lengths)."""
+    return measured_faster(problem, sms) if arch == (9, 0) else ()
 
 
 def builtin_config(problem: AttentionProblem, arch: Arch | None, sms: int | None) -> AttentionConfig:

@@ -26,7 +26,7 @@ import torch
 from fatune.db import CallKey, DBError, Entry, TunedDB, default_path, label, problem_key
 from fatune.db.store import shipped_dbs
 from fatune.hardware import Arch, device_arch, device_identity, sm_count
-from fatune.kernel.family import builtin_config
+from fatune.kernel.family import builtin_choice, builtin_config
 from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.triton.heuristics import decode_shares
@@ -95,9 +95,10 @@ class Dispatcher:
                 raise TypeError(f"config: expected a fatune.AttentionConfig or None, got {type(config).__name__}")
             return Decision(config, "argument", "config passed to fatune.attention")
         call = problem_key(problem)
-        # the decode heuristic depends on how many programs the call's tiles give each multiprocessor, which
-        # its key (no batch) does not say
-        key = (device, call, decode_shares(problem, sm_count(device)))
+        # the decode heuristic depends on how many programs the call's tiles give each multiprocessor, and the
+        # built-in config on which kernels it takes (batch, heads, exact lengths), which its key does not say
+        key = (device, call, decode_shares(problem, sm_count(device)),
+               builtin_choice(problem, device_arch(device), sm_count(device)))
         found = self._memo.get(key)
         if found is None:
             with self._lock:

@@ -178,7 +178,7 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     decision = dispatcher().decide(problem, device, config, strict)
     # strict mode promises the tuned entry or an error: no quiet fallback past it
     plan = family(decision.config.family).plan(problem, decision.config, device, query, key, value,
-                                               None if strict else decision.fallback, decision.sources)
+                                               None if strict else decision.fallback, decision.sources, strict)
     route = routes.choose(decision.route, problem, query, key, value)
     return Prepared("kernels", plan, decision, decision.reason, lengths, route)
 

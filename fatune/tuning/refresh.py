@@ -23,7 +23,7 @@ import torch
 import fatune
 from fatune.db import CallKey, Entry, TunedDB, is_stale, key_columns
 from fatune.kernel.spec import AttentionConfig
-from fatune.kernel.triton.resolve import kernel_hashes
+from fatune.kernel.family import family
 from fatune.tuning.precompile import CompilePool, compile_error
 from fatune.tuning.search import _interpreted_step
 from fatune.tuning.shape import Shape, make_inputs, shape_key
@@ -179,7 +179,7 @@ def refresh_entry(entry: Entry, target, *, rounds: int = 3, seed: int = 0,
     config = candidates[winner]
     best = min(steps[winner], key=lambda step: abs(step["fwd_bwd_ms" if backward else "fwd_ms"] - medians[winner]))
     columns = key_columns(target.gpu, target.capability, entry_key(entry),
-                          kernel_hashes(shape.spec, config, shape.heads > shape.kv_heads))
+                          family(config.family).kernel_hashes(shape.spec, config, shape.heads > shape.kv_heads))
     # SDPA's stored timing holds for the same torch on the same problem (all of it stored in the entry)
     same_sdpa = entry.torch_version == columns["torch_version"] and entry.sized
     sdpa_ms = entry.sdpa_ms if same_sdpa else math.nan

@@ -24,7 +24,7 @@ from fatune.kernel.problem import AttentionProblem
 from fatune.kernel.spec import (DECODE_QUERIES, AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec,
                                 LaunchConfig)
 from fatune.kernel.triton import resolve
-from fatune.kernel.triton.family import TRITON
+from fatune.kernel.triton.family import TRITON, triton_only
 from fatune.kernel.triton.resolve import source_hash
 
 TRITON_FORWARD = LaunchConfig(64, 64)  # any Triton forward: only the backward's hashes are taken from its config
@@ -161,31 +161,26 @@ class GluonFamily:
 
     def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
         """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not,
-        and the backward's with two and three (what the studies render; the tiles and registers only fill in
-        numbers)."""
-        sources = [source_hash("fwd", codegen.render(spec, GluonConfig(consumers=consumers, consumer_regs=160,
-                                                                       overlap=overlap, pingpong=pingpong)))
-                   for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1))]
+        persistent or not, and the backward's with two and three, sharing dQ's reduction or not: each source the
+        studies can render (the tiles and registers only fill in numbers)."""
+        forwards = [GluonConfig(consumers=consumers, consumer_regs=160, overlap=overlap, pingpong=pingpong,
+                                persistent=persistent)
+                    for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1)) for persistent in (0, 1)]
+        sources = [source_hash("fwd", codegen.render(spec, config)) for config in forwards
+                   if codegen.unpersistent(spec, config) is None]
         if backward_untemplated(spec) is None:
-            sources += [source_hash("bwd", codegen.render_backward(spec, GluonBackwardConfig(consumers=consumers,
-                                                                                              consumer_regs=160)))
-                        for consumers in (2, 3) if consumers % codegen.backward_head_split(spec) == 0]
+            backwards = [GluonBackwardConfig(consumers=consumers, consumer_regs=160, shared_dq=shared)
+                         for consumers in (2, 3) for shared in (0, 1)]
+            sources += [source_hash("bwd", codegen.render_backward(spec, config)) for config in backwards
+                        if config.consumers % codegen.backward_head_split(spec) == 0
+                        and codegen.unshared_dq(spec, config) is None]
         return hashlib.sha256(",".join(sources).encode()).hexdigest()[:16]
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
-             sources: frozenset[str] | None) -> GluonPlan:
-        return GluonPlan(problem, config, device, q, k, v, triton_fallback(problem, fallback), sources)
-
-
-def triton_fallback(problem: AttentionProblem, fallback: AttentionConfig | None) -> AttentionConfig:
-    """The Triton family's config a Gluon plan's kernels fall back to: `fallback` with the Triton heuristic's
-    kernels in place of its Gluon ones (the built-in config runs Gluon kernels on Hopper), or that heuristic."""
-    triton = TRITON.heuristic(problem, (9, 0), None)
-    if fallback is None:
-        return triton
-    return fallback.replace(fwd=triton.fwd if fallback.gluon_forward else fallback.fwd,
-                            dkdv=triton.dkdv if fallback.gluon_backward else fallback.dkdv)
+             sources: frozenset[str] | None, strict: bool = False) -> GluonPlan:
+        triton = TRITON.heuristic(problem, (9, 0), None) if fallback is None else triton_only(problem, fallback)
+        return GluonPlan(problem, config, device, q, k, v, triton, sources, strict)
 
 
 GLUON = GluonFamily()

@@ -207,20 +207,23 @@ class GluonPlan:
     """A call's plan with a Gluon forward, a Gluon backward or both. The Triton family's plan of the same call (the
     heuristic's config where a Gluon kernel runs; with the Gluon backward, its atomic-dQ flavour, whose passes run
     around it) lays out the outputs and runs the rest; a Gluon kernel that cannot be built here, or is not the one
-    a tuned entry measured, hands its part of the call to it, said once."""
+    a tuned entry measured, hands its part of the call to it, said once (`strict`: raises KernelBuildError
+    instead)."""
 
     def __init__(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
-                 k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig, sources: frozenset[str] | None):
+                 k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig, sources: frozenset[str] | None,
+                 strict: bool = False):
         forward = config.fwd if isinstance(config.fwd, GluonConfig) else None
         backward = config.dkdv if isinstance(config.dkdv, GluonBackwardConfig) else None
         triton_config = config.replace(fwd=fallback.fwd if forward else config.fwd,
                                        dkdv=passes_config(problem.spec) if backward else config.dkdv)
-        self.triton = Plan(problem, triton_config, device, q, k, v, fallback=fallback, sources=sources)
-        self.gluon_config, self.backward_config, self.sources = forward, backward, sources
+        self.triton = Plan(problem, triton_config, device, q, k, v, fallback=None if strict else fallback,
+                           sources=sources)
+        self.gluon_config, self.backward_config, self.sources, self.strict = forward, backward, sources, strict
         self._forward: GluonForward | None = None
         self._backward: GluonBackward | None = None
         self._launched = self._backward_launched = False
-        self.build_failure: str | None = None
+        self._failure: str | None = None
         rows_dim = 0 if problem.packed else 2  # packed (tokens, H, D) tensors: rows are tokens
         readable = all(tma_readable(t, rows_dim, every_head=True) for t in (q, k, v))
         unreadable = None if readable else ("TMA cannot read these tensors (unit head-dim stride, 16-byte aligned "
@@ -230,7 +233,7 @@ class GluonPlan:
             reason = unserved(problem.spec, device) or unreadable
             if reason is None and not problem.scale > 0:  # its row maximum is taken before the scale
                 reason = f"the Gluon forward takes a positive scale, not {problem.scale}"
-            if reason is None and problem.batch * problem.heads > MAX_GRID_Y:
+            if reason is None and not forward.persistent and problem.batch * problem.heads > MAX_GRID_Y:
                 reason = f"{problem.batch} x {problem.heads} (batch x heads) programs exceed a grid's {MAX_GRID_Y} rows"
             if reason is None:
                 try:
@@ -261,12 +264,20 @@ class GluonPlan:
             if reason is not None:
                 failures.append(f"the Gluon backward {backward} does not run here ({reason}): the Triton backward runs")
         if failures:
-            self.build_failure = "; ".join(failures)
+            self._failure = "; ".join(failures)
+            if strict:
+                raise KernelBuildError(f"{self._failure} (strict mode: strict=True or $FATUNE_STRICT)")
             for failure in failures:
                 warn_once(f"fatune: {failure}")
 
     def __getattr__(self, name: str):
         return getattr(self.triton, name)  # the backward and everything about the call's layout
+
+    @property
+    def build_failure(self) -> str | None:
+        """Why part of the call runs other kernels than its config's (a Gluon kernel's, or the Triton plan's own
+        fallback); None if none does."""
+        return "; ".join(failure for failure in (self._failure, self.triton.build_failure) if failure) or None
 
     @property
     def config(self) -> AttentionConfig:
@@ -314,13 +325,13 @@ class GluonPlan:
         try:
             self._forward(q, k, v, out, lse, extras)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be built costs speed, not the call
-            if self._launched:
+            if self._launched or self.strict:
                 raise
             self._forward = None
             first = str(error).splitlines()[0][:160] if str(error) else ""
-            self.build_failure = (f"the Gluon forward {self.gluon_config} cannot be built here "
+            self._failure = (f"the Gluon forward {self.gluon_config} cannot be built here "
                                   f"({type(error).__name__}: {first}): the Triton forward runs")
-            warn_once(f"fatune: {self.build_failure}")
+            warn_once(f"fatune: {self._failure}")
             return False
         self._launched = True
         return True
@@ -360,13 +371,13 @@ class GluonPlan:
         try:
             gluon(slots, stream)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be built costs speed, not the call
-            if self._backward_launched:
+            if self._backward_launched or self.strict:
                 raise
             self._backward = None
             first = str(error).splitlines()[0][:160] if str(error) else ""
-            self.build_failure = (f"the Gluon backward {self.backward_config} cannot be built here "
-                                  f"({type(error).__name__}: {first}): the Triton backward runs")
-            warn_once(f"fatune: {self.build_failure}")
+            self._failure = (f"the Gluon backward {self.backward_config} cannot be built here "
+                             f"({type(error).__name__}: {first}): the Triton backward runs")
+            warn_once(f"fatune: {self._failure}")
             return self.triton.backward(grad_out, q, k, v, out, lse, extras, seed, key_spans, atomic=False)
         self._backward_launched = True
         try:

@@ -45,8 +45,19 @@ class TritonFamily:
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
-             sources: frozenset[str] | None) -> launch.Plan:
+             sources: frozenset[str] | None, strict: bool = False) -> launch.Plan:
+        fallback = None if fallback is None or strict else triton_only(problem, fallback)
         return launch.Plan(problem, config, device, q, k, v, fallback=fallback, sources=sources)
 
 
 TRITON = TritonFamily()
+
+
+def triton_only(problem: AttentionProblem, config: AttentionConfig) -> AttentionConfig:
+    """`config` with the Triton heuristic's kernels in place of any Gluon ones: what a Triton plan can fall back to
+    (the built-in config on Hopper mixes the families)."""
+    if config.family == TRITON.name:
+        return config
+    triton = TRITON.heuristic(problem, (9, 0), None)
+    return config.replace(fwd=triton.fwd if config.gluon_forward else config.fwd,
+                          dkdv=triton.dkdv if config.gluon_backward else config.dkdv)
