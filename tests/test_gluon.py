@@ -211,6 +211,15 @@ def test_the_builtin_decision_follows_the_batch_under_one_db_key(tmp_path, monke
     assert decided == [(False, False), (True, True), (False, False)]
 
 
+@pytest.mark.parametrize("seqlen_q, forward", [(1, False), (16, False), (17, True), (4096, True)])
+def test_the_familys_heuristic_leaves_decode_to_the_triton_forward(seqlen_q, forward):
+    """Tuning on first use times each family's heuristic: the Gluon family's takes the Triton forward at decode."""
+    q = torch.empty(4, 16, seqlen_q, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(4, 16, 4096, 128, dtype=torch.bfloat16, device="meta")
+    config = family("gluon").heuristic(check_inputs(q, k, k), (9, 0), 132)
+    assert config.gluon_forward == forward and config.gluon_backward
+
+
 def test_a_gluon_forward_does_not_change_which_kernels_tuning_gain_compares():
     from fatune.bench.tuning_gain import same_kernels
     from fatune.tuning.shape import Shape

@@ -117,9 +117,10 @@ class GluonFamily:
         return backward_unserved(spec, device)
 
     def heuristic(self, problem: AttentionProblem, arch: Arch | None, sms: int | None) -> AttentionConfig:
-        """The Triton family's heuristic with this family's forward and backward wherever they render."""
+        """The Triton family's heuristic with this family's forward and backward wherever they render; decode
+        keeps the Triton forward (its split keys: a 128-row query tile would hold one query)."""
         config = TRITON.heuristic(problem, arch, sms)
-        if untemplated(problem.spec) is None:
+        if untemplated(problem.spec) is None and problem.max_seqlen_q > DECODE_QUERIES:
             config = config.replace(fwd=default_forward(problem.spec))
         if backward_untemplated(problem.spec) is None:
             config = config.replace(dkdv=default_backward(problem.spec))
