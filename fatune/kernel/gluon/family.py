@@ -38,7 +38,7 @@ def default_forward(spec: KernelSpec) -> GluonConfig:
     two consumer warpgroups on 128-key tiles, three deep at d96-d128 (0.95-1.02x cuDNN; two deep: 0.92-1.04x),
     two deep at d64 (0.90-0.97x; three consumers: 0.78-0.91x); 64-key tiles above d128 (d192, d256), whose
     128-key tiles would not fit 227 KiB of shared memory. Without a mask, persistent: one program per
-    multiprocessor takes the query tiles in turn (2-8% faster at d64-d256, L 1k-4k; under a causal mask 3-40%
+    multiprocessor takes the query tiles in turn (2-8% faster at d64-d256, L 1k-4k; under a causal mask 3-35%
     slower, so there it is not)."""
     lanes = codegen.width(spec.head_dim)
     persistent = int(persistent_measured(spec))
