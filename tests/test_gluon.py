@@ -166,6 +166,25 @@ def test_the_builtin_configs_calls_run_where_a_gluon_kernel_cannot_build(monkeyp
     run_and_compare(q, k, v, is_causal=causal)
 
 
+@pytest.mark.parametrize("m_tiles, heads", [(8, 256), (32, 64), (32, 128), (16, 128), (128, 16), (8, 1024), (3, 47)])
+def test_the_persistent_causal_walk_keeps_few_heads_in_flight_and_the_programs_even(m_tiles, heads):
+    """The persistent causal forward's tile order (the template's own tile_of, run as Python): every tile once;
+    the tiles in flight together (one per program) span few heads, whose K and V can then stay in L2 (the
+    longest-first order over every head spanned one head per program, and the persistent causal forward measured
+    8-35% slower at L 1k with it on an H100); and each program's share of key tiles stays within 10% of the mean,
+    as with that order."""
+    from fatune.kernel.gluon import codegen
+
+    tile_of = codegen.load(KernelSpec("bfloat16", 128, causal=True), GluonConfig(128, 2, persistent=1)).tile_of.fn
+    programs = 132
+    tiles = [tile_of(t, m_tiles, heads, programs) for t in range(m_tiles * heads)]
+    assert sorted(tiles) == [(m, h) for m in range(m_tiles) for h in range(heads)]
+    work = [sum(tiles[t][0] + 1 for t in range(p, len(tiles), programs)) for p in range(programs)]
+    assert max(work) <= 1.1 * sum(work) / programs or m_tiles * heads < 4 * programs
+    in_flight = [len({h for _, h in tiles[start:start + programs]}) for start in range(0, len(tiles), programs)]
+    assert max(in_flight) <= max(2 * programs // m_tiles + 2, 1) * 2
+
+
 def _mixed(spec: KernelSpec) -> AttentionConfig:
     """A built-in config of Hopper that pairs the Gluon forward with the Triton backward."""
     return default_config(spec, (9, 0)).replace(fwd=default_forward(spec))
