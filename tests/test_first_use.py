@@ -96,7 +96,7 @@ def test_gpu_the_first_call_of_a_new_key_stores_the_faster_and_later_calls_use_i
     assert explained.decision.layer == "user-db"
     assert explained.backend == (f"sdpa-{entry.route()}" if entry.route() else explained.decision.config.family)
     print(f"first-use tuning, the call included: {seconds:.2f} s; {said[0]}")
-    total, compiles = (float(x) for x in re.search(r"in ([\d.]+) s \(compiles ([\d.]+) s\)", said[0]).groups())
+    total, compiles = (float(x) for x in re.search(r"in ([\d.]+) s \(compiles ([\d.]+) s;", said[0]).groups())
     assert total - compiles <= 0.5  # timing the candidates, compiles apart (the Gluon forward's among them)
 
 
@@ -131,3 +131,35 @@ def test_the_timed_steps_stay_out_of_the_users_activation_checkpointing(autotuni
     x = torch.randn(4, requires_grad=True)
     torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
     torch.testing.assert_close(x.grad, -torch.sin(x.sin()) * torch.cos(x))
+
+
+def test_tuning_a_key_stores_its_fastest_candidate_and_says_where_the_time_went(autotuning, monkeypatch, tmp_path,
+                                                                               caplog):
+    """The whole of one key's tuning, its timings stood in for (the CPU cannot time): the fastest candidate goes to
+    the user DB, and the one log line splits the seconds into builds, timing and the rest."""
+    from fatune.tuning.target import Target
+
+    monkeypatch.setenv("FATUNE_DB", str(tmp_path / "user.sqlite"))
+    monkeypatch.setattr(logs, "_warned", set())
+    interpreter = Target(torch.device("cpu"), True, "triton-interpreter", "cpu", None)
+    monkeypatch.setattr(first_use.Target, "detect", staticmethod(lambda interpret: interpreter))
+    steps = iter([3.0, 2.0, 4.0])
+
+    def timed(attention, inputs, warmup_ms, rep_ms):
+        step = next(steps)
+        return {"fwd_ms": step / 3, "bwd_ms": 2 * step / 3, "fwd_bwd_ms": step, "compile_s": 0.25}
+
+    monkeypatch.setattr(first_use, "time_training_step", timed)
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    problem = check_inputs(q, k, v, is_causal=True)
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        assert first_use._tune(first_use.shape_of(problem), problem, q, k, v, True, fatune.attention)
+    (said,) = [r.message for r in caplog.records if "on first use" in r.message]
+    found = re.search(r"in ([\d.]+) s \(compiles ([\d.]+) s; timing fatune's configs \((\d+)\) and SDPA's backends "
+                      r"(-?[\d.]+) s, the rest ([\d.]+) s\)", said)
+    assert found, said
+    total, compiles, configs, timing, rest = (float(x) for x in found.groups())
+    assert compiles == 0.25 * configs and abs(total - compiles - timing - rest) <= 0.02
+    with TunedDB(tmp_path / "user.sqlite") as db:
+        (entry,) = db.entries()
+    assert entry.fwd_bwd_ms == min([3.0, 2.0, 4.0][:int(configs)])

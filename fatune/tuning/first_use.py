@@ -132,6 +132,7 @@ def _tune(shape: Shape, problem: AttentionProblem, query: torch.Tensor, key: tor
         family.heuristic(problem, target.arch_or_none, target.sms) for family in FAMILIES.values()
         if family.serves(problem.spec, device) is None}
     timed, compile_s = [], 0.0
+    candidates_started = time.perf_counter()
     for config in configs:
         try:
             times = timer(lambda q, k, v, c=config: attend(q, k, v, config=c, **kwargs), inputs, *TIMING_MS)
@@ -147,6 +148,7 @@ def _tune(shape: Shape, problem: AttentionProblem, query: torch.Tensor, key: tor
     if not timed:
         return False
     best_ms, best_times, best = min(timed, key=lambda item: item[0])
+    backends_started = time.perf_counter()
     backend, sdpa_ms = "", math.nan
     for name in routes.BACKENDS:
         if routes.unroutable(name, problem, query, key, value) is not None:
@@ -160,6 +162,7 @@ def _tune(shape: Shape, problem: AttentionProblem, query: torch.Tensor, key: tor
         ms = times["fwd_bwd_ms" if training else "fwd_ms"]
         if not ms >= sdpa_ms:  # the first, or faster
             backend, sdpa_ms = name, ms
+    backends_done = time.perf_counter()
     result = ShapeResult(shape, best, {}, best_times["fwd_ms"], best_times["bwd_ms"], best_times["fwd_bwd_ms"],
                          trials=len(timed) + (backend != ""), sdpa_backend=backend, sdpa_ms=sdpa_ms)
     entry = to_entry(result, target)
@@ -168,6 +171,12 @@ def _tune(shape: Shape, problem: AttentionProblem, query: torch.Tensor, key: tor
         db.upsert(entry)
     plans.clear()
     runs = f"torch SDPA's {backend} backend" if entry.route() else f"fatune {best}"
-    warn_once(f"fatune: tuned {shape.label()} on first use in {time.perf_counter() - started:.2f} s (compiles "
-              f"{compile_s:.2f} s): {runs} ({best_ms:.3f} ms against SDPA's best {sdpa_ms:.3f} ms); stored in {path}")
+    # where the time went: builds and first calls, then the timings of fatune's candidates and of SDPA's backends
+    # (builds apart), and the rest (inputs, the entry, the DB)
+    total = time.perf_counter() - started
+    candidates_s, backends_s = backends_started - candidates_started, backends_done - backends_started
+    warn_once(f"fatune: tuned {shape.label()} on first use in {total:.2f} s (compiles {compile_s:.2f} s; timing "
+              f"fatune's configs ({len(timed)}) and SDPA's backends {candidates_s + backends_s - compile_s:.2f} s, "
+              f"the rest {total - candidates_s - backends_s:.2f} s): {runs} ({best_ms:.3f} ms against SDPA's best "
+              f"{sdpa_ms:.3f} ms); stored in {path}")
     return True
