@@ -119,6 +119,25 @@ def test_the_resource_model_rejects_rings_that_cannot_fit_before_compiling(head_
     assert infeasible(GLUON_FORWARD, spec, config, None) is None
 
 
+def test_naming_a_gluon_study_again_renders_nothing(hopper, monkeypatch):
+    """A search's progress names its studies about once a second: the Gluon sources its name hashes are rendered
+    once per process (rendering them all takes a few hundred ms), and the name stays the same."""
+    from fatune.kernel.gluon import family as gluon_family
+
+    gluon_family._search_hash.cache_clear()
+    renders = []
+    for name in ("render", "render_backward"):
+        original = getattr(gluon_codegen, name)
+        monkeypatch.setattr(gluon_codegen, name,
+                            lambda *args, _original=original: renders.append(1) or _original(*args))
+    first = study.study_name(hopper, SHAPE, GLUON_FORWARD)
+    rendered = len(renders)
+    assert rendered > 1
+    assert [study.study_name(hopper, SHAPE, kernel) for kernel in (GLUON_FORWARD, GLUON_BACKWARD)] == \
+        [first, study.study_name(hopper, SHAPE, GLUON_BACKWARD)]
+    assert len(renders) == rendered
+
+
 def test_the_gluon_study_is_its_own_and_starts_from_the_familys_default(hopper, tmp_path):
     storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
     heuristic = default_config(SHAPE.spec, (9, 0))

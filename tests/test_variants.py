@@ -1114,9 +1114,14 @@ def test_gpu_dropout(dtype, monkeypatch, poison_outputs, record_gpu_errors):
 @pytest.mark.serial
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["window-256", "padding-25%"])
-def test_gpu_skipped_work_is_not_paid_for(case):
-    """At L=8192 a 256-wide window or 25%-valid keys cost well under the dense time (tiles are skipped)."""
+def test_gpu_skipped_work_is_not_paid_for(case, monkeypatch, tmp_path):
+    """At L=8192 a 256-wide window or 25%-valid keys cost well under the dense time (tiles are skipped). Both sides
+    run fatune's own kernels: no DB, whose dense entry may route the call to an SDPA backend."""
+    from fatune.runtime.dispatch import Dispatcher
     from fatune.tuning.timing import bench
+    from tests.conftest import use_dispatcher
+
+    use_dispatcher(monkeypatch, Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[]))
 
     q, k, v = random_qkv(2, 16, 16, 8192, 8192, 128, 128, dtype=torch.bfloat16, device="cuda")
     grad_out = torch.randn_like(q)

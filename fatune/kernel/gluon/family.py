@@ -8,6 +8,7 @@ runs the Triton family's instead, said once. `measured_faster` says where the bu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from math import ceil
@@ -103,6 +104,26 @@ def default_backward(spec: KernelSpec) -> GluonBackwardConfig:
     return GluonBackwardConfig()
 
 
+@functools.lru_cache(maxsize=256)
+def _search_hash(spec: KernelSpec, grouped: bool) -> str:
+    """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not,
+    persistent or not, and the backward's with two and three, sharing dQ's reduction or not: each source the
+    studies can render (the tiles and registers only fill in numbers). Cached: a search's progress names its
+    studies about once a second, and rendering them all takes a few hundred ms."""
+    forwards = [GluonConfig(consumers=consumers, consumer_regs=160, overlap=overlap, pingpong=pingpong,
+                            persistent=persistent)
+                for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1)) for persistent in (0, 1)]
+    sources = [source_hash("fwd", codegen.render(spec, config)) for config in forwards
+               if codegen.unpersistent(spec, config) is None]
+    if backward_untemplated(spec) is None:
+        backwards = [GluonBackwardConfig(consumers=consumers, consumer_regs=160, shared_dq=shared)
+                     for consumers in (2, 3) for shared in (0, 1)]
+        sources += [source_hash("bwd", codegen.render_backward(spec, config)) for config in backwards
+                    if config.consumers % codegen.backward_head_split(spec) == 0
+                    and codegen.unshared_dq(spec, config) is None]
+    return hashlib.sha256(",".join(sources).encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class GluonFamily:
     name: str = "gluon"
@@ -161,21 +182,8 @@ class GluonFamily:
         return ",".join(sorted(hashes))
 
     def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
-        """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not,
-        persistent or not, and the backward's with two and three, sharing dQ's reduction or not: each source the
-        studies can render (the tiles and registers only fill in numbers)."""
-        forwards = [GluonConfig(consumers=consumers, consumer_regs=160, overlap=overlap, pingpong=pingpong,
-                                persistent=persistent)
-                    for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1)) for persistent in (0, 1)]
-        sources = [source_hash("fwd", codegen.render(spec, config)) for config in forwards
-                   if codegen.unpersistent(spec, config) is None]
-        if backward_untemplated(spec) is None:
-            backwards = [GluonBackwardConfig(consumers=consumers, consumer_regs=160, shared_dq=shared)
-                         for consumers in (2, 3) for shared in (0, 1)]
-            sources += [source_hash("bwd", codegen.render_backward(spec, config)) for config in backwards
-                        if config.consumers % codegen.backward_head_split(spec) == 0
-                        and codegen.unshared_dq(spec, config) is None]
-        return hashlib.sha256(",".join(sources).encode()).hexdigest()[:16]
+        """Hash of every source a search of `spec` can render (_search_hash)."""
+        return _search_hash(spec, grouped)
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
