@@ -460,6 +460,40 @@ def test_backward_compiles_for_sm90_within_its_budgets(spec, config, spills_allo
     assert not warnings
 
 
+# (spec, backward config): the ptxas crash backward_uncompilable names, and its nearest neighbours that compile
+PTXAS_CRASH = [
+    (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3)),
+    (KernelSpec("float16", 96, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3, consumer_regs=232)),
+    (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3, consumer_regs=216)),
+    (KernelSpec("bfloat16", 128), GluonBackwardConfig(num_stages=3)),
+]
+
+
+def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
+    """A search rejects the Gluon backward configs Triton 3.6's ptxas crashes on (exit -11; one of an H200
+    search's candidates) before compiling them: backward_uncompilable names exactly the cases whose compile fails.
+    One process compiles them all."""
+    script = "\n".join([
+        "from fatune.kernel.gluon.offline import compile_backward",
+        "from fatune.kernel.spec import GluonBackwardConfig, KernelSpec",
+        "cases = [" + ", ".join(f"(KernelSpec(**{spec.to_dict()!r}), "
+                               f"GluonBackwardConfig.from_dict({config.to_dict()!r}))" for spec, config in PTXAS_CRASH)
+        + "]",
+        "for spec, config in cases:",
+        "    try:",
+        "        compile_backward(spec, config)",
+        "        print('compiles')",
+        "    except Exception as error:",
+        "        print('fails', type(error).__name__)",
+    ])
+    outcomes = [line.split()[0] for line in compile_in_subprocess(script, tmp_path).splitlines()
+                if line.startswith(("compiles", "fails"))]
+    expected = ["fails" if resources.backward_uncompilable(spec, config) else "compiles"
+                for spec, config in PTXAS_CRASH]
+    assert outcomes == expected == ["fails", "fails", "compiles", "compiles"]
+    assert all(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in PTXAS_CRASH[:2])
+
+
 def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
     spec = KernelSpec("bfloat16", 128, causal=True)
     config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig(block_m=64, num_stages=3))
