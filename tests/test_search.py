@@ -56,6 +56,27 @@ def test_cli_search_creates_the_default_dbs_folder(tmp_path, monkeypatch):
     assert (tmp_path / "new" / "folders" / "tuned.optuna.sqlite").is_file()
 
 
+def test_the_progress_bar_spends_at_most_a_small_share_counting_trials(tmp_path, monkeypatch):
+    """Counting a search's finished trials reads every trial of its studies (a quarter second once they hold
+    hundreds): the bar counts again only after 1 / PROGRESS_SHARE times the last count's cost, and once more
+    after each shape's result."""
+    from fatune.cli import search as search_cli
+
+    counted = []
+    real = search.finished_trials
+
+    def slow(*args, **kwargs):
+        counted.append(time.monotonic())
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search, "finished_trials", slow)
+    result = CliRunner().invoke(cli, [*SEARCH, "--trials", "3", "--db", str(tmp_path / "tuned.sqlite")])
+    assert result.exit_code == 0, result.output
+    gaps = [later - earlier for earlier, later in zip(counted, counted[1:-1])]  # the last count: the result's
+    assert len(counted) >= 2 and all(gap >= 0.05 / search_cli.PROGRESS_SHARE - 0.01 for gap in gaps), gaps
+
+
 def test_cli_search_writes_db_rows_with_the_right_keys(tmp_path):
     db_path = tmp_path / "tuned.sqlite"
     result = CliRunner().invoke(cli, ["search", "--head-dim", "16", "--dtype", "fp16", "--interpret", "--lengths",

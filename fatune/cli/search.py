@@ -20,7 +20,10 @@ from fatune.cli.options import (
     reexec_interpreted,
 )
 
-PROGRESS_S = 1.0  # the progress bar counts the storage's finished trials at most this often
+# the progress bar counts the storage's finished trials at most this often, and at most PROGRESS_SHARE of the time
+# (each count reads every trial of the shape's studies: a quarter second once a study holds hundreds)
+PROGRESS_S = 1.0
+PROGRESS_SHARE = 0.02
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 DECODE_QUERIES = 16  # fatune.kernel.triton.heuristics.DECODE_QUERIES (not imported here: `fatune --help` stays fast)
 
@@ -217,13 +220,14 @@ def _search(job, target, storage, database, pool) -> list:
                 for shape in shapes for kernel in shape_kernels(shape, target, job.space))
     with click.progressbar(length=total, label="search", file=sys.stderr, show_pos=True,
                            show_eta=True) as bar:
-        refreshed = [0.0]
+        refreshed = [0.0, PROGRESS_S]  # when the bar last counted, and the wait until the next count
         done: set = set()  # shapes whose studies have all their trials: not counted again
 
         def refresh(force: bool = False) -> None:
-            if force or time.monotonic() - refreshed[0] > PROGRESS_S:
-                refreshed[0] = time.monotonic()
+            if force or time.monotonic() - refreshed[0] > refreshed[1]:
+                started = time.monotonic()
                 bar.update(tuner.finished_trials(shapes, target, job.trials, storage, done, job.space) - bar.pos)
+                refreshed[:] = [time.monotonic(), max(PROGRESS_S, (time.monotonic() - started) / PROGRESS_SHARE)]
 
         def on_trial(shape, kernel, best_ms):
             bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"
