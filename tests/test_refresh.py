@@ -433,3 +433,49 @@ def test_cli_dry_run_of_entries_it_cannot_time_succeeds(tmp_path):
         db.upsert(entry_for(TINY, gpu="NVIDIA H200", capability="9.0"))
     result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--dry-run"])
     assert result.exit_code == 0 and result.output.splitlines()[-1] == "1 skipped", result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter: CPU only")
+def test_adopting_re_times_another_gpus_entries_as_this_gpus(tmp_path, monkeypatch):
+    """With `adopt`, an entry tuned on another GPU (current there) is timed here beside the heuristic, torch's SDPA
+    backends are timed here for it (a route is this GPU's decision), and it is written as this GPU's entry in its
+    row's place. A window entry (a size no entry stores) times no SDPA backend; this GPU's current entry stays."""
+    sdpa_timed = []
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": 2.0, "heuristic": 1.0}))
+    monkeypatch.setattr(refresh, "sdpa_best", lambda shape, inputs, target: sdpa_timed.append(shape) or ("flash", 1.5))
+    h200 = current_entry(TINY, gpu="NVIDIA H200", capability="9.0")
+    window = current_entry(TINY.with_(window=16), gpu="NVIDIA H200", capability="9.0")
+    mine = current_entry(TINY.with_(head_dim=32))
+    with TunedDB(tmp_path / "tuned.sqlite") as db:
+        for entry in (h200, window, mine):
+            db.upsert(entry)
+        outcomes = {r.old.describe(): r.outcome for r in refresh_db(db, INTERPRETER, rounds=1, adopt=True)}
+        after = list(db.entries())
+    assert outcomes == {h200.describe(): "heuristic", window.describe(): "heuristic", mine.describe(): "current"}
+    assert [e.gpu for e in after] == ["triton-interpreter"] * 3 and not any(is_stale(e) for e in after)
+    adopted = {e.sized: e for e in after if e.head_dim == 16}
+    assert (adopted[True].sdpa_backend, adopted[True].sdpa_ms) == ("flash", 1.5) and sdpa_timed == [TINY]
+    assert adopted[False].sdpa_backend == "" and math.isnan(adopted[False].sdpa_ms)
+    assert entry_key(adopted[True]) == entry_key(h200) and adopted[True].attention_config() == \
+        shape_heuristic(TINY, INTERPRETER)
+
+
+def test_cli_refresh_adopt_writes_this_gpus_entries_and_fails_when_none_could_be(tmp_path, monkeypatch):
+    """`fatune db refresh --adopt` turns another GPU's entries into this one's; one whose every adoption failed
+    exits 1 saying why (without --adopt the same DB is skipped: see REFRESH_EXITS)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # no restart: the kernels are not run here
+    monkeypatch.setattr(refresh, "_check", lambda *args: "")
+    monkeypatch.setattr(refresh, "_time", fixed_times({"tuned": 2.0, "heuristic": 1.0}))
+    monkeypatch.setattr(refresh, "sdpa_best", lambda shape, inputs, target: ("", math.nan))
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(current_entry(TINY, gpu="NVIDIA H200", capability="9.0"))
+        db.upsert(current_entry(TINY, gpu="NVIDIA H200", capability="9.0", mask_variant="causal+alibi"))
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--rounds", "1", "--adopt"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == "1 heuristic, 1 skipped", result.output
+    with TunedDB(path, readonly=True) as db:
+        assert sorted(e.gpu for e in db.entries()) == ["NVIDIA H200", "triton-interpreter"]
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--rounds", "1", "--adopt"])
+    assert result.exit_code == 1 and result.output.splitlines()[-1] == \
+        f"Error: re-timed none of the 1 entry to refresh: 1 {refresh.UNBUILT}", result.output

@@ -190,9 +190,12 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
               help="Only entries of this GQA group (query heads per K/V head; 1: no GQA).")
 @click.option("--include-current", "current_too", is_flag=True,
               help="Current entries too: re-time them beside today's heuristic (after a heuristic change).")
+@click.option("--adopt", is_flag=True,
+              help="Entries tuned on other GPUs too: each is re-timed here and written as this GPU's entry (torch's "
+                   "SDPA backends timed here too), in its row's place. Seeds a DB for a new GPU from another's.")
 @click.option("--dry-run", is_flag=True, help="Only say which entries would be timed, on which problem.")
 def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers, interpret, group_size, current_too,
-            dry_run) -> None:
+            adopt, dry_run) -> None:
     """Re-time stale entries with today's kernels instead of searching again.
 
     An entry tuned on this GPU whose kernels have changed since (or whose Triton version differs)
@@ -201,13 +204,20 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     the faster takes its place under today's versions, unless a current entry of that key is
     already there. Entries of other GPUs are left alone. To find new configs, run `fatune search`.
     With --include-current, current entries are re-timed too, beside today's heuristic (after it changed).
-    A run that had entries to re-time and re-timed none of them (each tuned on another GPU, or failed) exits 1.
+    With --adopt, entries tuned on other GPUs are re-timed on this one and replaced by this GPU's entries
+    (routes to torch's SDPA backends decided by this GPU's timings): a copy of one GPU's DB becomes
+    another's. A run that had entries to re-time and re-timed none of them (each tuned on another GPU, or
+    failed) exits 1.
 
     Example:
 
         fatune db refresh --db tuned_db/nvidia-h200.sqlite
 
         fatune db refresh --include-current --group 8 --mask causal
+
+        cp tuned_db/nvidia-h200.sqlite tuned_db/nvidia-h100.sqlite
+
+        fatune db refresh --db tuned_db/nvidia-h100.sqlite --adopt    # on the H100
     """
     import os
 
@@ -231,14 +241,14 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
     with _open(db_path, readonly=dry_run, create=False) as database:
         for result in refresh_db(database, target, rounds=rounds, dry_run=dry_run, compile_workers=compile_workers,
                                  on_invalid=lambda message: click.echo(f"warning: {message}", err=True),
-                                 current_too=current_too, gpu=gpu, dtype=dtype, head_dim=head_dim,
+                                 current_too=current_too, adopt=adopt, gpu=gpu, dtype=dtype, head_dim=head_dim,
                                  mask_variant=mask_variant, group_size=group_size):
             outcome = result.outcome.split(":")[0]
             counts[outcome] = counts.get(outcome, 0) + 1
             results.append(result)
             click.echo(result.describe())
     click.echo(", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())) or "no entries")
-    failure = "" if dry_run else none_refreshed(results, current_too)
+    failure = "" if dry_run else none_refreshed(results, current_too, adopt)
     if failure:  # the stale entries are all still stale: not a success
         raise click.ClickException(failure)
 

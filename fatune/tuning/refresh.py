@@ -25,7 +25,7 @@ from fatune.db import CallKey, Entry, TunedDB, is_stale, key_columns
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.family import family
 from fatune.tuning.precompile import CompilePool, compile_error
-from fatune.tuning.search import _interpreted_step
+from fatune.tuning.search import _interpreted_step, sdpa_best
 from fatune.tuning.shape import Shape, make_inputs, shape_key
 from fatune.tuning.study import forward_only
 from fatune.tuning.target import Checker
@@ -180,9 +180,14 @@ def refresh_entry(entry: Entry, target, *, rounds: int = 3, seed: int = 0,
     best = min(steps[winner], key=lambda step: abs(step["fwd_bwd_ms" if backward else "fwd_ms"] - medians[winner]))
     columns = key_columns(target.gpu, target.capability, entry_key(entry),
                           family(config.family).kernel_hashes(shape.spec, config, shape.heads > shape.kv_heads))
-    # SDPA's stored timing holds for the same torch on the same problem (all of it stored in the entry)
-    same_sdpa = entry.torch_version == columns["torch_version"] and entry.sized
-    sdpa_ms = entry.sdpa_ms if same_sdpa else math.nan
+    # SDPA's stored timing holds for the same GPU and torch on the same problem (all of it stored in the entry);
+    # elsewhere a problem the entry stores whole times torch's backends again (another GPU's entry adopted here:
+    # a route to one of them is decided by this GPU's timings)
+    same_gpu = (entry.gpu, entry.capability) == (target.gpu, target.capability)
+    same_sdpa = entry.torch_version == columns["torch_version"] and entry.sized and same_gpu
+    sdpa_backend, sdpa_ms = (entry.sdpa_backend, entry.sdpa_ms) if same_sdpa else ("", math.nan)
+    if not same_sdpa and entry.sized:
+        sdpa_backend, sdpa_ms = sdpa_best(shape, inputs, target)
     time_ms = best["fwd_bwd_ms" if backward else "fwd_ms"]
     new = dataclasses.replace(
         entry, **columns,
@@ -190,7 +195,7 @@ def refresh_entry(entry: Entry, target, *, rounds: int = 3, seed: int = 0,
         bwd_config={"dkdv": config.dkdv.to_dict(), "dq": config.dq.to_dict()},
         fwd_ms=best["fwd_ms"], bwd_ms=best["bwd_ms"], fwd_bwd_ms=best["fwd_bwd_ms"],
         tflops=_measured(tflops(shape, "fwd+bwd" if backward else "fwd", time_ms)),
-        sdpa_backend=entry.sdpa_backend if same_sdpa else "", sdpa_ms=sdpa_ms,
+        sdpa_backend=sdpa_backend if math.isfinite(sdpa_ms) else "", sdpa_ms=_measured(sdpa_ms),
         speedup=_measured(sdpa_ms / time_ms) if time_ms > 0 else math.nan,
         interpreted=target.interpret, created_at="")
     note = f"the stored configs failed: {failures['tuned']}" if failures["tuned"] else ""
@@ -202,31 +207,34 @@ def _measured(value: float) -> float:
     return value if math.isfinite(value) and value > 0 else math.nan
 
 
-def refreshable(entry: Entry, target, current_too: bool = False) -> str:
+def refreshable(entry: Entry, target, current_too: bool = False, adopt: bool = False) -> str:
     """Why `entry` is not refreshed on `target`, or '' (a stale entry tuned on this GPU, or with `current_too`
-    any of its entries; any GPU's with no target, as a dry run on a machine without one says)."""
+    any of its entries; with `adopt` every entry tuned on another GPU; any GPU's with no target, as a dry run on a
+    machine without one says)."""
     if target is not None and (entry.gpu, entry.capability) != (target.gpu, target.capability):
-        return f"skipped: tuned on {entry.gpu} (sm {entry.capability}); refresh it there"
+        return "" if adopt else f"skipped: tuned on {entry.gpu} (sm {entry.capability}); refresh it there"
     if not current_too and not is_stale(entry):
         return "current"
     return ""
 
 
 def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, compile_workers: int = 0,
-               current_too: bool = False, on_invalid: Callable[[str], None] | None = None,
+               current_too: bool = False, adopt: bool = False, on_invalid: Callable[[str], None] | None = None,
                **filters) -> Iterator[Refreshed]:
     """Refresh every stale entry of `db` (matching `filters`: gpu, dtype, head_dim, mask_variant, group_size)
     tuned on `target`'s GPU, and with `current_too` its current ones too (re-timed beside today's heuristic,
     e.g. after the heuristic changed), one at a time, yielding what each came to; written as each finishes
     (an interrupted run keeps what it refreshed). The entry a refresh writes replaces the stale one, unless a current entry of its
-    key is already there (a search since): that one stays and the stale row goes. An entry that cannot be
+    key is already there (a search since): that one stays and the stale row goes. With `adopt`, entries tuned on
+    other GPUs are re-timed too and written as `target`'s (their rows replaced): a DB for a new GPU, seeded from
+    another GPU's grid. An entry that cannot be
     timed (its problem too large, a failure) is skipped with the reason; invalid rows go to `on_invalid`.
     `dry_run`: only rebuild each entry's problem and say what would be timed (`target` may then be None: no GPU
     here). `compile_workers`: processes compiling the next entries' kernels while one is timed."""
     if target is None and not dry_run:
         raise ValueError("target: expected the GPU (or interpreter) to time on; only a dry run takes None")
     entries = list(db.entries(on_invalid=on_invalid or (lambda message: None), **filters))
-    plans: list[tuple[Entry, str]] = [(entry, refreshable(entry, target, current_too)) for entry in entries]
+    plans: list[tuple[Entry, str]] = [(entry, refreshable(entry, target, current_too, adopt)) for entry in entries]
     work = [entry for entry, reason in plans if not reason]
     timed_on_gpu = not dry_run and not target.interpret
     futures: dict[int, list] = {}
@@ -254,14 +262,14 @@ def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, c
 DONE = ("tuned", "heuristic", "superseded")
 
 
-def none_refreshed(results: list[Refreshed], current_too: bool = False) -> str:
-    """Why a refresh that had entries to re-time (the stale ones, any GPU's; with `current_too` all) dealt with none
-    of them: each one skipped (tuned on another GPU, no driver, a problem that cannot be rebuilt) or failed, counted
-    by outcome, most first; '' if it dealt with one or had none. Not for a dry run's results."""
+def none_refreshed(results: list[Refreshed], current_too: bool = False, adopt: bool = False) -> str:
+    """Why a refresh that had entries to re-time (the stale ones, any GPU's; with `current_too` or `adopt` all) dealt
+    with none of them: each one skipped (tuned on another GPU, no driver, a problem that cannot be rebuilt) or
+    failed, counted by outcome, most first; '' if it dealt with one or had none. Not for a dry run's results."""
     if any(result.outcome in DONE for result in results):
         return ""
     pending = collections.Counter(result.outcome for result in results
-                                  if result.outcome != "current" and (current_too or is_stale(result.old)))
+                                  if result.outcome != "current" and (current_too or adopt or is_stale(result.old)))
     if not pending:
         return ""
     total = sum(pending.values())
