@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import triton
 
 import fatune
 from fatune.call import check_inputs
@@ -469,6 +470,7 @@ PTXAS_CRASH = [
 ]
 
 
+@pytest.mark.skipif(not triton.__version__.startswith("3.6."), reason="a crash of Triton 3.6's ptxas")
 def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
     """A search rejects the Gluon backward configs Triton 3.6's ptxas crashes on (exit -11; one of an H200
     search's candidates) before compiling them: backward_uncompilable names exactly the cases whose compile fails.
@@ -486,11 +488,11 @@ def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
         "    except Exception as error:",
         "        print('fails', type(error).__name__)",
     ])
-    outcomes = [line.split()[0] for line in compile_in_subprocess(script, tmp_path).splitlines()
+    outcomes = [line for line in compile_in_subprocess(script, tmp_path).splitlines()
                 if line.startswith(("compiles", "fails"))]
-    expected = ["fails" if resources.backward_uncompilable(spec, config) else "compiles"
+    expected = ["fails PTXASError" if resources.backward_uncompilable(spec, config) else "compiles"
                 for spec, config in PTXAS_CRASH]
-    assert outcomes == expected == ["fails", "fails", "compiles", "compiles"]
+    assert outcomes == expected == ["fails PTXASError", "fails PTXASError", "compiles", "compiles"]
     assert all(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in PTXAS_CRASH[:2])
 
 
@@ -758,8 +760,11 @@ def _run_sanitized(case, tmp_path, tool: str, prefix: tuple[str, ...] = ()) -> s
     env.pop("TRITON_INSTRUMENTATION_MODE", None)
     arguments = json.dumps([d, causal, forward.to_dict() if forward else None,
                             backward.to_dict() if backward else None, batch, heads, length])
-    done = subprocess.run([*prefix, sys.executable, "-c", SANITIZED_SCRIPT, arguments, tool], env=env,
-                          capture_output=True, text=True, timeout=170)
+    try:  # below pytest's timeout, which would kill the xdist worker
+        done = subprocess.run([*prefix, sys.executable, "-c", SANITIZED_SCRIPT, arguments, tool], env=env,
+                              capture_output=True, text=True, timeout=170)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case[0]} under {tool} did not finish within 170 s (a hang, or a sanitizer far slower here)")
     assert done.returncode == 0 and "SANITIZED OK" in done.stdout, (done.stdout + done.stderr)[-3000:]
     assert "cannot be built here" not in done.stderr, done.stderr[-3000:]  # the Gluon kernel ran, not a fallback
     return done.stdout + done.stderr

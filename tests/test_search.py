@@ -56,25 +56,23 @@ def test_cli_search_creates_the_default_dbs_folder(tmp_path, monkeypatch):
     assert (tmp_path / "new" / "folders" / "tuned.optuna.sqlite").is_file()
 
 
-def test_the_progress_bar_spends_at_most_a_small_share_counting_trials(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cost, wait", [(0.001, 1.0), (0.25, 12.5), (5.0, 30.0)])
+def test_the_progress_bar_spends_at_most_a_small_share_counting_trials(cost, wait):
     """Counting a search's finished trials reads every trial of its studies (a quarter second once they hold
-    hundreds): the bar counts again only after 1 / PROGRESS_SHARE times the last count's cost, and once more
-    after each shape's result."""
-    from fatune.cli import search as search_cli
+    hundreds): the bar counts again PROGRESS_S after a cheap count, after 1 / PROGRESS_SHARE times a costly one's
+    cost, and never later than PROGRESS_MAX_S (a count slowed once, behind another host's lock, does not freeze
+    the bar). Each shape's result forces a count besides (the CLI's refresh(force=True))."""
+    from fatune.cli.search import CountThrottle
 
-    counted = []
-    real = search.finished_trials
-
-    def slow(*args, **kwargs):
-        counted.append(time.monotonic())
-        time.sleep(0.05)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(search, "finished_trials", slow)
-    result = CliRunner().invoke(cli, [*SEARCH, "--trials", "3", "--db", str(tmp_path / "tuned.sqlite")])
-    assert result.exit_code == 0, result.output
-    gaps = [later - earlier for earlier, later in zip(counted, counted[1:-1])]  # the last count: the result's
-    assert len(counted) >= 2 and all(gap >= 0.05 / search_cli.PROGRESS_SHARE - 0.01 for gap in gaps), gaps
+    now = [100.0]
+    throttle = CountThrottle(lambda: now[0])
+    assert throttle.due()
+    with throttle.counting():
+        now[0] += cost
+    now[0] += wait - 0.01
+    assert not throttle.due()
+    now[0] += 0.02
+    assert throttle.due()
 
 
 def test_cli_search_writes_db_rows_with_the_right_keys(tmp_path):

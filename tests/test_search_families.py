@@ -120,8 +120,8 @@ def test_the_resource_model_rejects_rings_that_cannot_fit_before_compiling(head_
 
 
 def test_naming_a_gluon_study_again_renders_nothing(hopper, monkeypatch):
-    """A search's progress names its studies about once a second: the Gluon sources its name hashes are rendered
-    once per process (rendering them all takes a few hundred ms), and the name stays the same."""
+    """A search's progress names its studies again and again: the Gluon sources its name hashes are rendered once
+    per process and template folder (rendering them all takes a few hundred ms), and the name stays the same."""
     from fatune.kernel.gluon import family as gluon_family
 
     gluon_family._search_hash.cache_clear()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import click
 
@@ -20,10 +22,33 @@ from fatune.cli.options import (
     reexec_interpreted,
 )
 
-# the progress bar counts the storage's finished trials at most this often, and at most PROGRESS_SHARE of the time
-# (each count reads every trial of the shape's studies: a quarter second once a study holds hundreds)
+# the progress bar counts the storage's finished trials at most every PROGRESS_S, and spends at most PROGRESS_SHARE of
+# the time counting (each count reads every trial of the shape's studies: a quarter second once they hold hundreds),
+# yet counts at least every PROGRESS_MAX_S (one slow count, behind another host's lock, does not freeze the bar)
 PROGRESS_S = 1.0
 PROGRESS_SHARE = 0.02
+PROGRESS_MAX_S = 30.0
+
+
+class CountThrottle:
+    """When the progress bar counts again: PROGRESS_S after its last count, or the count's cost / PROGRESS_SHARE
+    if longer, at most PROGRESS_MAX_S."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.next_at = -math.inf
+
+    def due(self) -> bool:
+        return self.clock() >= self.next_at
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        started = self.clock()
+        try:
+            yield
+        finally:
+            ended = self.clock()
+            self.next_at = ended + min(PROGRESS_MAX_S, max(PROGRESS_S, (ended - started) / PROGRESS_SHARE))
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 DECODE_QUERIES = 16  # fatune.kernel.triton.heuristics.DECODE_QUERIES (not imported here: `fatune --help` stays fast)
 
@@ -220,14 +245,13 @@ def _search(job, target, storage, database, pool) -> list:
                 for shape in shapes for kernel in shape_kernels(shape, target, job.space))
     with click.progressbar(length=total, label="search", file=sys.stderr, show_pos=True,
                            show_eta=True) as bar:
-        refreshed = [0.0, PROGRESS_S]  # when the bar last counted, and the wait until the next count
+        throttle = CountThrottle()
         done: set = set()  # shapes whose studies have all their trials: not counted again
 
         def refresh(force: bool = False) -> None:
-            if force or time.monotonic() - refreshed[0] > refreshed[1]:
-                started = time.monotonic()
-                bar.update(tuner.finished_trials(shapes, target, job.trials, storage, done, job.space) - bar.pos)
-                refreshed[:] = [time.monotonic(), max(PROGRESS_S, (time.monotonic() - started) / PROGRESS_SHARE)]
+            if force or throttle.due():
+                with throttle.counting():
+                    bar.update(tuner.finished_trials(shapes, target, job.trials, storage, done, job.space) - bar.pos)
 
         def on_trial(shape, kernel, best_ms):
             bar.label = f"{shape.label()} {kernel} best {best_ms:.3f} ms"

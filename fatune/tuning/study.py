@@ -374,7 +374,6 @@ class KernelSearch:
         is left (`exhausted`). A draw the resource model rejects (told pruned: the sampler learns to avoid it)
         or one that repeats a config (told failed: the sampler learns nothing) is drawn again; from the
         FREE_DRAWS-th draw on, an untried feasible config is queued first, which the next ask takes."""
-        held = None  # the configs the study holds or tried, read once per ask (and again for a queued one)
         for draw in itertools.count():
             if draw >= FREE_DRAWS and not self._queue_untried():
                 self.exhausted = True
@@ -386,9 +385,7 @@ class KernelSearch:
                 heartbeat.hold(trial)
                 trial.set_user_attr("worker", _worker_name())
                 config, reason = self.suggest(trial)
-                if held is None or draw >= FREE_DRAWS:  # a queued untried config: other processes may hold it now
-                    held = self._held_or_tried(trial.number)
-                repeated = reason is None and config in held
+                repeated = reason is None and config in self._held_or_tried(trial.number)
             except BaseException:
                 self._tell(trial, heartbeat, None, clock=clock)
                 raise

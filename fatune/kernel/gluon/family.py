@@ -105,11 +105,11 @@ def default_backward(spec: KernelSpec) -> GluonBackwardConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _search_hash(spec: KernelSpec, grouped: bool) -> str:
+def _search_hash(spec: KernelSpec, grouped: bool, templates: Path) -> str:
     """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not,
     persistent or not, and the backward's with two and three, sharing dQ's reduction or not: each source the
-    studies can render (the tiles and registers only fill in numbers). Cached: a search's progress names its
-    studies about once a second, and rendering them all takes a few hundred ms."""
+    studies can render (the tiles and registers only fill in numbers), from the `templates` folder. Cached: a
+    search's progress names its studies, and rendering them all takes a few hundred ms."""
     forwards = [GluonConfig(consumers=consumers, consumer_regs=160, overlap=overlap, pingpong=pingpong,
                             persistent=persistent)
                 for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1)) for persistent in (0, 1)]
@@ -183,7 +183,7 @@ class GluonFamily:
 
     def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
         """Hash of every source a search of `spec` can render (_search_hash)."""
-        return _search_hash(spec, grouped)
+        return _search_hash(spec, grouped, codegen.TEMPLATES.path)
 
     def plan(self, problem: AttentionProblem, config: AttentionConfig, device: torch.device, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, fallback: AttentionConfig | None,
