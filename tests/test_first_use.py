@@ -73,7 +73,12 @@ def test_nothing_is_tuned_where_nothing_can_be_timed(autotuning, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_the_first_call_of_a_new_key_stores_the_faster_and_later_calls_use_it(autotuning, tmp_path,
                                                                                  monkeypatch, caplog):
+    from fatune.runtime.dispatch import Dispatcher
+    from tests.conftest import use_dispatcher
+
     monkeypatch.setenv("FATUNE_DB", str(tmp_path / "tuned.sqlite"))
+    # no shipped DB either: on an H200 its entry of this key would answer before tuning on first use
+    use_dispatcher(monkeypatch, Dispatcher(user_db=tmp_path / "tuned.sqlite", shipped=[]))
     monkeypatch.setattr(logs, "_warned", set())
     plans.clear()
     fatune.autotune(True)
