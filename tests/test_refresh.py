@@ -479,3 +479,19 @@ def test_cli_refresh_adopt_writes_this_gpus_entries_and_fails_when_none_could_be
     result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--interpret", "--rounds", "1", "--adopt"])
     assert result.exit_code == 1 and result.output.splitlines()[-1] == \
         f"Error: re-timed none of the 1 entry to refresh: 1 {refresh.UNBUILT}", result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_cli_dry_run_of_adopt_without_the_gpu_lists_every_entry(tmp_path):
+    """Without a GPU a dry run cannot tell which entries are another GPU's: with --adopt it lists each entry's
+    problem (or why it has none) and writes nothing."""
+    path = tmp_path / "tuned.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(current_entry(TINY, gpu="NVIDIA H200", capability="9.0"))
+        db.upsert(current_entry(TINY, gpu="NVIDIA H200", capability="9.0", mask_variant="causal+alibi"))
+    before = path.read_bytes()
+    result = CliRunner().invoke(cli, ["db", "refresh", "--db", str(path), "--adopt", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"would refresh on {TINY.label()}" in result.output, result.output
+    assert result.output.splitlines()[-1] == "1 skipped, 1 would refresh", result.output
+    assert path.read_bytes() == before

@@ -211,6 +211,8 @@ def refreshable(entry: Entry, target, current_too: bool = False, adopt: bool = F
     """Why `entry` is not refreshed on `target`, or '' (a stale entry tuned on this GPU, or with `current_too`
     any of its entries; with `adopt` every entry tuned on another GPU; any GPU's with no target, as a dry run on a
     machine without one says)."""
+    if target is None and adopt:  # a dry run without the GPU: each entry may be another GPU's
+        return ""
     if target is not None and (entry.gpu, entry.capability) != (target.gpu, target.capability):
         return "" if adopt else f"skipped: tuned on {entry.gpu} (sm {entry.capability}); refresh it there"
     if not current_too and not is_stale(entry):
