@@ -49,6 +49,8 @@ class CountThrottle:
         finally:
             ended = self.clock()
             self.next_at = ended + min(PROGRESS_MAX_S, max(PROGRESS_S, (ended - started) / PROGRESS_SHARE))
+
+
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 DECODE_QUERIES = 16  # fatune.kernel.triton.heuristics.DECODE_QUERIES (not imported here: `fatune --help` stays fast)
 

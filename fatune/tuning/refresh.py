@@ -226,11 +226,11 @@ def refresh_db(db: TunedDB, target, *, rounds: int = 3, dry_run: bool = False, c
     """Refresh every stale entry of `db` (matching `filters`: gpu, dtype, head_dim, mask_variant, group_size)
     tuned on `target`'s GPU, and with `current_too` its current ones too (re-timed beside today's heuristic,
     e.g. after the heuristic changed), one at a time, yielding what each came to; written as each finishes
-    (an interrupted run keeps what it refreshed). The entry a refresh writes replaces the stale one, unless a current entry of its
-    key is already there (a search since): that one stays and the stale row goes. With `adopt`, entries tuned on
-    other GPUs are re-timed too and written as `target`'s (their rows replaced): a DB for a new GPU, seeded from
-    another GPU's grid. An entry that cannot be
-    timed (its problem too large, a failure) is skipped with the reason; invalid rows go to `on_invalid`.
+    (an interrupted run keeps what it refreshed). The entry a refresh writes replaces the stale one, unless a
+    current entry of its key is already there (a search since): that one stays and the stale row goes. With
+    `adopt`, entries tuned on other GPUs are re-timed too and written as `target`'s (their rows replaced): a DB for
+    a new GPU, seeded from another GPU's grid. An entry that cannot be timed (its problem too large, a failure) is
+    skipped with the reason; invalid rows go to `on_invalid`.
     `dry_run`: only rebuild each entry's problem and say what would be timed (`target` may then be None: no GPU
     here). `compile_workers`: processes compiling the next entries' kernels while one is timed."""
     if target is None and not dry_run:
