@@ -83,18 +83,47 @@ class Templates:
 
 
 def code_hash(source: str) -> str:
-    """Hash of a Python source's code: its tokens without comments, docstrings and blank lines."""
+    """Hash of a Python source's code: its tokens without comments, docstrings and blank lines. Tokens are
+    hashed by name and an f-string as one string token, as every Python version tokenizes them (token
+    numbers and f-string tokens changed in 3.12): a tuned DB measured under one Python is current under
+    another."""
     digest = hashlib.sha256()
-    previous = tokenize.NEWLINE
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type in (tokenize.COMMENT, tokenize.NL):
-            continue
-        is_docstring = token.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT,
-                                                                      tokenize.DEDENT)
-        if not is_docstring:
-            digest.update(f"{token.type}:{token.string}\n".encode())
-        previous = token.type
+    for kind, text in _code_tokens(source):
+        digest.update(f"{kind}:{text}\n".encode())
     return digest.hexdigest()[:16]
+
+
+_FSTRING_STARTS = {"FSTRING_START", "TSTRING_START"}
+_FSTRING_ENDS = {"FSTRING_END", "TSTRING_END"}
+
+
+def _code_tokens(source: str):
+    """(token name, text) of `source`'s code tokens, in order (see code_hash)."""
+    lines = source.splitlines(keepends=True)
+    previous, depth, start = "NEWLINE", 0, (0, 0)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        kind, text = tokenize.tok_name[token.type], token.string
+        if kind in _FSTRING_STARTS:
+            depth += 1
+            start = token.start if depth == 1 else start
+            continue
+        if depth:  # inside an f-string (Python 3.12+): its whole text is one string token, as before 3.12
+            depth -= kind in _FSTRING_ENDS
+            if depth:
+                continue
+            kind, text = "STRING", _span(lines, start, token.end)
+        if kind in ("COMMENT", "NL"):
+            continue
+        if not (kind == "STRING" and previous in ("NEWLINE", "INDENT", "DEDENT")):  # a docstring is skipped
+            yield kind, text
+        previous = kind
+
+
+def _span(lines: list[str], start: tuple[int, int], end: tuple[int, int]) -> str:
+    """The text between two tokenize positions ((row from 1, column))."""
+    if start[0] == end[0]:
+        return lines[start[0] - 1][start[1]:end[1]]
+    return lines[start[0] - 1][start[1]:] + "".join(lines[start[0]:end[0] - 1]) + lines[end[0] - 1][:end[1]]
 
 
 def cache_dir() -> Path:
