@@ -90,6 +90,20 @@ def test_a_tie_between_buckets_goes_to_the_lower_whatever_their_times(tmp_path, 
     assert fwd_block(chooser.lookup(problem(1024), GPU, CAPABILITY, None)) == 16
 
 
+@pytest.mark.parametrize("routed", [512, 2048])
+def test_a_tie_between_buckets_goes_to_the_entry_routed_to_sdpa(tmp_path, routed):
+    """L = 1024 between an entry whose kernels beat SDPA at its length and one where SDPA's backend won: the call
+    takes SDPA's route (at worst as fast as SDPA), on either side, with that entry's configs as its kernels'."""
+    rows = [entry(seqlen_q_bucket=n, seqlen_k_bucket=n, fwd_bwd_ms=1.0, sdpa_backend="cudnn",
+                  sdpa_ms=0.9 if n == routed else 1.1, fwd_config={**make_entry().fwd_config, "block_m": b})
+            for n, b in ((512, 16), (2048, 32))]
+    chooser = Dispatcher(user_db=write(tmp_path / "u.sqlite", *rows), shipped=[])
+    decision = chooser.lookup(problem(1024), GPU, CAPABILITY, None)
+    assert (decision.route, fwd_block(decision)) == ("cudnn", 16 if routed == 512 else 32)
+    exact = chooser.lookup(problem(512 if routed == 2048 else 2048), GPU, CAPABILITY, None)
+    assert exact.route == ""  # an exact bucket's own entry decides
+
+
 def test_a_tie_between_buckets_across_lq_and_lk_goes_to_the_smaller_problem(tmp_path):
     """A call at Lq 4096, Lk 512 is three octaves from (1024, 1024) and from (4096, 64): the smaller problem wins."""
     rows = [entry(seqlen_q_bucket=q, seqlen_k_bucket=k, fwd_config={**make_entry().fwd_config, "block_m": b})
@@ -526,7 +540,8 @@ def test_a_kernel_that_cannot_be_compiled_or_loaded_is_a_build_error(monkeypatch
         kernel((), None)
 
 
-SHIPPED_H200_CALLS = [  # (seqlen, kwargs of check_inputs): what tuned_db/nvidia-h200.sqlite covers, lengths between buckets
+SHIPPED_GPUS = {"nvidia-h100.sqlite": "NVIDIA H100 80GB HBM3", "nvidia-h200.sqlite": "NVIDIA H200"}
+SHIPPED_CALLS = [  # (seqlen, kwargs of check_inputs): what each shipped DB covers, lengths between buckets
     (4096, {"is_causal": True}),
     (3000, {}),
     (600, {"is_causal": True, "window_size": (256, 0)}),
@@ -535,27 +550,33 @@ SHIPPED_H200_CALLS = [  # (seqlen, kwargs of check_inputs): what tuned_db/nvidia
 ]
 
 
-def test_the_shipped_h200_db_is_in_the_package_and_valid():
+def test_the_shipped_dbs_are_in_the_package_and_valid():
     shipped = shipped_dbs()
-    assert [path.name for path in shipped] == ["nvidia-h200.sqlite"]
-    assert shipped[0].read_bytes()[18:20] == b"\x01\x01", "ship it in rollback-journal mode (no -wal/-shm files)"
-    with TunedDB(shipped[0], readonly=True) as db:
-        entries = list(db.entries(on_invalid=pytest.fail))
-    assert len(entries) >= 90 and all((e.gpu, e.capability) == ("NVIDIA H200", "9.0") for e in entries)
+    assert sorted(path.name for path in shipped) == sorted(SHIPPED_GPUS)
+    for path in shipped:
+        assert path.read_bytes()[18:20] == b"\x01\x01", f"{path.name}: ship it in rollback-journal mode (no -wal/-shm)"
+        with TunedDB(path, readonly=True) as db:
+            entries = list(db.entries(on_invalid=pytest.fail))
+        assert len(entries) >= 90 and all((e.gpu, e.capability) == (SHIPPED_GPUS[path.name], "9.0") for e in entries)
 
 
-@pytest.mark.parametrize("seqlen, kwargs", SHIPPED_H200_CALLS)
-def test_the_shipped_h200_db_answers_h200_calls(tmp_path, seqlen, kwargs):
-    """The DB in the package is current for these templates and Triton (a template edit that changes its
-    entries' kernels makes them stale: re-time them with `benchmarks/gpu_run.sh db-refresh`, or search again
-    with the searches of tuned_db/README.md), and an H200 call finds it with no user DB."""
-    shipped = shipped_dbs()
-    with TunedDB(shipped[0], readonly=True) as db:
+@pytest.mark.parametrize("name", sorted(SHIPPED_GPUS))
+def test_the_shipped_dbs_are_current(name):
+    """Each DB in the package is current for these templates and Triton (a template edit that changes its entries'
+    kernels makes them stale: re-time them with `fatune db refresh` on that GPU, or search again with the
+    searches of tuned_db/README.md)."""
+    with TunedDB(next(path for path in shipped_dbs() if path.name == name), readonly=True) as db:
         stale = [e.describe() for e in db.entries() if is_stale(e)]
     assert not stale, f"{len(stale)} stale entries, e.g. {stale[0]}"
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_GPUS))
+@pytest.mark.parametrize("seqlen, kwargs", SHIPPED_CALLS)
+def test_the_shipped_dbs_answer_their_gpus_calls(tmp_path, name, seqlen, kwargs):
+    """A call on each GPU finds its own DB in the package with no user DB."""
     q = torch.empty(2, 16, seqlen, 128, dtype=torch.bfloat16, device="meta")
     if kwargs.get("seqlens_k") == "half":
         kwargs = {**kwargs, "seqlens_k": torch.full((2,), seqlen // 2, dtype=torch.int32, device="meta")}
-    decision = Dispatcher(user_db=tmp_path / "none.sqlite", shipped=shipped).lookup(
-        check_inputs(q, q, q, **kwargs), "NVIDIA H200", "9.0", None)
-    assert decision.layer == "shipped-db", decision
+    decision = Dispatcher(user_db=tmp_path / "none.sqlite", shipped=shipped_dbs()).lookup(
+        check_inputs(q, q, q, **kwargs), SHIPPED_GPUS[name], "9.0", None)
+    assert decision.layer == "shipped-db" and decision.db_path.endswith(name), decision
