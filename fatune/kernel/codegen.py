@@ -99,7 +99,7 @@ _FSTRING_ENDS = {"FSTRING_END", "TSTRING_END"}
 
 def _code_tokens(source: str):
     """(token name, text) of `source`'s code tokens, in order (see code_hash)."""
-    lines = source.splitlines(keepends=True)
+    lines = io.StringIO(source).readlines()  # rows as the tokenizer counts them (str.splitlines breaks at more)
     previous, depth, start = "NEWLINE", 0, (0, 0)
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         kind, text = tokenize.tok_name[token.type], token.string
