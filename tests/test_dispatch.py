@@ -104,6 +104,16 @@ def test_a_tie_between_buckets_goes_to_the_entry_routed_to_sdpa(tmp_path, routed
     assert exact.route == ""  # an exact bucket's own entry decides
 
 
+def test_a_tie_between_buckets_goes_to_a_tuned_backward_before_a_route(tmp_path):
+    """A forward-only entry (its backward untuned) that routes loses a tie to one with a tuned backward."""
+    rows = [entry(seqlen_q_bucket=512, seqlen_k_bucket=512, fwd_ms=1.0, bwd_ms=math.nan, fwd_bwd_ms=math.nan,
+                  sdpa_backend="cudnn", sdpa_ms=0.5, fwd_config={**make_entry().fwd_config, "block_m": 16}),
+            entry(seqlen_q_bucket=2048, seqlen_k_bucket=2048, fwd_config={**make_entry().fwd_config, "block_m": 32})]
+    assert rows[0].forward_only and rows[0].route() == "cudnn" and not rows[1].route()
+    chooser = Dispatcher(user_db=write(tmp_path / "u.sqlite", *rows), shipped=[])
+    assert fwd_block(chooser.lookup(problem(1024), GPU, CAPABILITY, None)) == 32
+
+
 def test_a_tie_between_buckets_across_lq_and_lk_goes_to_the_smaller_problem(tmp_path):
     """A call at Lq 4096, Lk 512 is three octaves from (1024, 1024) and from (4096, 64): the smaller problem wins."""
     rows = [entry(seqlen_q_bucket=q, seqlen_k_bucket=k, fwd_config={**make_entry().fwd_config, "block_m": b})

@@ -32,6 +32,10 @@ ROUTES = [  # (entry changes, the backend a call of its key runs on: "" for fatu
     ({"sdpa_backend": "cudnn", "sdpa_ms": 2.0, "interpreted": True}, ""),  # an interpreter's timings decide nothing
     ({"sdpa_backend": "cudnn", "sdpa_ms": 0.5, "fwd_ms": 1.0, "bwd_ms": math.nan, "fwd_bwd_ms": math.nan,
       "seqlen_q_bucket": 16}, "cudnn"),  # forward-only entries compare forward times
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 2.0, "mask_variant": "causal+dropout"}, "cudnn"),
+    # SDPA timed as a yardstick on a variant it cannot compute as fatune does: never a route
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 0.5, "mask_variant": "causal+window-left+bottom-right"}, ""),
+    ({"sdpa_backend": "cudnn", "sdpa_ms": 0.5, "mask_variant": "causal+seqlens-k"}, ""),
 ]
 
 

@@ -73,6 +73,10 @@ def is_stale(entry: Entry, render: bool = True) -> list[str]:
     return reasons
 
 
+# the mask variants whose calls a route hands whole to torch SDPA (fatune.runtime.routes): no mask tensor, ALiBi,
+# window, key lengths, packed or paged inputs; causal (if at all) aligned top-left, as SDPA's is_causal
+ROUTABLE_VARIANTS = ("none", "causal", "dropout", "causal+dropout")
+
 # mask-variant parts whose sizes an entry does not store (a window's width, the kept keys, the documents, a mask's
 # contents): two entries of such a variant may have timed different problems at the same batch, heads and lengths
 _UNSTORED_SIZES = ("window", "seqlens-k", "varlen", "mask-")
@@ -143,9 +147,11 @@ class Entry:
 
     def route(self) -> str:
         """The torch SDPA backend a call of this entry's key runs on ("" for fatune's kernels): the one measured
-        beside fatune's winners, where it was faster on a GPU (an interpreter's timings decide nothing)."""
+        beside fatune's winners, where it was faster on a GPU (an interpreter's timings decide nothing), for a
+        mask variant SDPA computes as fatune does (ROUTABLE_VARIANTS; others time SDPA as a yardstick only)."""
         faster = math.isfinite(self.sdpa_ms) and math.isfinite(self.time_ms) and self.sdpa_ms < self.time_ms
-        return self.sdpa_backend if faster and self.sdpa_backend and not self.interpreted else ""
+        routable = self.mask_variant in ROUTABLE_VARIANTS and not self.interpreted
+        return self.sdpa_backend if faster and self.sdpa_backend and routable else ""
 
     @property
     def sized(self) -> bool:

@@ -462,12 +462,12 @@ def bucket_distance(entry: Entry, key: CallKey) -> float:
 
 def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
     """The entry whose buckets are nearest `key`, and a reason saying how near. On a tie: an entry with a tuned
-    backward, then one that routes to a torch SDPA backend (measured faster than fatune's kernels at its
-    lengths: a call between two lengths that disagree runs at worst as fast as SDPA), then the smaller problem
-    (Lq x Lk buckets, then Lq; entries of other buckets timed other problems, so their times do not compare),
-    then the faster. Only entries of the call's regime compete: a prefill entry's tiles (up to 128 query rows)
-    would leave a decode call's tile nearly empty, and a decode entry's untuned backward would serve training
-    calls."""
+    backward, then one that routes to a torch SDPA backend (measured faster than fatune's kernels at its lengths:
+    a call between two lengths that disagree runs as fast as SDPA where the route can be taken), then the
+    smaller problem (Lq x Lk buckets, then Lq; entries of other buckets timed other problems, so their times do
+    not compare), then the faster. Only entries of the call's regime compete: a prefill entry's tiles (up to 128
+    query rows) would leave a decode call's tile nearly empty, and a decode entry's untuned backward would serve
+    training calls."""
     decode = is_decode(key.seqlen_q_bucket)
     entries = [e for e in entries if is_decode(e.seqlen_q_bucket) == decode]
     best = min(entries, key=lambda e: (bucket_distance(e, key), e.forward_only, not e.route(),

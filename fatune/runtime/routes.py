@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fatune.db.entry import ROUTABLE_VARIANTS
 from fatune.kernel.problem import AttentionProblem
 from fatune.logs import warn_once
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-ROUTABLE_VARIANTS = ("none", "causal", "dropout", "causal+dropout")
 _CAN_USE = {"cudnn": "can_use_cudnn_attention", "flash": "can_use_flash_attention",
             "efficient": "can_use_efficient_attention"}
 
