@@ -221,8 +221,8 @@ def test_the_candidate_timed_next_is_the_first_asked_whose_compile_is_done():
 class ScriptedTarget(Target):
     """A GPU-like target (full timings) whose quick and full timings are given numbers."""
 
-    def __init__(self, quick_ms: float, full_ms: float):
-        super().__init__(torch.device("cpu"), False, "scripted", "cpu", None)
+    def __init__(self, quick_ms: float, full_ms: float, interpret: bool = False):
+        super().__init__(torch.device("cpu"), interpret, "scripted", "cpu", None)
         self.quick_ms, self.full_ms, self.timed = quick_ms, full_ms, []
 
     def time_ms(self, fn, quick=False, prune_above=math.inf):
@@ -232,17 +232,18 @@ class ScriptedTarget(Target):
         return self.quick_ms if quick else self.full_ms
 
 
-@pytest.mark.parametrize("quick_ms, expected, timed", [
-    (1.05, "full", ["quick", "full"]),   # within CONTENDER_FACTOR of the best: timed in full
-    (1.3, "quick", ["quick"]),           # cannot win: its quick time counts
-    (2.0, "pruned", ["quick"]),          # over PRUNE_FACTOR: pruned
+@pytest.mark.parametrize("quick_ms, expected, timed, interpret", [
+    (1.05, "full", ["quick", "full"], False),   # within CONTENDER_FACTOR of the best: timed in full
+    (1.3, "quick", ["quick"], False),           # cannot win: its quick time counts
+    (2.0, "pruned", ["quick"], False),          # over PRUNE_FACTOR: pruned
+    (2.0, "quick", ["quick"], True),            # the interpreter's times (noise) prune nothing
 ])
-def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expected, timed):
+def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expected, timed, interpret):
     from fatune.kernel.triton.heuristics import default_config
     from fatune.tuning.shape import make_inputs
     from fatune.tuning.storage import Heartbeat, open_storage
 
-    target = ScriptedTarget(quick_ms, full_ms=0.99)
+    target = ScriptedTarget(quick_ms, full_ms=0.99, interpret=interpret)
     storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
     heuristic = default_config(TINY.spec, None)
     # one candidate, not the heuristic (which is never pruned)
@@ -256,13 +257,13 @@ def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expe
         candidate = kernel.ask(heuristic, heartbeat, None)
         kernel.finish(candidate, heuristic, inputs, targets.Checker(TINY, inputs), heartbeat)
     (trial,) = [t for t in kernel.study.trials if t.number == candidate.trial.number]
-    assert target.timed == timed and target.prune_above == study.PRUNE_FACTOR * 1.0
+    assert target.timed == timed and target.prune_above == (math.inf if interpret else study.PRUNE_FACTOR * 1.0)
     if expected == "pruned":
         assert trial.state == optuna.trial.TrialState.PRUNED and trial.user_attrs["rejected"] == "slow"
     else:
         assert trial.value == (0.99 if expected == "full" else quick_ms)
         assert ("full" in trial.user_attrs["seconds"]) == (expected == "full")
-        assert trial.user_attrs.get("timed") == ("quick" if expected == "quick" else None)
+        assert trial.user_attrs.get("timed") == ("quick" if expected == "quick" and not interpret else None)
 
 
 def test_the_check_rejects_wrong_and_unwritten_outputs():

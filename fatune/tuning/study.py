@@ -467,7 +467,9 @@ class KernelSearch:
         """The candidate's time; TrialPruned if it does not compile or launch, is wrong, or is slow.
 
         Its quick timing decides: more than PRUNE_FACTOR x the best so far, pruned (the heuristic
-        never is); more than CONTENDER_FACTOR x the best, that is its time (it cannot win); else it
+        never is, nor a trial the interpreter times: its wall times are noise, and a pruned trial's
+        state would vary from run to run); more than CONTENDER_FACTOR x the best, that is its time
+        (it cannot win); else it
         is timed in full. So the best is always a full timing. Each phase's wall time is added to
         `seconds`."""
         clock = Stopwatch()
@@ -501,12 +503,13 @@ class KernelSearch:
         if not error <= checker.tolerance:
             return self._reject(trial, "wrong_result", f"relative error {error:.3g} > {checker.tolerance}")
         best_ms = self.known_best[0]
-        heuristic = trial.params == self.start  # the heuristic is always timed in full
+        # the heuristic is always timed in full; an interpreter's wall times (noise) prune nothing
+        prunable = trial.params != self.start and not self.target.interpret
         with clock("quick"):
-            quick = self.target.time_ms(run, quick=True, prune_above=math.inf if heuristic else PRUNE_FACTOR * best_ms)
+            quick = self.target.time_ms(run, quick=True, prune_above=PRUNE_FACTOR * best_ms if prunable else math.inf)
         with clock("tell"):
             trial.report(quick, step=0)
-        if quick > PRUNE_FACTOR * best_ms and not heuristic:
+        if quick > PRUNE_FACTOR * best_ms and prunable:
             with clock("tell"):
                 trial.set_user_attr("rejected", "slow")
             raise optuna.TrialPruned(f"quick timing {quick:.3f} ms > {PRUNE_FACTOR} x best {best_ms:.3f} ms")
