@@ -193,8 +193,9 @@ def attention(
                 first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention):
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
-        if prepared.route and not torch.is_autocast_enabled(query.device.type):
-            routed = routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa)
+        if prepared.route and not torch.is_autocast_enabled(prepared.device_type):
+            routed = routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa,
+                                prepared.direct)
             if routed is not None:
                 return routed
         if prepared.plan is not None:
@@ -208,9 +209,9 @@ def attention(
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if not plain:
         prepared = prepare(query, key, value, call, config, strict)
-    if prepared.route and not torch.is_autocast_enabled(query.device.type):
+    if prepared.route and not torch.is_autocast_enabled(prepared.device_type):
         routed = routes.run(prepared.route, query, key, value, call.dropout_p, call.is_causal, call.scale,
-                            call.enable_gqa)
+                            call.enable_gqa, prepared.direct)
         if routed is not None:
             return routed
     if prepared.plan is None:

@@ -476,6 +476,17 @@ def options_key(dropout_p, is_causal, scale, enable_gqa, window_size, causal_ali
             window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
 
 
+def plain_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, max_seqlen_q,
+              max_seqlen_k, config, strict) -> tuple:
+    """qkv_key + options_key of a call without optional tensors, built flat: it is built on every such call, and its
+    host cost counts."""
+    return (query.shape, query.stride(), query.dtype, query.device, query.data_ptr() % 16,
+            key.shape, key.stride(), key.dtype, key.device, key.data_ptr() % 16,
+            value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16,
+            type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa), enable_gqa,
+            window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
+
+
 def plan_key(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> tuple:
     """Everything about a call that its plan depends on (TypeError/AttributeError for odd arguments): query, key
     and value, the options, and each optional tensor's layout (never its values)."""

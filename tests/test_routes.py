@@ -171,6 +171,37 @@ def test_gpu_a_routed_call_meets_the_accuracy_rule(tmp_path, monkeypatch, backen
     record_gpu_errors(run_and_compare(q, k, v, **kwargs))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_a_call_routed_to_cudnn_calls_its_op_unless_determinism_is_required(tmp_path, monkeypatch, deterministic,
+                                                                               record_gpu_errors):
+    """cuDNN's op itself, as SDPA runs it: the same output as SDPA's cuDNN backend, bit for bit. With deterministic
+    algorithms required fatune's kernels run instead, within the accuracy rule."""
+    from fatune.runtime import plans
+    from tests.reference import random_qkv, run_and_compare
+
+    path = write(tmp_path / "u.sqlite", make_entry(
+        gpu=GPU, capability=CAPABILITY, dtype="bfloat16", head_dim=128, head_dim_v=128, mask_variant="causal",
+        group_size=4, seqlen_q_bucket=1024, seqlen_k_bucket=1024, sdpa_backend="cudnn", sdpa_ms=1.0))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    q, k, v = random_qkv(2, 8, 2, 777, 777, 128, 128, dtype=torch.bfloat16, device="cuda")
+    kwargs = {"is_causal": True, "enable_gqa": True}
+    prepared = plans.prepare_plain(q, k, v, 0.0, True, None, True, (-1, -1), None, None, None, None, None)
+    if not prepared.direct:
+        pytest.skip(f"this GPU's torch does not run cuDNN's op here: {fatune.explain(q, k, v, **kwargs).reason}")
+    if deterministic:
+        monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kwargs: pytest.fail("cuDNN's op ran"))
+        torch.use_deterministic_algorithms(True)
+        try:
+            record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+        finally:
+            torch.use_deterministic_algorithms(False)
+        return
+    with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        assert torch.equal(fatune.attention(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs))
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
 def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(routed_db, monkeypatch, caplog):
     """Under autocast SDPA's inputs would be cast and fatune's not: no route. A backend that refuses a call after
     its route was chosen (a switch turned since, say) hands it to fatune's kernels, said once."""
@@ -186,12 +217,90 @@ def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(route
         assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels)
     assert runs == []
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("No available kernel. Aborting execution.")
+    monkeypatch.setattr(routes.F, "scaled_dot_product_attention", raising(RuntimeError("No available kernel.")))
+    assert_kernels_run_said_once((q, k, v), kernels, caplog, "refused a call")
+    assert runs == ["math", "math"]
 
-    monkeypatch.setattr(routes.F, "scaled_dot_product_attention", refuse)
+
+def raising(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+def assert_kernels_run_said_once(qkv, kernels, caplog, said: str) -> None:
+    """Two calls run fatune's kernels (their output is `kernels`), with one log line that says `said`."""
     with caplog.at_level(logging.WARNING, logger="fatune"):
         for _ in range(2):
-            assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels)
-    assert runs == ["math", "math"]
-    assert len([r for r in caplog.records if "refused a call" in r.message]) == 1
+            assert torch.equal(fatune.attention(*qkv, is_causal=True), kernels)
+    assert len([r for r in caplog.records if said in r.message]) == 1
+
+
+@pytest.fixture
+def direct_cudnn(routed_db, monkeypatch):
+    """A route to cuDNN that calls its op itself, the op played by SDPA's math backend (the one this CPU has);
+    the arguments of each call are recorded."""
+    calls = []
+
+    def op(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale):
+        calls.append((attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, scale))
+        with sdpa_kernel(SDPBackend.MATH):
+            return (F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                   scale=scale), None)
+
+    monkeypatch.setattr(routes, "unroutable", lambda *args: None)
+    monkeypatch.setattr(routes, "_takes", lambda *args: True)
+    monkeypatch.setitem(routes._OPS, "cudnn", op)
+    routed_db("cudnn")
+    return calls
+
+
+def test_a_call_routed_to_cudnn_calls_its_op_as_sdpa_would(direct_cudnn):
+    """The op computes the log-sum-exp (which its backward reads) only where autograd records the call; the
+    gradients are the op's own."""
+    q, k, v = inputs()
+    with torch.no_grad():
+        fatune.attention(q, k, v, is_causal=True, scale=0.3)
+    out = fatune.attention(q, k, v, is_causal=True, scale=0.3)
+    out.float().sum().backward()
+    assert direct_cudnn == [(None, False, 0.0, True, False, 0.3), (None, True, 0.0, True, False, 0.3)]
+    expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = F.scaled_dot_product_attention(*expected, is_causal=True, scale=0.3)
+    reference.float().sum().backward()
+    assert torch.equal(out, reference)
+    for got, want in zip((q, k, v), expected):
+        assert torch.equal(got.grad, want.grad)
+
+
+def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(direct_cudnn, monkeypatch, caplog):
+    """cuDNN's attention is not deterministic: with deterministic algorithms required the call goes through SDPA,
+    which refuses it (on this CPU: no cuDNN at all), and fatune's kernels run. An op that raises runs them too,
+    said once; running out of memory is the caller's to know."""
+    q, k, v = inputs()
+    kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    monkeypatch.setattr(routes, "_deterministic", lambda: True)
+    assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and direct_cudnn == []
+    monkeypatch.setattr(routes, "_deterministic_warn_only", lambda: True)  # warnings only: cuDNN runs
+    fatune.attention(q, k, v, is_causal=True)
+    assert len(direct_cudnn) == 1
+
+    monkeypatch.setitem(routes._OPS, "cudnn", raising(RuntimeError("cuDNN Frontend error: no valid engine configs")))
+    assert_kernels_run_said_once((q, k, v), kernels, caplog, "attention op refused a call")
+    monkeypatch.setitem(routes._OPS, "cudnn", raising(torch.OutOfMemoryError("CUDA out of memory")))
+    with pytest.raises(torch.OutOfMemoryError):
+        fatune.attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("takes, expected", [
+    ({False: True, True: True}, True),
+    ({False: True, True: False}, False),  # cuDNN takes the call, but not its backward: SDPA decides per call
+    ({False: False, True: True}, False),
+])
+def test_the_op_is_called_itself_only_where_cudnn_takes_the_call_with_gradients_and_without(monkeypatch, takes,
+                                                                                              expected):
+    monkeypatch.setattr(routes, "_takes", lambda *args: takes[args[-1]])
+    monkeypatch.setitem(routes._OPS, "cudnn", object())
+    problem, q = _problem(is_causal=True)
+    assert routes.direct("cudnn", problem, q, q, q) is expected
+    assert routes.direct("flash", problem, q, q, q) is False  # SDPA pads its head dim: no op of its own here

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fatune.call import Call, check_contents, check_flag, contents_readable, options_key, plan_key, qkv_key
+from fatune.call import Call, check_contents, check_flag, contents_readable, plain_key, plan_key
 from fatune.kernel import reference
 from fatune.kernel.family import family
 from fatune.kernel.layout import layout_like
@@ -52,6 +52,8 @@ class Prepared:
     reason: str = ""
     lengths: tuple[int, int] = (0, 0)  # longest packed sequences (q, k) it was built for
     route: str = ""  # the torch SDPA backend an eager call runs instead of `plan` (fatune.runtime.routes)
+    direct: bool = False  # whether the route calls the backend's op itself (fatune.runtime.routes.direct)
+    device_type: str = ""  # the tensors' (whose autocast state a route checks)
     settled: bool = False  # whether tuning on first use has had its say (fatune.tuning.first_use)
 
 
@@ -105,9 +107,8 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
     prepare()'s cache: a plan_key has more elements, so the two kinds never match each other.
     """
     try:
-        base = (*qkv_key(query, key, value), *options_key(dropout_p, is_causal, scale, enable_gqa, window_size,
-                                                          causal_alignment, max_seqlen_q, max_seqlen_k, config,
-                                                          strict))
+        base = plain_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment,
+                         max_seqlen_q, max_seqlen_k, config, strict)
         prepared = _plans.get(base)
     except (TypeError, AttributeError, RuntimeError):  # odd arguments: prepare() deals with them
         base = prepared = None
@@ -180,7 +181,8 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     plan = family(decision.config.family).plan(problem, decision.config, device, query, key, value,
                                                None if strict else decision.fallback, decision.sources, strict)
     route = routes.choose(decision.route, problem, query, key, value)
-    return Prepared("kernels", plan, decision, decision.reason, lengths, route)
+    direct = bool(route) and routes.direct(route, problem, query, key, value)
+    return Prepared("kernels", plan, decision, decision.reason, lengths, route, direct, device.type)
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:

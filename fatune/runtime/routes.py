@@ -10,7 +10,9 @@ replaced. A route is taken only where SDPA computes exactly what fatune would:
 - an eager call (torch.compile and torch.func transforms run fatune's kernels);
 - on a GPU whose torch has the backend and takes these tensors (torch.backends.cuda.can_use_*).
 
-Anywhere else fatune's kernels run, said once per reason.
+Anywhere else fatune's kernels run, said once per reason. A call routed to cuDNN calls cuDNN's op itself, as SDPA
+does once it has chosen cuDNN, where cuDNN takes the call's tensors with gradients and without: SDPA's own backend
+choice and torch's backend switches cost a routed call more host time than the kernels' launch.
 """
 
 from __future__ import annotations
@@ -42,15 +44,43 @@ def unroutable(backend: str, problem: AttentionProblem, query: torch.Tensor, key
         return f"SDPA does not compute the {spec.mask_variant} variant as fatune does"
     if query.device.type != "cuda":
         return f"SDPA's {backend} backend runs on CUDA GPUs"
+    try:
+        usable = _takes(backend, problem, query, key, value)
+    except (RuntimeError, TypeError) as error:
+        return f"SDPA's {backend} backend: {error}"
+    if usable is None:
+        return f"this torch ({torch.__version__}) cannot say whether SDPA's {backend} backend takes a call"
+    return None if usable else f"SDPA's {backend} backend does not take these tensors here"
+
+
+def _takes(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           grad: bool | None = None) -> bool | None:
+    """Whether SDPA's `backend` takes these tensors (with `grad`: as if they required gradients or not); None where
+    this torch cannot say."""
     can_use = getattr(torch.backends.cuda, _CAN_USE[backend], None)
     params = getattr(torch.backends.cuda, "SDPAParams", None)
     if can_use is None or params is None:
-        return f"this torch ({torch.__version__}) cannot say whether SDPA's {backend} backend takes a call"
+        return None
+    if grad is not None:
+        query, key, value = (t.detach().requires_grad_(grad) for t in (query, key, value))
+    return can_use(params(query, key, value, None, problem.dropout_p, problem.spec.causal, problem.group_size > 1))
+
+
+# the backends' own ops, called as SDPA calls them once it has chosen the backend (those this torch has)
+_OPS = {name: op for name, op in (("cudnn", getattr(torch, "_scaled_dot_product_cudnn_attention", None)),)
+        if op is not None}
+
+
+def direct(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
+           value: torch.Tensor) -> bool:
+    """Whether a call routed to `backend` may call the backend's op itself rather than SDPA: where the op exists and
+    the backend takes these tensors whether they require gradients or not (which the call's key does not say)."""
+    if backend not in _OPS:
+        return False
     try:
-        usable = can_use(params(query, key, value, None, problem.dropout_p, spec.causal, problem.group_size > 1))
-    except (RuntimeError, TypeError) as error:
-        return f"SDPA's {backend} backend: {error}"
-    return None if usable else f"SDPA's {backend} backend does not take these tensors here"
+        return all(_takes(backend, problem, query, key, value, grad) for grad in (False, True))
+    except (RuntimeError, TypeError):
+        return False
 
 
 def choose(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
@@ -75,15 +105,31 @@ _SWITCHES = {name: (getattr(torch._C, f"_get_{flag}_sdp_enabled"), getattr(torch
 _ALL_SWITCHES = set(BACKENDS) <= set(_SWITCHES)
 
 
+# how SDPA says that no backend it may use takes a call (on CUDA tensors; on others)
+_REFUSALS = ("No available kernel", "No viable backend")
+_deterministic = torch._C._get_deterministic_algorithms
+_deterministic_warn_only = torch._C._get_deterministic_algorithms_warn_only
 _switching = threading.Lock()  # the switches are the process's: one routed call flips them at a time
 
 
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
-        is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
+        is_causal: bool, scale: float | None, enable_gqa: bool, direct: bool = False) -> torch.Tensor | None:
     """The whole call on SDPA's `backend` alone (its autograd computes the gradients); None where the backend
     refuses it after all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say):
     the caller runs fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not
-    fatune's: the caller does not route there."""
+    fatune's: the caller does not route there. `direct` (see `direct()`): call the backend's op itself, unless
+    deterministic algorithms are required (which SDPA checks on every call)."""
+    if direct and not (_deterministic() and not _deterministic_warn_only()):
+        # SDPA computes the log-sum-exp its backward needs only where autograd records the call
+        wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        try:
+            return _OPS[backend](query, key, value, None, wants_lse, dropout_p, is_causal, False, scale=scale)[0]
+        except RuntimeError as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            warn_once(f"fatune: torch's {backend} attention op refused a call routed to it ({str(error)[:120]}): "
+                      f"fatune's kernels run")
+            return None
     try:
         if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
             with sdpa_kernel(BACKENDS[backend]):
@@ -100,7 +146,7 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                 for setter, enabled in before:
                     setter(enabled)
     except RuntimeError as error:
-        if "No available kernel" not in str(error):
+        if not any(refusal in str(error) for refusal in _REFUSALS):
             raise
         warn_once(f"fatune: torch SDPA's {backend} backend refused a call routed to it ({str(error)[:120]}): "
                   f"fatune's kernels run")
