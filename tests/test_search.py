@@ -34,7 +34,7 @@ from fatune.tuning import target as targets
 from fatune.tuning.precompile import CompilePool
 from fatune.tuning.search import search_shape
 from fatune.tuning.shape import Shape, make_inputs
-from fatune.tuning.space import INTERPRETER_SPACE, SearchSpace, infeasible, trial_budget
+from fatune.tuning.space import INTERPRETER_SPACE, SearchSpace, infeasible, make_config, trial_budget
 from fatune.tuning.storage import default_storage_url, open_storage
 from fatune.tuning.target import Target
 
@@ -264,6 +264,38 @@ def test_only_a_contender_for_the_best_is_timed_in_full(tmp_path, quick_ms, expe
         assert trial.value == (0.99 if expected == "full" else quick_ms)
         assert ("full" in trial.user_attrs["seconds"]) == (expected == "full")
         assert trial.user_attrs.get("timed") == ("quick" if expected == "quick" and not interpret else None)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_repeated_draw_queues_the_untried_config_nearest_to_it(tmp_path, seed):
+    """A sampler that draws a config tried already (as TPE does once it settles) costs one failed trial: the next
+    trial runs the untried config fewest steps away from it along the axes, until the space is exhausted."""
+    from fatune.kernel.triton.heuristics import default_config
+    from fatune.tuning.storage import Heartbeat, open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path / 's.sqlite'}")
+    heuristic = default_config(TINY.spec, None)
+    space = SearchSpace(block_m=(16, 32, 64), block_n=(16, 32, 64), num_warps=(1,), num_stages=(1,), num_splits=(0,),
+                        tma=(0,), maxnreg=(0,), concurrent=(0,))
+    kernel = search.KernelSearch(interpreter_target(), TINY, "fwd", heuristic, space, storage, seed=seed, trials=9,
+                                 deadline=time.time() + 600)
+    assert len(kernel.points) == 9
+    with Heartbeat(storage) as heartbeat:
+        while (candidate := kernel.ask(heuristic, heartbeat, None)) is not None:
+            kernel._tell(candidate.trial, heartbeat, lambda: 1.0 + candidate.config.block_m / 64)
+
+    def config(trial):
+        return make_config("fwd", trial.params or trial.system_attrs["fixed_params"])
+
+    trials = kernel.study.get_trials()
+    counted = [t for t in trials if study.counts(t)]
+    assert kernel.exhausted and {config(t) for t in counted} == kernel.points and len(counted) == 9
+    repeats = [(t, trials[t.number + 1]) for t in trials[:-1] if t.user_attrs.get("rejected") == "repeated"]
+    assert repeats and len(repeats) < 9  # (a last one finds nothing left: the space is exhausted)
+    for repeated, following in repeats:
+        untried = kernel.points - {config(t) for t in counted if t.number < following.number}
+        nearest = min(kernel._steps(c, config(repeated)) for c in untried)
+        assert kernel._steps(config(following), config(repeated)) == nearest
 
 
 def test_the_check_rejects_wrong_and_unwritten_outputs():

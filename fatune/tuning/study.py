@@ -371,9 +371,11 @@ class KernelSearch:
     def ask(self, base: AttentionConfig, heartbeat: Heartbeat, pool: CompilePool | None,
             clock: Stopwatch | None = None) -> Candidate | None:
         """Start a trial of a feasible config not tried yet, and its compile in `pool`; None if no such config
-        is left (`exhausted`). A draw the resource model rejects (told pruned: the sampler learns to avoid it)
-        or one that repeats a config (told failed: the sampler learns nothing) is drawn again; from the
-        FREE_DRAWS-th draw on, an untried feasible config is queued first, which the next ask takes."""
+        is left (`exhausted`). A draw the resource model rejects (told pruned: the sampler learns to avoid it) is
+        drawn again; from the FREE_DRAWS-th draw on, an untried feasible config is queued first, which the next
+        ask takes. A draw that repeats a config (told failed: the sampler learns nothing) queues the untried
+        feasible config nearest to it: the sampler has settled there, and drawing again mostly repeats it (each
+        draw costs a trial in the storage)."""
         for draw in itertools.count():
             if draw >= FREE_DRAWS and not self._queue_untried():
                 self.exhausted = True
@@ -395,6 +397,9 @@ class KernelSearch:
             elif repeated:
                 trial.set_user_attr("rejected", "repeated")
                 self._tell(trial, heartbeat, None, seconds, clock)
+                if not self._queue_untried(near=config):
+                    self.exhausted = True
+                    return None
             else:
                 compiled = pool.submit(self.shape, base.replace(**{self.slot: config}), self.slot) if pool else None
                 return Candidate(self, trial, config, compiled, seconds)
@@ -410,15 +415,27 @@ class KernelSearch:
                 held.add(make_config(self.kernel, {axis: params[axis] for axis in self.axes}))
         return held
 
-    def _queue_untried(self) -> bool:
-        """Queue a feasible config no trial holds, drawn from (seed, the study's trial count); False if none is left."""
+    def _queue_untried(self, near: LaunchConfig | GluonConfig | None = None) -> bool:
+        """Queue a feasible config no trial holds, drawn from (seed, the study's trial count) among all of them, or
+        among those nearest to `near` (fewest steps along the axes' values); False if none is left."""
         with storage_lock(self.storage.url):
             untried = sorted(self.points - self._held_or_tried(), key=str)
             if not untried:
                 return False
+            if near is not None:
+                steps = {config: self._steps(config, near) for config in untried}
+                untried = [config for config in untried if steps[config] == min(steps.values())]
             pick = random.Random(self.seed * 1_000_003 + len(self.study.get_trials(deepcopy=False))).choice(untried)
             self.study.enqueue_trial({axis: getattr(pick, axis) for axis in self.axes}, user_attrs={"untried": True})
         return True
+
+    def _steps(self, config: LaunchConfig | GluonConfig, other: LaunchConfig | GluonConfig) -> int:
+        """How far apart two configs are: the steps between their values along each axis (in the axis' order)."""
+        def position(values: tuple, value) -> int:
+            return values.index(value) if value in values else len(values)
+
+        return sum(abs(position(values, getattr(config, axis)) - position(values, getattr(other, axis)))
+                   for axis, values in self.axes.items())
 
     def finish(self, candidate: Candidate, base: AttentionConfig, inputs: dict[str, torch.Tensor], checker: Checker,
                heartbeat: Heartbeat, clock: Stopwatch | None = None) -> None:
