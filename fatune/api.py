@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fatune import ops
-from fatune.call import PAGED_GRADIENTS, Call, check_flag
+from fatune.call import PAGED_GRADIENTS, Call, alignment_key, check_flag
 from fatune.kernel.family import family
 from fatune.kernel.spec import AttentionConfig, KernelSpec
 from fatune.kernel.triton import dropout
@@ -186,6 +186,7 @@ def attention(
     compiling, transformed = torch.compiler.is_compiling(), _functorch_active()
     plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
         cu_seqlens_k is None and block_table is None
+    prepared = None
     if plain and not (compiling or transformed):  # the common call: no Call object, a shorter key
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                  causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
@@ -199,7 +200,9 @@ def attention(
             if routed is not None:
                 return routed
         if prepared.plan is not None:
-            return _run(prepared.plan, query, key, value, NO_EXTRAS)
+            if prepared.alignment == alignment_key(query, key, value):
+                return _run(prepared.plan, query, key, value, NO_EXTRAS)
+            prepared = None  # its plan was built for data aligned otherwise: the full key's plan runs
     call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
                 seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if compiling:
@@ -207,7 +210,7 @@ def attention(
         return ops.attention(query, key, value, call, config)
     if transformed:
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
-    if not plain:
+    if prepared is None:
         prepared = prepare(query, key, value, call, config, strict)
     if prepared.route and not torch.is_autocast_enabled(prepared.device_type):
         routed = routes.run(prepared.route, query, key, value, call.dropout_p, call.is_causal, call.scale,

@@ -476,13 +476,19 @@ def options_key(dropout_p, is_causal, scale, enable_gqa, window_size, causal_ali
             window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
 
 
+def alignment_key(query, key, value) -> tuple[int, int, int]:
+    """The 16-byte alignment of query's, key's and value's data, which the kernels are specialised on."""
+    return query.data_ptr() % 16, key.data_ptr() % 16, value.data_ptr() % 16
+
+
 def plain_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, max_seqlen_q,
               max_seqlen_k, config, strict) -> tuple:
-    """qkv_key + options_key of a call without optional tensors, built flat: it is built on every such call, and its
-    host cost counts."""
-    return (query.shape, query.stride(), query.dtype, query.device, query.data_ptr() % 16,
-            key.shape, key.stride(), key.dtype, key.device, key.data_ptr() % 16,
-            value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16,
+    """qkv_key + options_key of a call without optional tensors, built flat, less the data's alignment (a call
+    routed to a torch SDPA backend does not depend on it; one that runs fatune's kernels compares it with its
+    plan's, `alignment_key`): it is built on every such call, and its host cost counts."""
+    return (query.shape, query.stride(), query.dtype, query.device,
+            key.shape, key.stride(), key.dtype, key.device,
+            value.shape, value.stride(), value.dtype, value.device,
             type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa), enable_gqa,
             window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
 

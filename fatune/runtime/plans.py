@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fatune.call import Call, check_contents, check_flag, contents_readable, plain_key, plan_key
+from fatune.call import Call, alignment_key, check_contents, check_flag, contents_readable, plain_key, plan_key
 from fatune.kernel import reference
 from fatune.kernel.family import family
 from fatune.kernel.layout import layout_like
@@ -54,6 +54,7 @@ class Prepared:
     route: str = ""  # the torch SDPA backend an eager call runs instead of `plan` (fatune.runtime.routes)
     direct: bool = False  # whether the route calls the backend's op itself (fatune.runtime.routes.direct)
     device_type: str = ""  # the tensors' (whose autocast state a route checks)
+    alignment: tuple[int, int, int] = (0, 0, 0)  # of the tensors `plan` was built for (fatune.call.alignment_key)
     settled: bool = False  # whether tuning on first use has had its say (fatune.tuning.first_use)
 
 
@@ -102,7 +103,8 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
                   max_seqlen_q, max_seqlen_k, config: AttentionConfig | None, strict: bool | None) -> Prepared:
     """prepare() for a call without optional tensors (attn_mask, alibi_slopes, seqlens_k, cu_seqlens_q/k),
     the common call, without building its Call: looked up by a key holding what plan_key holds for
-    such a call less the tensors' part (window_size as given; a list is not hashable and takes prepare()).
+    such a call less the tensors' part (window_size as given; a list is not hashable and takes prepare()) and
+    the data's alignment: its plan may have been built for another (Prepared.alignment; the caller compares).
     A key seen for the first time goes through prepare(), so its first call is fully checked. The keys share
     prepare()'s cache: a plan_key has more elements, so the two kinds never match each other.
     """
@@ -182,7 +184,8 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
                                                None if strict else decision.fallback, decision.sources, strict)
     route = routes.choose(decision.route, problem, query, key, value)
     direct = bool(route) and routes.direct(route, problem, query, key, value)
-    return Prepared("kernels", plan, decision, decision.reason, lengths, route, direct, device.type)
+    return Prepared("kernels", plan, decision, decision.reason, lengths, route, direct, device.type,
+                    alignment_key(query, key, value))
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:
