@@ -187,7 +187,7 @@ def test_gpu_a_call_routed_to_cudnn_calls_its_op_unless_determinism_is_required(
     q, k, v = random_qkv(2, 8, 2, 777, 777, 128, 128, dtype=torch.bfloat16, device="cuda")
     kwargs = {"is_causal": True, "enable_gqa": True}
     prepared = plans.prepare_plain(q, k, v, 0.0, True, None, True, (-1, -1), None, None, None, None, None)
-    if not prepared.direct:
+    if not all(prepared.direct):
         pytest.skip(f"this GPU's torch does not run cuDNN's op here: {fatune.explain(q, k, v, **kwargs).reason}")
     if deterministic:
         monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kwargs: pytest.fail("cuDNN's op ran"))
@@ -199,7 +199,11 @@ def test_gpu_a_call_routed_to_cudnn_calls_its_op_unless_determinism_is_required(
         return
     with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         assert torch.equal(fatune.attention(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs))
-    record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+    plans.clear()
+    with torch.inference_mode(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # a plan built on inference tensors
+        inference = [t.clone() for t in (q, k, v)]
+        assert torch.equal(fatune.attention(*inference, **kwargs), F.scaled_dot_product_attention(*inference, **kwargs))
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))  # with gradients, through that plan
 
 
 def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(routed_db, monkeypatch, caplog):
@@ -293,14 +297,32 @@ def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(di
 
 
 @pytest.mark.parametrize("takes, expected", [
-    ({False: True, True: True}, True),
-    ({False: True, True: False}, False),  # cuDNN takes the call, but not its backward: SDPA decides per call
-    ({False: False, True: True}, False),
+    ({False: True, True: True}, (True, True)),
+    ({False: True, True: False}, (True, False)),  # cuDNN takes the call, but not its backward: SDPA decides
+    ({False: True, True: RuntimeError("inference tensors cannot require grad")}, (True, False)),
+    ({False: False, True: True}, (False, True)),
 ])
-def test_the_op_is_called_itself_only_where_cudnn_takes_the_call_with_gradients_and_without(monkeypatch, takes,
-                                                                                              expected):
-    monkeypatch.setattr(routes, "_takes", lambda *args: takes[args[-1]])
+def test_the_op_is_called_itself_only_where_cudnn_takes_the_call_as_it_wants_gradients(monkeypatch, takes,
+                                                                                        expected):
+    def answer(*args):
+        if isinstance(takes[args[-1]], Exception):
+            raise takes[args[-1]]
+        return takes[args[-1]]
+
+    monkeypatch.setattr(routes, "_takes", answer)
     monkeypatch.setitem(routes._OPS, "cudnn", object())
     problem, q = _problem(is_causal=True)
-    assert routes.direct("cudnn", problem, q, q, q) is expected
-    assert routes.direct("flash", problem, q, q, q) is False  # SDPA pads its head dim: no op of its own here
+    assert routes.direct("cudnn", problem, q, q, q) == expected
+    assert routes.direct("flash", problem, q, q, q) == (False, False)  # SDPA pads its head dim: no op of its own
+
+
+def test_a_call_that_wants_gradients_cudnn_does_not_take_so_goes_through_sdpa(direct_cudnn, monkeypatch, caplog):
+    """Through SDPA, which decides per call (on this CPU it refuses: fatune's kernels run, said once)."""
+    monkeypatch.setattr(routes, "direct", lambda *args: (True, False))
+    q, k, v = inputs()
+    with torch.no_grad():
+        fatune.attention(q, k, v, is_causal=True)
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        fatune.attention(q, k, v, is_causal=True)
+    assert len(direct_cudnn) == 1 and direct_cudnn[0][1] is False
+    assert [r for r in caplog.records if "SDPA's cudnn backend refused a call" in r.message]

@@ -52,7 +52,8 @@ class Prepared:
     reason: str = ""
     lengths: tuple[int, int] = (0, 0)  # longest packed sequences (q, k) it was built for
     route: str = ""  # the torch SDPA backend an eager call runs instead of `plan` (fatune.runtime.routes)
-    direct: bool = False  # whether the route calls the backend's op itself (fatune.runtime.routes.direct)
+    # whether the route calls the backend's op itself, without and with gradients (fatune.runtime.routes.direct)
+    direct: tuple[bool, bool] = (False, False)
     device_type: str = ""  # the tensors' (whose autocast state a route checks)
     alignment: tuple[int, int, int] = (0, 0, 0)  # of the tensors `plan` was built for (fatune.call.alignment_key)
     settled: bool = False  # whether tuning on first use has had its say (fatune.tuning.first_use)
@@ -183,7 +184,7 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     plan = family(decision.config.family).plan(problem, decision.config, device, query, key, value,
                                                None if strict else decision.fallback, decision.sources, strict)
     route = routes.choose(decision.route, problem, query, key, value)
-    direct = bool(route) and routes.direct(route, problem, query, key, value)
+    direct = routes.direct(route, problem, query, key, value) if route else (False, False)
     return Prepared("kernels", plan, decision, decision.reason, lengths, route, direct, device.type,
                     alignment_key(query, key, value))
 

@@ -72,15 +72,17 @@ _OPS = {name: op for name, op in (("cudnn", getattr(torch, "_scaled_dot_product_
 
 
 def direct(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
-           value: torch.Tensor) -> bool:
-    """Whether a call routed to `backend` may call the backend's op itself rather than SDPA: where the op exists and
-    the backend takes these tensors whether they require gradients or not (which the call's key does not say)."""
-    if backend not in _OPS:
-        return False
-    try:
-        return all(_takes(backend, problem, query, key, value, grad) for grad in (False, True))
-    except (RuntimeError, TypeError):
-        return False
+           value: torch.Tensor) -> tuple[bool, bool]:
+    """Whether a call routed to `backend` may call the backend's op itself rather than SDPA, for a call without
+    gradients and one with (which the call's key does not say): where the op exists and the backend takes these
+    tensors so. (Inference tensors cannot require gradients: a call with them says nothing of one that does.)"""
+    def takes(grad: bool) -> bool:
+        try:
+            return backend in _OPS and bool(_takes(backend, problem, query, key, value, grad))
+        except (RuntimeError, TypeError):
+            return False
+
+    return takes(False), takes(True)
 
 
 def choose(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
@@ -113,15 +115,16 @@ _switching = threading.Lock()  # the switches are the process's: one routed call
 
 
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
-        is_causal: bool, scale: float | None, enable_gqa: bool, direct: bool = False) -> torch.Tensor | None:
+        is_causal: bool, scale: float | None, enable_gqa: bool,
+        direct: tuple[bool, bool] = (False, False)) -> torch.Tensor | None:
     """The whole call on SDPA's `backend` alone (its autograd computes the gradients); None where the backend
     refuses it after all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say):
     the caller runs fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not
     fatune's: the caller does not route there. `direct` (see `direct()`): call the backend's op itself, unless
     deterministic algorithms are required (which SDPA checks on every call)."""
-    if direct and not (_deterministic() and not _deterministic_warn_only()):
-        # SDPA computes the log-sum-exp its backward needs only where autograd records the call
-        wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    # SDPA computes the log-sum-exp the backward needs only where autograd records the call
+    wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if direct[wants_lse] and not (_deterministic() and not _deterministic_warn_only()):
         try:
             return _OPS[backend](query, key, value, None, wants_lse, dropout_p, is_causal, False, scale=scale)[0]
         except RuntimeError as error:
