@@ -186,7 +186,7 @@ def attention(
     compiling, transformed = torch.compiler.is_compiling(), _functorch_active()
     plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
         cu_seqlens_k is None and block_table is None
-    prepared = None
+    prepared, routed_already = None, False
     if plain and not (compiling or transformed):  # the common call: no Call object, a shorter key
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                  causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
@@ -195,14 +195,14 @@ def attention(
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         if prepared.route and not torch.is_autocast_enabled(prepared.device_type):
-            routed = routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa,
-                                prepared.direct)
+            routed = _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
             if routed is not None:
                 return routed
         if prepared.plan is not None:
             if prepared.alignment == alignment_key(query, key, value):
                 return _run(prepared.plan, query, key, value, NO_EXTRAS)
-            prepared = None  # its plan was built for data aligned otherwise: the full key's plan runs
+            # its plan was built for data aligned otherwise: the full key's plan runs (its route was tried)
+            prepared, routed_already = None, True
     call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
                 seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if compiling:
@@ -212,14 +212,23 @@ def attention(
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if prepared is None:
         prepared = prepare(query, key, value, call, config, strict)
-    if prepared.route and not torch.is_autocast_enabled(prepared.device_type):
-        routed = routes.run(prepared.route, query, key, value, call.dropout_p, call.is_causal, call.scale,
-                            call.enable_gqa, prepared.direct)
+    if prepared.route and not routed_already and not torch.is_autocast_enabled(prepared.device_type):
+        routed = _route(prepared, query, key, value, call.dropout_p, call.is_causal, call.scale, call.enable_gqa)
         if routed is not None:
             return routed
     if prepared.plan is None:
         return run_without_kernels(prepared, query, key, value, call)
     return _run(prepared.plan, query, key, value, call.extras)
+
+
+def _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor | None:
+    """The call on the torch SDPA backend its plan routes it to (fatune.runtime.routes.run); None: fatune's kernels
+    run (where the backend's op raised, for this call signature from now on)."""
+    try:
+        return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa, prepared.direct)
+    except routes.Refused:
+        prepared.route = ""
+        return None
 
 
 def _wants_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

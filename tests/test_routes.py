@@ -174,7 +174,7 @@ def test_gpu_a_routed_call_meets_the_accuracy_rule(tmp_path, monkeypatch, backen
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gpu_a_call_routed_to_cudnn_calls_its_op_unless_determinism_is_required(tmp_path, monkeypatch, deterministic,
-                                                                               record_gpu_errors):
+                                                                               record_gpu_errors, request):
     """cuDNN's op itself, as SDPA runs it: the same output as SDPA's cuDNN backend, bit for bit. With deterministic
     algorithms required fatune's kernels run instead, within the accuracy rule."""
     from fatune.runtime import plans
@@ -191,19 +191,20 @@ def test_gpu_a_call_routed_to_cudnn_calls_its_op_unless_determinism_is_required(
         pytest.skip(f"this GPU's torch does not run cuDNN's op here: {fatune.explain(q, k, v, **kwargs).reason}")
     if deterministic:
         monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kwargs: pytest.fail("cuDNN's op ran"))
-        torch.use_deterministic_algorithms(True)
-        try:
-            record_gpu_errors(run_and_compare(q, k, v, **kwargs))
-        finally:
-            torch.use_deterministic_algorithms(False)
+        request.getfixturevalue("deterministic_algorithms")
+        record_gpu_errors(run_and_compare(q, k, v, **kwargs))
         return
+    calls = []
+    op = routes._OPS["cudnn"]
+    monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kw: calls.append(args[4]) or op(*args, **kw))
     with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         assert torch.equal(fatune.attention(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs))
     plans.clear()
     with torch.inference_mode(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # a plan built on inference tensors
         inference = [t.clone() for t in (q, k, v)]
         assert torch.equal(fatune.attention(*inference, **kwargs), F.scaled_dot_product_attention(*inference, **kwargs))
-    record_gpu_errors(run_and_compare(q, k, v, **kwargs))  # with gradients, through that plan
+    assert calls == [False, False]  # the op ran (without its log-sum-exp)
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))  # with gradients, through that plan (SDPA decides)
 
 
 def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(routed_db, monkeypatch, caplog):
@@ -279,8 +280,8 @@ def test_a_call_routed_to_cudnn_calls_its_op_as_sdpa_would(direct_cudnn):
 
 def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(direct_cudnn, monkeypatch, caplog):
     """cuDNN's attention is not deterministic: with deterministic algorithms required the call goes through SDPA,
-    which refuses it (on this CPU: no cuDNN at all), and fatune's kernels run. An op that raises runs them too,
-    said once; running out of memory is the caller's to know."""
+    which refuses it (on this CPU: no cuDNN at all), and fatune's kernels run. An op that raises hands its call
+    signature to them for good, said once; running out of memory or a failed device is the caller's to know."""
     q, k, v = inputs()
     kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
     monkeypatch.setattr(routes, "_deterministic", lambda: True)
@@ -288,12 +289,15 @@ def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(di
     monkeypatch.setattr(routes, "_deterministic_warn_only", lambda: True)  # warnings only: cuDNN runs
     fatune.attention(q, k, v, is_causal=True)
     assert len(direct_cudnn) == 1
-
-    monkeypatch.setitem(routes._OPS, "cudnn", raising(RuntimeError("cuDNN Frontend error: no valid engine configs")))
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), torch.AcceleratorError("illegal memory access")):
+        monkeypatch.setitem(routes._OPS, "cudnn", raising(error))
+        with pytest.raises(type(error)):
+            fatune.attention(q, k, v, is_causal=True)
+    tries = []
+    refuse = raising(RuntimeError("cuDNN Frontend error: no valid engine configs"))
+    monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kwargs: tries.append(1) or refuse())
     assert_kernels_run_said_once((q, k, v), kernels, caplog, "attention op refused a call")
-    monkeypatch.setitem(routes._OPS, "cudnn", raising(torch.OutOfMemoryError("CUDA out of memory")))
-    with pytest.raises(torch.OutOfMemoryError):
-        fatune.attention(q, k, v, is_causal=True)
+    assert len(tries) == 1 and fatune.explain(q, k, v, is_causal=True).backend != "sdpa-cudnn"
 
 
 @pytest.mark.parametrize("takes, expected", [
@@ -326,3 +330,17 @@ def test_a_call_that_wants_gradients_cudnn_does_not_take_so_goes_through_sdpa(di
         fatune.attention(q, k, v, is_causal=True)
     assert len(direct_cudnn) == 1 and direct_cudnn[0][1] is False
     assert [r for r in caplog.records if "SDPA's cudnn backend refused a call" in r.message]
+
+
+def test_a_call_whose_route_refuses_tries_it_once_whatever_its_alignment(direct_cudnn, monkeypatch):
+    """Data aligned otherwise than the plan's takes the full key's plan: the route refused on the way is not
+    tried a second time."""
+    q, k, v = inputs()
+    fatune.attention(q, k, v, is_causal=True)
+    shifted = torch.empty(v.numel() + 1, dtype=v.dtype)[1:].view(v.shape).copy_(v)
+    monkeypatch.setattr(routes, "_deterministic", lambda: True)  # SDPA refuses cuDNN: fatune's kernels run
+    runs = []
+    real_run = routes.run
+    monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
+    expected = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    assert torch.equal(fatune.attention(q, k, shifted, is_causal=True), expected) and runs == ["cudnn"]

@@ -107,6 +107,13 @@ _SWITCHES = {name: (getattr(torch._C, f"_get_{flag}_sdp_enabled"), getattr(torch
 _ALL_SWITCHES = set(BACKENDS) <= set(_SWITCHES)
 
 
+class Refused(RuntimeError):
+    """A backend's op raised on a call routed to it: the caller runs fatune's kernels for this call signature from
+    now on (the op would build and fail again on every call)."""
+
+
+_DEVICE_ERRORS = tuple(error for error in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None))
+                       if error is not None)
 # how SDPA says that no backend it may use takes a call (on CUDA tensors; on others)
 _REFUSALS = ("No available kernel", "No viable backend")
 _deterministic = torch._C._get_deterministic_algorithms
@@ -121,18 +128,19 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     refuses it after all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say):
     the caller runs fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not
     fatune's: the caller does not route there. `direct` (see `direct()`): call the backend's op itself, unless
-    deterministic algorithms are required (which SDPA checks on every call)."""
+    deterministic algorithms are required (which SDPA checks on every call); Refused where the op raises."""
     # SDPA computes the log-sum-exp the backward needs only where autograd records the call
     wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if direct[wants_lse] and not (_deterministic() and not _deterministic_warn_only()):
         try:
             return _OPS[backend](query, key, value, None, wants_lse, dropout_p, is_causal, False, scale=scale)[0]
         except RuntimeError as error:
-            if isinstance(error, torch.OutOfMemoryError):
+            # out of memory, a failed device or a CUDA graph being captured: fatune's kernels would fare no better
+            if isinstance(error, _DEVICE_ERRORS) or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
                 raise
             warn_once(f"fatune: torch's {backend} attention op refused a call routed to it ({str(error)[:120]}): "
-                      f"fatune's kernels run")
-            return None
+                      f"fatune's kernels run for this call signature")
+            raise Refused(backend) from error
     try:
         if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
             with sdpa_kernel(BACKENDS[backend]):

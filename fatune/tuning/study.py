@@ -424,7 +424,8 @@ class KernelSearch:
                 return False
             if near is not None:
                 steps = {config: self._steps(config, near) for config in untried}
-                untried = [config for config in untried if steps[config] == min(steps.values())]
+                nearest = min(steps.values())
+                untried = [config for config in untried if steps[config] == nearest]
             pick = random.Random(self.seed * 1_000_003 + len(self.study.get_trials(deepcopy=False))).choice(untried)
             self.study.enqueue_trial({axis: getattr(pick, axis) for axis in self.axes}, user_attrs={"untried": True})
         return True
