@@ -148,4 +148,4 @@ def test_the_cli_keeps_its_aliases_and_checks_each_suites_options():
     assert invoke("--suite", "search-quality", "--part", "grid", "--shapes", "9", "--dry-run").exit_code == 2
     cases = invoke("--suite", "masked", "--lengths", "4096", "--only", "window", "--dry-run").stdout.splitlines()
     assert cases == [f"causal window {w}: bfloat16 b4 h16 lq4096 lk4096 d128 causal window{w}" for w in (256, 1024, 4096)]
-    assert len(invoke("--suite", "overhead", "--dry-run").stdout.splitlines()) == 8
+    assert len(invoke("--suite", "overhead", "--dry-run").stdout.splitlines()) == 10

@@ -4,11 +4,13 @@ On a tiny problem (B=1, H=8, L=128, D=64, causal, bf16: the kernels take a few m
 is the host's: Python, argument checks, the plan lookup, the autograd node, allocations and kernel launches.
 Workloads, each called back to back as a user calls them:
 
-- forward: inputs without grad, as inference runs it; fatune and SDPA;
+- forward: inputs without grad, as inference runs it; fatune, fatune's kernels and SDPA;
 - step: a training step, inputs requiring grad, forward then backward from a fixed dO, gradients cleared first;
-  fatune with is_causal, with the same mask as a boolean tensor (its spans are scanned each call), with that
-  tensor summarised once by `fatune.prepare_mask`, SDPA with is_causal and with the tensor, and an empty
-  Python autograd.Function that only allocates its output and gradients (the floor of any Python-level op).
+  fatune with is_causal, fatune's kernels (the dispatcher's config passed as `config`: no route to an SDPA
+  backend, which a tuned entry may take), with the same mask as a boolean tensor (its spans are scanned each
+  call), with that tensor summarised once by `fatune.prepare_mask`, SDPA with is_causal and with the tensor,
+  and an empty Python autograd.Function that only allocates its output and gradients (the floor of any
+  Python-level op).
 
 On a CUDA GPU (launches are real): each workload is warmed up, then `calls` calls are timed by the wall clock
 up to a final synchronize; a round's time divided by `calls` is one sample, implementations interleaved round
@@ -41,6 +43,9 @@ from fatune.tuning.shape import Shape, make_inputs
 NAME = "overhead"
 SHAPE = Shape(batch=1, heads=8, seqlen_q=128, seqlen_k=128, head_dim=64, dtype="bfloat16", causal=True)
 HOST_SDPA_SHAPE = Shape(1, 1, 4, 4, 8, "bfloat16", causal=True)  # SDPA computes on the CPU: keep it tiny
+WORKLOADS = (("forward", "fatune"), ("forward", "fatune kernels"), ("forward", "sdpa"), ("step", "fatune"),
+             ("step", "fatune kernels"), ("step", "sdpa"), ("step", "fatune bool mask"),
+             ("step", "fatune prepared mask"), ("step", "sdpa bool mask"), ("step", "empty autograd.Function"))
 WARMUP_CALLS = 100
 
 
@@ -114,10 +119,14 @@ def workloads(shape: Shape, sdpa_shape: Shape, device: torch.device) -> dict[tup
             fn(*leaves).backward(dout)
         return run
 
-    return {
+    kernels = fatune.explain(*plain, is_causal=True).decision.config  # the dispatcher's, given as an argument
+    runs = {
         ("forward", "fatune"): lambda: fatune.attention(*plain, is_causal=True),
+        ("forward", "fatune kernels"): lambda: fatune.attention(*plain, is_causal=True, config=kernels),
         ("forward", "sdpa"): lambda: sdpa(*sdpa_plain, is_causal=True),
         ("step", "fatune"): step(lambda q, k, v: fatune.attention(q, k, v, is_causal=True), grads, grad_out),
+        ("step", "fatune kernels"): step(lambda q, k, v: fatune.attention(q, k, v, is_causal=True, config=kernels),
+                                         grads, grad_out),
         ("step", "sdpa"): step(lambda q, k, v: sdpa(q, k, v, is_causal=True), sdpa_grads, sdpa_grad_out),
         ("step", "fatune bool mask"): step(lambda q, k, v: fatune.attention(q, k, v, attn_mask=causal), grads,
                                            grad_out),
@@ -127,6 +136,7 @@ def workloads(shape: Shape, sdpa_shape: Shape, device: torch.device) -> dict[tup
                                          sdpa_grad_out),
         ("step", "empty autograd.Function"): step(_Empty.apply, grads, grad_out),
     }
+    return {workload: runs[workload] for workload in WORKLOADS}
 
 
 def measure(runs: dict, calls: int, rounds: int, gpu: bool) -> dict[tuple[str, str], list[float]]:

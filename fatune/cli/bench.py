@@ -204,10 +204,7 @@ def _listing(suite: str, planned: list, part: str | None, indices: list[int], in
     if suite == "overhead":
         from fatune.bench import overhead
 
-        return [f"{workload} {impl}: {overhead.SHAPE.label()}" for workload, impl in (
-            ("forward", "fatune"), ("forward", "sdpa"), ("step", "fatune"), ("step", "sdpa"),
-            ("step", "fatune bool mask"), ("step", "fatune prepared mask"), ("step", "sdpa bool mask"),
-            ("step", "empty autograd.Function"))]
+        return [f"{workload} {impl}: {overhead.SHAPE.label()}" for workload, impl in overhead.WORKLOADS]
     from fatune.bench import resumable, search_quality, tuning_gain
 
     if part == "table":
