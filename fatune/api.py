@@ -186,23 +186,31 @@ def attention(
     compiling, transformed = torch.compiler.is_compiling(), _functorch_active()
     plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
         cu_seqlens_k is None and block_table is None
-    prepared, routed_already = None, False
+    prepared, plain_prepared, routed_already = None, None, False
     if plain and not (compiling or transformed):  # the common call: no Call object, a shorter key
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                  causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
-        if prepared.decision is not None and prepared.decision.layer == "heuristic" and not prepared.settled and \
+        if not prepared.settled and \
                 first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention):
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         if prepared.route and not torch.is_autocast_enabled(prepared.device_type):
-            routed = _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
+            try:  # _route, inline: a call's host cost counts
+                routed = routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa,
+                                    prepared.direct)
+            except routes.Refused:
+                prepared.route, routed = "", None
             if routed is not None:
                 return routed
         if prepared.plan is not None:
-            if prepared.alignment == alignment_key(query, key, value):
+            alignment = alignment_key(query, key, value)
+            if prepared.alignment == alignment:
                 return _run(prepared.plan, query, key, value, NO_EXTRAS)
-            # its plan was built for data aligned otherwise: the full key's plan runs (its route was tried)
-            prepared, routed_already = None, True
+            # its plan was built for data aligned otherwise: the full key's plan runs (its route was tried),
+            # remembered beside it for the next such call
+            plain_prepared, prepared, routed_already = prepared, prepared.aligned_otherwise.get(alignment), True
+            if prepared is not None and prepared.plan is not None:
+                return _run(prepared.plan, query, key, value, NO_EXTRAS)
     call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
                 seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if compiling:
@@ -212,6 +220,8 @@ def attention(
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if prepared is None:
         prepared = prepare(query, key, value, call, config, strict)
+        if routed_already and prepared.plan is not None and len(plain_prepared.aligned_otherwise) < 8:
+            plain_prepared.aligned_otherwise[alignment] = prepared
     if prepared.route and not routed_already and not torch.is_autocast_enabled(prepared.device_type):
         routed = _route(prepared, query, key, value, call.dropout_p, call.is_causal, call.scale, call.enable_gqa)
         if routed is not None:

@@ -385,10 +385,15 @@ def test_plain_call_with_changed_tensors_is_checked_again(monkeypatch):
     v_off = torch.empty(v.numel() + 1, dtype=v.dtype, device=DEVICE)[1:].view(v.shape).copy_(v)
     torch.testing.assert_close(fatune.attention(q, k, v_off), fatune.attention(q, k, v), rtol=0, atol=0)
     assert len(builds) == 3 and builds[-1][2].data_ptr() % 16 != 0
-    # each alignment keeps its plan: calls alternating between them build nothing more
+    # each alignment keeps its plan: calls alternating between them build nothing more, and after the first
+    # call of each alignment neither takes the full key's path
+    full_path = []
+    full_prepare = fatune.api.prepare
+    monkeypatch.setattr(fatune.api, "prepare", lambda *args: full_path.append(args) or full_prepare(*args))
+    fatune.attention(q, k, v_off)
     for _ in range(2):
-        fatune.attention(q, k, v_off), fatune.attention(q, k, v)
-    assert len(builds) == 3
+        torch.testing.assert_close(fatune.attention(q, k, v_off), fatune.attention(q, k, v), rtol=0, atol=0)
+    assert len(builds) == 3 and len(full_path) <= 1
     # another dtype or device: the full checks say what is wrong
     with pytest.raises(TypeError, match="key"):
         fatune.attention(q, k.float(), v)

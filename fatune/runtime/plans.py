@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,7 +56,10 @@ class Prepared:
     direct: tuple[bool, bool] = (False, False)
     device_type: str = ""  # the tensors' (whose autocast state a route checks)
     alignment: tuple[int, int, int] = (0, 0, 0)  # of the tensors `plan` was built for (fatune.call.alignment_key)
-    settled: bool = False  # whether tuning on first use has had its say (fatune.tuning.first_use)
+    # whether tuning on first use has had its say (fatune.tuning.first_use), or has none: a tuned entry decided
+    settled: bool = True
+    # a plain key's Prepared: those of its calls whose data is aligned otherwise than `alignment` (api.attention)
+    aligned_otherwise: dict[tuple[int, int, int], Prepared] = field(default_factory=dict)
 
 
 _BY_VALUES = Prepared("by-values")  # a cache entry saying: extend the key by the index tensors' values
@@ -186,7 +189,7 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     route = routes.choose(decision.route, problem, query, key, value)
     direct = routes.direct(route, problem, query, key, value) if route else (False, False)
     return Prepared("kernels", plan, decision, decision.reason, lengths, route, direct, device.type,
-                    alignment_key(query, key, value))
+                    alignment_key(query, key, value), settled=decision.layer != "heuristic")
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:
