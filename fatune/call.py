@@ -481,18 +481,6 @@ def alignment_key(query, key, value) -> tuple[int, int, int]:
     return query.data_ptr() % 16, key.data_ptr() % 16, value.data_ptr() % 16
 
 
-def plain_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, max_seqlen_q,
-              max_seqlen_k, config, strict) -> tuple:
-    """qkv_key + options_key of a call without optional tensors, built flat, less the data's alignment (a call
-    routed to a torch SDPA backend does not depend on it; one that runs fatune's kernels compares it with its
-    plan's, `alignment_key`): it is built on every such call, and its host cost counts."""
-    return (query.shape, query.stride(), query.dtype, query.device,
-            key.shape, key.stride(), key.dtype, key.device,
-            value.shape, value.stride(), value.dtype, value.device,
-            type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa), enable_gqa,
-            window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
-
-
 def plan_key(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> tuple:
     """Everything about a call that its plan depends on (TypeError/AttributeError for odd arguments): query, key
     and value, the options, and each optional tensor's layout (never its values)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fatune.call import Call, alignment_key, check_contents, check_flag, contents_readable, plain_key, plan_key
+from fatune.call import Call, alignment_key, check_contents, check_flag, contents_readable, plan_key
 from fatune.kernel import reference
 from fatune.kernel.family import family
 from fatune.kernel.layout import layout_like
@@ -112,9 +112,12 @@ def prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, wi
     A key seen for the first time goes through prepare(), so its first call is fully checked. The keys share
     prepare()'s cache: a plan_key has more elements, so the two kinds never match each other.
     """
-    try:
-        base = plain_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment,
-                         max_seqlen_q, max_seqlen_k, config, strict)
+    try:  # the key, built flat on every such call (its host cost counts)
+        base = (query.shape, query.stride(), query.dtype, query.device,
+                key.shape, key.stride(), key.dtype, key.device,
+                value.shape, value.stride(), value.dtype, value.device,
+                type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa),
+                enable_gqa, window_size, causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         prepared = _plans.get(base)
     except (TypeError, AttributeError, RuntimeError):  # odd arguments: prepare() deals with them
         base = prepared = None
