@@ -194,10 +194,10 @@ def attention(
                 first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention):
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
-        if prepared.route and not torch.is_autocast_enabled(prepared.device_type):
+        if prepared.route and not routes.autocasting():
             try:  # _route, inline: a call's host cost counts
                 routed = routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa,
-                                    prepared.direct)
+                                    prepared.paths)
             except routes.Refused:
                 prepared.route, routed = "", None
             if routed is not None:
@@ -222,7 +222,7 @@ def attention(
         prepared = prepare(query, key, value, call, config, strict)
         if routed_already and prepared.plan is not None and len(plain_prepared.aligned_otherwise) < 8:
             plain_prepared.aligned_otherwise[alignment] = prepared
-    if prepared.route and not routed_already and not torch.is_autocast_enabled(prepared.device_type):
+    if prepared.route and not routed_already and not routes.autocasting():
         routed = _route(prepared, query, key, value, call.dropout_p, call.is_causal, call.scale, call.enable_gqa)
         if routed is not None:
             return routed
@@ -235,7 +235,7 @@ def _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
     """The call on the torch SDPA backend its plan routes it to (fatune.runtime.routes.run); None: fatune's kernels
     run (where the backend's op raised, for this call signature from now on)."""
     try:
-        return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa, prepared.direct)
+        return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa, prepared.paths)
     except routes.Refused:
         prepared.route = ""
         return None

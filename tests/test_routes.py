@@ -173,10 +173,13 @@ def test_gpu_a_routed_call_meets_the_accuracy_rule(tmp_path, monkeypatch, backen
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_gpu_a_call_routed_to_cudnn_calls_its_op_unless_determinism_is_required(tmp_path, monkeypatch, deterministic,
-                                                                               record_gpu_errors, request):
-    """cuDNN's op itself, as SDPA runs it: the same output as SDPA's cuDNN backend, bit for bit. With deterministic
-    algorithms required fatune's kernels run instead, within the accuracy rule."""
+def test_gpu_a_call_routed_to_cudnn_runs_it_as_sdpa_would_unless_determinism_is_required(
+        tmp_path, monkeypatch, deterministic, record_gpu_errors, request):
+    """SDPA as it is (where it picks cuDNN itself) or cuDNN's op itself: the same output as SDPA's cuDNN backend,
+    bit for bit, and never SDPA with its switches turned. With deterministic algorithms required fatune's kernels
+    run instead, within the accuracy rule."""
+    from types import SimpleNamespace
+
     from fatune.runtime import plans
     from tests.reference import random_qkv, run_and_compare
 
@@ -187,24 +190,29 @@ def test_gpu_a_call_routed_to_cudnn_calls_its_op_unless_determinism_is_required(
     q, k, v = random_qkv(2, 8, 2, 777, 777, 128, 128, dtype=torch.bfloat16, device="cuda")
     kwargs = {"is_causal": True, "enable_gqa": True}
     prepared = plans.prepare_plain(q, k, v, 0.0, True, None, True, (-1, -1), None, None, None, None, None)
-    if not all(prepared.direct):
-        pytest.skip(f"this GPU's torch does not run cuDNN's op here: {fatune.explain(q, k, v, **kwargs).reason}")
+    if routes.SWITCHED in prepared.paths:
+        pytest.skip(f"this GPU's torch runs cuDNN only through its switches here: {prepared.paths}")
     if deterministic:
         monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kwargs: pytest.fail("cuDNN's op ran"))
         request.getfixturevalue("deterministic_algorithms")
         record_gpu_errors(run_and_compare(q, k, v, **kwargs))
         return
     calls = []
-    op = routes._OPS["cudnn"]
-    monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kw: calls.append(args[4]) or op(*args, **kw))
-    with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        assert torch.equal(fatune.attention(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs))
+    op, sdpa = routes._OPS["cudnn"], F.scaled_dot_product_attention
+    monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kw: calls.append(("op", args[4])) or op(*args, **kw))
+    monkeypatch.setattr(routes, "F", SimpleNamespace(scaled_dot_product_attention=lambda *args, **kw: calls.append(
+        ("sdpa", torch.backends.cuda.flash_sdp_enabled())) or sdpa(*args, **kw)))
+    with torch.no_grad():
+        routed = fatune.attention(q, k, v, **kwargs)
     plans.clear()
-    with torch.inference_mode(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # a plan built on inference tensors
+    with torch.inference_mode():  # a plan built on inference tensors
         inference = [t.clone() for t in (q, k, v)]
-        assert torch.equal(fatune.attention(*inference, **kwargs), F.scaled_dot_product_attention(*inference, **kwargs))
-    assert calls == [False, False]  # the op ran (without its log-sum-exp)
-    record_gpu_errors(run_and_compare(q, k, v, **kwargs))  # with gradients, through that plan (SDPA decides)
+        routed_inference = fatune.attention(*inference, **kwargs)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        assert torch.equal(routed, sdpa(q, k, v, **kwargs))
+        assert torch.equal(routed_inference, sdpa(*inference, **kwargs))
+    assert calls in ([("op", False)] * 2, [("sdpa", True)] * 2), calls  # no log-sum-exp; flash not switched off
+    record_gpu_errors(run_and_compare(q, k, v, **kwargs))  # with gradients, through that plan
 
 
 def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(routed_db, monkeypatch, caplog):
@@ -255,6 +263,7 @@ def direct_cudnn(routed_db, monkeypatch):
 
     monkeypatch.setattr(routes, "unroutable", lambda *args: None)
     monkeypatch.setattr(routes, "_takes", lambda *args: True)
+    monkeypatch.setattr(routes, "_sdpa_choice", lambda *args, **kwargs: int(SDPBackend.MATH))  # not cuDNN
     monkeypatch.setitem(routes._OPS, "cudnn", op)
     routed_db("cudnn")
     return calls
@@ -300,29 +309,63 @@ def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(di
     assert len(tries) == 1 and fatune.explain(q, k, v, is_causal=True).backend != "sdpa-cudnn"
 
 
-@pytest.mark.parametrize("takes, expected", [
-    ({False: True, True: True}, (True, True)),
-    ({False: True, True: False}, (True, False)),  # cuDNN takes the call, but not its backward: SDPA decides
-    ({False: True, True: RuntimeError("inference tensors cannot require grad")}, (True, False)),
-    ({False: False, True: True}, (False, True)),
-])
-def test_the_op_is_called_itself_only_where_cudnn_takes_the_call_as_it_wants_gradients(monkeypatch, takes,
-                                                                                        expected):
-    def answer(*args):
-        if isinstance(takes[args[-1]], Exception):
-            raise takes[args[-1]]
-        return takes[args[-1]]
+OP, SDPA, SWITCHED = routes.OP, routes.SDPA, routes.SWITCHED
+INFERENCE = RuntimeError("inference tensors cannot require grad")
 
-    monkeypatch.setattr(routes, "_takes", answer)
+
+# (SDPA's pick without gradients and with, whether cuDNN takes the tensors without and with, the paths)
+@pytest.mark.parametrize("picks, takes, expected", [
+    (("cudnn", "cudnn"), (True, True), (SDPA, SDPA)),  # SDPA as it is, where it picks cuDNN itself
+    (("flash", "flash"), (True, True), (OP, OP)),
+    (("cudnn", "flash"), (True, True), (SDPA, OP)),
+    (("flash", "flash"), (True, False), (OP, SWITCHED)),  # cuDNN takes the call, not its backward: SDPA decides
+    (("cudnn", INFERENCE), (True, INFERENCE), (SDPA, SWITCHED)),  # a plan built on inference tensors
+    (("flash", "flash"), (True, INFERENCE), (OP, SWITCHED)),
+    (("flash", "flash"), (False, True), (SWITCHED, OP)),
+])
+def test_a_routed_call_reaches_its_backend_the_cheapest_way_that_takes_it(monkeypatch, picks, takes, expected):
+    def answer(options, grad):
+        if isinstance(options[grad], Exception):
+            raise options[grad]
+        return options[grad]
+
+    monkeypatch.setattr(routes, "_sdpa_choice", lambda q, *args, **kwargs: int(
+        routes.BACKENDS[answer(picks, q.requires_grad)]))
+    monkeypatch.setattr(routes, "_takes", lambda backend, problem, q, k, v: answer(takes, q.requires_grad))
     monkeypatch.setitem(routes._OPS, "cudnn", object())
     problem, q = _problem(is_causal=True)
-    assert routes.direct("cudnn", problem, q, q, q) == expected
-    assert routes.direct("flash", problem, q, q, q) == (False, False)  # SDPA pads its head dim: no op of its own
+    assert routes.paths("cudnn", problem, q, q, q) == expected
+    flash = tuple(SDPA if pick == "flash" else SWITCHED for pick in picks)  # no op of its own
+    assert routes.paths("flash", problem, q, q, q) == flash
+    monkeypatch.setattr(routes, "_sdpa_choice", None)  # a torch that cannot say what SDPA picks
+    assert routes.paths("cudnn", problem, q, q, q) == tuple(OP if took is True else SWITCHED for took in takes)
+
+
+def test_a_call_routed_to_the_backend_sdpa_picks_itself_calls_sdpa_as_it_is(direct_cudnn, monkeypatch):
+    """No switch turned, no op of the backend's: SDPA decides per call (on this CPU it runs its own backend). With
+    deterministic algorithms required, SDPA switched to the backend alone, which refuses (fatune's kernels run)."""
+    monkeypatch.setattr(routes, "_sdpa_choice", lambda *args, **kwargs: int(SDPBackend.CUDNN_ATTENTION))
+    switches = []
+    monkeypatch.setattr(routes, "_SWITCHES", {name: (getter, lambda on, setter=setter: switches.append(on) or
+                                                     setter(on))
+                                              for name, (getter, setter) in routes._SWITCHES.items()})
+    q, k, v = inputs()
+    out = fatune.attention(q, k, v, is_causal=True, scale=0.3)
+    expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*expected, is_causal=True, scale=0.3)
+    assert torch.equal(out, reference) and direct_cudnn == [] and switches == []
+    out.float().sum().backward()
+    reference.float().sum().backward()
+    for got, want in zip((q, k, v), expected):
+        assert torch.equal(got.grad, want.grad)
+    kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    monkeypatch.setattr(routes, "_deterministic", lambda: True)
+    assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and switches
 
 
 def test_a_call_that_wants_gradients_cudnn_does_not_take_so_goes_through_sdpa(direct_cudnn, monkeypatch, caplog):
     """Through SDPA, which decides per call (on this CPU it refuses: fatune's kernels run, said once)."""
-    monkeypatch.setattr(routes, "direct", lambda *args: (True, False))
+    monkeypatch.setattr(routes, "paths", lambda *args: (routes.OP, routes.SWITCHED))
     q, k, v = inputs()
     with torch.no_grad():
         fatune.attention(q, k, v, is_causal=True)

@@ -52,9 +52,8 @@ class Prepared:
     reason: str = ""
     lengths: tuple[int, int] = (0, 0)  # longest packed sequences (q, k) it was built for
     route: str = ""  # the torch SDPA backend an eager call runs instead of `plan` (fatune.runtime.routes)
-    # whether the route calls the backend's op itself, without and with gradients (fatune.runtime.routes.direct)
-    direct: tuple[bool, bool] = (False, False)
-    device_type: str = ""  # the tensors' (whose autocast state a route checks)
+    # how the route reaches its backend, without and with gradients (fatune.runtime.routes.paths)
+    paths: tuple[str, str] = (routes.SWITCHED, routes.SWITCHED)
     alignment: tuple[int, int, int] = (0, 0, 0)  # of the tensors `plan` was built for (fatune.call.alignment_key)
     # whether tuning on first use has had its say (fatune.tuning.first_use), or has none: a tuned entry decided
     settled: bool = True
@@ -190,9 +189,9 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     plan = family(decision.config.family).plan(problem, decision.config, device, query, key, value,
                                                None if strict else decision.fallback, decision.sources, strict)
     route = routes.choose(decision.route, problem, query, key, value)
-    direct = routes.direct(route, problem, query, key, value) if route else (False, False)
-    return Prepared("kernels", plan, decision, decision.reason, lengths, route, direct, device.type,
-                    alignment_key(query, key, value), settled=decision.layer != "heuristic")
+    paths = routes.paths(route, problem, query, key, value) if route else (routes.SWITCHED, routes.SWITCHED)
+    return Prepared("kernels", plan, decision, decision.reason, lengths, route, paths, alignment_key(query, key, value),
+                    settled=decision.layer != "heuristic")
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:

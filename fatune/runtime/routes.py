@@ -10,9 +10,10 @@ replaced. A route is taken only where SDPA computes exactly what fatune would:
 - an eager call (torch.compile and torch.func transforms run fatune's kernels);
 - on a GPU whose torch has the backend and takes these tensors (torch.backends.cuda.can_use_*).
 
-Anywhere else fatune's kernels run, said once per reason. A call routed to cuDNN calls cuDNN's op itself, as SDPA
-does once it has chosen cuDNN, where cuDNN takes the call's tensors with gradients and without: SDPA's own backend
-choice and torch's backend switches cost a routed call more host time than the kernels' launch.
+Anywhere else fatune's kernels run, said once per reason. How a routed call reaches its backend is decided when
+its plan is built, apart for calls with gradients and without (`paths`): SDPA as it is, where SDPA picks that
+backend itself for such tensors; else the backend's own op, as SDPA calls it once it has chosen it (cuDNN's); else
+SDPA with torch's switches of the other backends turned off around the call, which costs the most host time.
 """
 
 from __future__ import annotations
@@ -69,20 +70,36 @@ def _takes(backend: str, problem: AttentionProblem, query: torch.Tensor, key: to
 # the backends' own ops, called as SDPA calls them once it has chosen the backend (those this torch has)
 _OPS = {name: op for name, op in (("cudnn", getattr(torch, "_scaled_dot_product_cudnn_attention", None)),)
         if op is not None}
+_sdpa_choice = getattr(torch, "_fused_sdp_choice", None)  # the backend SDPA picks for a call (an SDPBackend value)
+
+# whether autocast is on for any device (no route then: see `run`)
+autocasting = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
+
+# How a routed call reaches its backend (`paths`, `run`)
+SDPA = "sdpa"  # SDPA as it is: it picks the backend itself
+OP = "op"  # the backend's own op
+SWITCHED = "switched"  # SDPA with the other backends switched off
 
 
-def direct(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
-           value: torch.Tensor) -> tuple[bool, bool]:
-    """Whether a call routed to `backend` may call the backend's op itself rather than SDPA, for a call without
-    gradients and one with (which the call's key does not say): where the op exists and the backend takes these
-    tensors so. (Inference tensors cannot require gradients: a call with them says nothing of one that does.)"""
-    def takes(grad: bool) -> bool:
+def paths(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
+          value: torch.Tensor) -> tuple[str, str]:
+    """How a call routed to `backend` reaches it, for a call without gradients and one with (which the call's key
+    does not say): SDPA as it is where SDPA picks `backend` itself for such tensors, else the backend's op where
+    it exists and takes them, else SDPA switched (see `run`). Inference tensors cannot require gradients: a call
+    with them says nothing of one that does, which takes SDPA switched."""
+    def path(grad: bool) -> str:
         try:
-            return backend in _OPS and bool(_takes(backend, problem, query, key, value, grad))
+            tensors = tuple(t.detach().requires_grad_(grad) for t in (query, key, value))
+            if _sdpa_choice is not None and _sdpa_choice(
+                    *tensors, None, problem.dropout_p, problem.spec.causal, scale=problem.scale,
+                    enable_gqa=problem.group_size > 1) == int(BACKENDS[backend]):
+                return SDPA
+            return OP if backend in _OPS and _takes(backend, problem, *tensors) else SWITCHED
         except (RuntimeError, TypeError):
-            return False
+            return SWITCHED
 
-    return takes(False), takes(True)
+    return path(False), path(True)
 
 
 def choose(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
@@ -123,15 +140,19 @@ _switching = threading.Lock()  # the switches are the process's: one routed call
 
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
         is_causal: bool, scale: float | None, enable_gqa: bool,
-        direct: tuple[bool, bool] = (False, False)) -> torch.Tensor | None:
-    """The whole call on SDPA's `backend` alone (its autograd computes the gradients); None where the backend
-    refuses it after all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say):
-    the caller runs fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not
-    fatune's: the caller does not route there. `direct` (see `direct()`): call the backend's op itself, unless
-    deterministic algorithms are required (which SDPA checks on every call); Refused where the op raises."""
+        how: tuple[str, str] = (SWITCHED, SWITCHED)) -> torch.Tensor | None:
+    """The whole call on SDPA's `backend` (its autograd computes the gradients); None where SDPA refuses it after
+    all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say): the caller runs
+    fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not fatune's: the
+    caller does not route there. `how` (see `paths`), without gradients and with: SDPA as it is, the backend's
+    op (Refused where it raises), or SDPA switched to the backend alone. With deterministic algorithms required
+    (not warnings only), always the last: SDPA then refuses backends that are not deterministic."""
     # SDPA computes the log-sum-exp the backward needs only where autograd records the call
     wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if direct[wants_lse] and not (_deterministic() and not _deterministic_warn_only()):
+    path = how[wants_lse]
+    if path != SWITCHED and _deterministic() and not _deterministic_warn_only():
+        path = SWITCHED
+    if path == OP:
         try:
             return _OPS[backend](query, key, value, None, wants_lse, dropout_p, is_causal, False, scale=scale)[0]
         except RuntimeError as error:
@@ -142,6 +163,9 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       f"fatune's kernels run for this call signature")
             raise Refused(backend) from error
     try:
+        if path == SDPA:
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=scale, enable_gqa=enable_gqa)
         if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
             with sdpa_kernel(BACKENDS[backend]):
                 return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
