@@ -690,8 +690,8 @@ def test_gpu_a_gluon_backward_that_cannot_be_built_runs_the_triton_backward_with
 # (what, head dim, causal, forward config or None, backward config or None, batch, heads, length): a sample of the
 # Gluon kernels' structures, run under a sanitizer: Triton's concurrency sanitizer (ConSan: it traps on a
 # shared-memory access that races an asynchronous copy or product, and on a barrier misuse) and compute-sanitizer's
-# memcheck (an access out of bounds or misaligned). Each problem is as small as still takes several tiles per
-# program around the ring of stages and a partial last tile: instrumented, the kernels run far slower.
+# memcheck (an access out of bounds or misaligned). The problems are small (instrumented, the kernels run far
+# slower) but take several tiles per program around the ring of stages, and a partial last tile.
 SANITIZED_CASES = [
     ("forward-pingpong", 64, True, GluonConfig(128, 2, pingpong=1), None, 2, 4, 700),
     ("forward-persistent", 128, True, GluonConfig(128, 2, persistent=1, pingpong=1), None, 2, 8, 1100),
