@@ -387,13 +387,15 @@ def test_plain_call_with_changed_tensors_is_checked_again(monkeypatch):
     assert len(builds) == 3 and builds[-1][2].data_ptr() % 16 != 0
     # each alignment keeps its plan: calls alternating between them build nothing more, and after the first
     # call of each alignment neither takes the full key's path
-    full_path = []
-    full_prepare = fatune.api.prepare
+    full_path, ran = [], []
+    full_prepare, run = fatune.api.prepare, fatune.api._run
     monkeypatch.setattr(fatune.api, "prepare", lambda *args: full_path.append(args) or full_prepare(*args))
-    fatune.attention(q, k, v_off)
+    monkeypatch.setattr(fatune.api, "_run", lambda plan, *args: ran.append((plan, args[2].data_ptr() % 16)) or
+                        run(plan, *args))
     for _ in range(2):
         torch.testing.assert_close(fatune.attention(q, k, v_off), fatune.attention(q, k, v), rtol=0, atol=0)
-    assert len(builds) == 3 and len(full_path) <= 1
+    assert len(builds) == 3 and full_path == []
+    assert len(set(ran)) == 2 and len({plan for plan, _ in ran}) == 2  # one plan per alignment, each its own
     # another dtype or device: the full checks say what is wrong
     with pytest.raises(TypeError, match="key"):
         fatune.attention(q, k.float(), v)

@@ -329,25 +329,50 @@ def test_a_routed_call_reaches_its_backend_the_cheapest_way_that_takes_it(monkey
             raise options[grad]
         return options[grad]
 
+    # SDPA wants gradients where grad mode is on and an input requires them; the plan may be built under no_grad
     monkeypatch.setattr(routes, "_sdpa_choice", lambda q, *args, **kwargs: int(
-        routes.BACKENDS[answer(picks, q.requires_grad)]))
+        routes.BACKENDS[answer(picks, torch.is_grad_enabled() and q.requires_grad)]))
     monkeypatch.setattr(routes, "_takes", lambda backend, problem, q, k, v: answer(takes, q.requires_grad))
     monkeypatch.setitem(routes._OPS, "cudnn", object())
     problem, q = _problem(is_causal=True)
     assert routes.paths("cudnn", problem, q, q, q) == expected
+    with torch.no_grad():
+        assert routes.paths("cudnn", problem, q, q, q) == expected
     flash = tuple(SDPA if pick == "flash" else SWITCHED for pick in picks)  # no op of its own
     assert routes.paths("flash", problem, q, q, q) == flash
     monkeypatch.setattr(routes, "_sdpa_choice", None)  # a torch that cannot say what SDPA picks
     assert routes.paths("cudnn", problem, q, q, q) == tuple(OP if took is True else SWITCHED for took in takes)
 
 
+def test_what_sdpa_picks_is_asked_with_every_backend_switched_on(monkeypatch):
+    """A plan built inside the caller's sdpa_kernel context records what SDPA picks outside it (here: flash
+    before cuDNN), and leaves the context's switches as they were. This torch's own answer is an SDPBackend."""
+    problem, q = _problem(is_causal=True)
+    assert routes._default_choice(problem, q, q, q) in {int(backend) for backend in SDPBackend.__members__.values()}
+    monkeypatch.setattr(routes, "_sdpa_choice", lambda *args, **kwargs: int(
+        SDPBackend.FLASH_ATTENTION if torch.backends.cuda.flash_sdp_enabled() else SDPBackend.CUDNN_ATTENTION))
+    monkeypatch.setattr(routes, "_takes", lambda *args: True)
+    monkeypatch.setitem(routes._OPS, "cudnn", object())
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        assert routes.paths("cudnn", problem, q, q, q) == (OP, OP)
+        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+    assert routes.paths("flash", problem, q, q, q) == (SDPA, SDPA)
+
+
 def test_a_call_routed_to_the_backend_sdpa_picks_itself_calls_sdpa_as_it_is(direct_cudnn, monkeypatch):
     """No switch turned, no op of the backend's: SDPA decides per call (on this CPU it runs its own backend). With
     deterministic algorithms required, SDPA switched to the backend alone, which refuses (fatune's kernels run)."""
     monkeypatch.setattr(routes, "_sdpa_choice", lambda *args, **kwargs: int(SDPBackend.CUDNN_ATTENTION))
-    switches = []
-    monkeypatch.setattr(routes, "_SWITCHES", {name: (getter, lambda on, setter=setter: switches.append(on) or
-                                                     setter(on))
+    switches = []  # backends switched off for a call (the plan's question to SDPA switches them all on)
+
+    def spied(setter):
+        def switch(on: bool) -> None:
+            if not on:
+                switches.append(setter)
+            setter(on)
+        return switch
+
+    monkeypatch.setattr(routes, "_SWITCHES", {name: (getter, spied(setter))
                                               for name, (getter, setter) in routes._SWITCHES.items()})
     q, k, v = inputs()
     out = fatune.attention(q, k, v, is_causal=True, scale=0.3)
@@ -359,6 +384,10 @@ def test_a_call_routed_to_the_backend_sdpa_picks_itself_calls_sdpa_as_it_is(dire
     for got, want in zip((q, k, v), expected):
         assert torch.equal(got.grad, want.grad)
     kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    # the caller switched cuDNN off: the route still runs it, switched to it alone (which refuses on this CPU)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and switches
+    switches.clear()
     monkeypatch.setattr(routes, "_deterministic", lambda: True)
     assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and switches
 

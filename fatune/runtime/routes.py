@@ -85,21 +85,40 @@ SWITCHED = "switched"  # SDPA with the other backends switched off
 def paths(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
           value: torch.Tensor) -> tuple[str, str]:
     """How a call routed to `backend` reaches it, for a call without gradients and one with (which the call's key
-    does not say): SDPA as it is where SDPA picks `backend` itself for such tensors, else the backend's op where
-    it exists and takes them, else SDPA switched (see `run`). Inference tensors cannot require gradients: a call
-    with them says nothing of one that does, which takes SDPA switched."""
+    does not say): SDPA as it is where SDPA, with every backend switched on (torch's defaults), picks `backend`
+    itself for such tensors; else the backend's op where it exists and takes them; else SDPA switched (see
+    `run`). Inference tensors cannot require gradients: a call with them says nothing of one that does, which
+    takes SDPA switched."""
     def path(grad: bool) -> str:
         try:
             tensors = tuple(t.detach().requires_grad_(grad) for t in (query, key, value))
-            if _sdpa_choice is not None and _sdpa_choice(
-                    *tensors, None, problem.dropout_p, problem.spec.causal, scale=problem.scale,
-                    enable_gqa=problem.group_size > 1) == int(BACKENDS[backend]):
-                return SDPA
+            with torch.set_grad_enabled(grad):  # SDPA asks both: a plan may be built under no_grad
+                if _default_choice(problem, *tensors) == int(BACKENDS[backend]):
+                    return SDPA
             return OP if backend in _OPS and _takes(backend, problem, *tensors) else SWITCHED
         except (RuntimeError, TypeError):
             return SWITCHED
 
     return path(False), path(True)
+
+
+def _default_choice(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor) -> int | None:
+    """The backend (an SDPBackend value) SDPA picks for these tensors with all its backends switched on, whatever
+    the switches are now (a plan built inside the caller's sdpa_kernel context, say); None where this torch
+    cannot say."""
+    if _sdpa_choice is None or not _ALL_SWITCHES:
+        return None
+    with _switching:
+        before = [(setter, getter()) for getter, setter in _SWITCHES.values()]
+        try:
+            for _, setter in _SWITCHES.values():
+                setter(True)
+            return _sdpa_choice(query, key, value, None, problem.dropout_p, problem.spec.causal,
+                                scale=problem.scale, enable_gqa=problem.group_size > 1)
+        finally:
+            for setter, enabled in before:
+                setter(enabled)
 
 
 def choose(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
@@ -146,11 +165,14 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not fatune's: the
     caller does not route there. `how` (see `paths`), without gradients and with: SDPA as it is, the backend's
     op (Refused where it raises), or SDPA switched to the backend alone. With deterministic algorithms required
-    (not warnings only), always the last: SDPA then refuses backends that are not deterministic."""
+    (not warnings only), always the last: SDPA then refuses backends that are not deterministic. SDPA as it is
+    only while the backend's switch is on (the caller's sdpa_kernel context leaves the route its backend)."""
     # SDPA computes the log-sum-exp the backward needs only where autograd records the call
     wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     path = how[wants_lse]
     if path != SWITCHED and _deterministic() and not _deterministic_warn_only():
+        path = SWITCHED
+    elif path == SDPA and not _SWITCHES[backend][0]():  # the backend switched off since: the route still runs it
         path = SWITCHED
     if path == OP:
         try:
@@ -163,7 +185,7 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       f"fatune's kernels run for this call signature")
             raise Refused(backend) from error
     try:
-        if path == SDPA:
+        if path == SDPA:  # (a switched call in another thread meanwhile: SDPA may pick another backend, or refuse)
             return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
                                                   scale=scale, enable_gqa=enable_gqa)
         if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
