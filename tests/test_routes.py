@@ -340,8 +340,12 @@ def test_a_routed_call_reaches_its_backend_the_cheapest_way_that_takes_it(monkey
         assert routes.paths("cudnn", problem, q, q, q) == expected
     flash = tuple(SDPA if pick == "flash" else SWITCHED for pick in picks)  # no op of its own
     assert routes.paths("flash", problem, q, q, q) == flash
-    monkeypatch.setattr(routes, "_sdpa_choice", None)  # a torch that cannot say what SDPA picks
-    assert routes.paths("cudnn", problem, q, q, q) == tuple(OP if took is True else SWITCHED for took in takes)
+    # a torch that cannot say what SDPA picks, or asks otherwise: the op where it takes the call
+    without_choice = tuple(OP if took is True else SWITCHED for took in takes)
+    monkeypatch.setattr(routes, "_sdpa_choice", raising(TypeError("unexpected keyword argument 'enable_gqa'")))
+    assert routes.paths("cudnn", problem, q, q, q) == without_choice
+    monkeypatch.setattr(routes, "_sdpa_choice", None)
+    assert routes.paths("cudnn", problem, q, q, q) == without_choice
 
 
 def test_what_sdpa_picks_is_asked_with_every_backend_switched_on(monkeypatch):

@@ -116,6 +116,8 @@ def _default_choice(problem: AttentionProblem, query: torch.Tensor, key: torch.T
                 setter(True)
             return _sdpa_choice(query, key, value, None, problem.dropout_p, problem.spec.causal,
                                 scale=problem.scale, enable_gqa=problem.group_size > 1)
+        except TypeError:  # another signature: the backend's op may still serve
+            return None
         finally:
             for setter, enabled in before:
                 setter(enabled)
