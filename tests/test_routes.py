@@ -332,7 +332,8 @@ def test_a_routed_call_reaches_its_backend_the_cheapest_way_that_takes_it(monkey
     # SDPA wants gradients where grad mode is on and an input requires them; the plan may be built under no_grad
     monkeypatch.setattr(routes, "_sdpa_choice", lambda q, *args, **kwargs: int(
         routes.BACKENDS[answer(picks, torch.is_grad_enabled() and q.requires_grad)]))
-    monkeypatch.setattr(routes, "_takes", lambda backend, problem, q, k, v: answer(takes, q.requires_grad))
+    monkeypatch.setattr(routes, "_takes", lambda backend, problem, q, k, v: answer(
+        takes, torch.is_grad_enabled() and q.requires_grad))
     monkeypatch.setitem(routes._OPS, "cudnn", object())
     problem, q = _problem(is_causal=True)
     assert routes.paths("cudnn", problem, q, q, q) == expected

@@ -95,7 +95,7 @@ def paths(backend: str, problem: AttentionProblem, query: torch.Tensor, key: tor
             with torch.set_grad_enabled(grad):  # SDPA asks both: a plan may be built under no_grad
                 if _default_choice(problem, *tensors) == int(BACKENDS[backend]):
                     return SDPA
-            return OP if backend in _OPS and _takes(backend, problem, *tensors) else SWITCHED
+                return OP if backend in _OPS and _takes(backend, problem, *tensors) else SWITCHED
         except (RuntimeError, TypeError):
             return SWITCHED
 
