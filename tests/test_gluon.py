@@ -465,8 +465,10 @@ def test_backward_compiles_for_sm90_within_its_budgets(spec, config, spills_allo
 PTXAS_CRASH = [
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("float16", 96, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3, consumer_regs=232)),
+    (KernelSpec("bfloat16", 192, causal=True), GluonBackwardConfig(num_stages=1)),
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3, consumer_regs=216)),
     (KernelSpec("bfloat16", 128), GluonBackwardConfig(num_stages=3)),
+    (KernelSpec("bfloat16", 256, causal=True), GluonBackwardConfig(num_stages=1, consumer_regs=224)),
 ]
 
 
@@ -492,8 +494,8 @@ def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
                 if line.startswith(("compiles", "fails"))]
     expected = ["fails PTXASError" if resources.backward_uncompilable(spec, config) else "compiles"
                 for spec, config in PTXAS_CRASH]
-    assert outcomes == expected == ["fails PTXASError", "fails PTXASError", "compiles", "compiles"]
-    assert all(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in PTXAS_CRASH[:2])
+    assert outcomes == expected == ["fails PTXASError"] * 3 + ["compiles"] * 3
+    assert all(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in PTXAS_CRASH[:3])
 
 
 def test_a_gluon_backward_config_round_trips_and_names_its_kernels():

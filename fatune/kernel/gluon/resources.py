@@ -59,14 +59,20 @@ def backward_shared_memory_bytes(spec: KernelSpec, config: GluonBackwardConfig) 
 
 def backward_uncompilable(spec: KernelSpec, config: GluonBackwardConfig) -> str | None:
     """Why Triton 3.6's ptxas cannot compile the backward `config` for `spec` (None: not known to fail). It crashes
-    (exit -11) on 128 lanes under a causal mask without a window, three 64-row stages deep, each of two
-    consumers reducing its own dQ in 64-lane slices with 232 or more registers: fp16 and bf16, d96 and d128,
-    both alignments (with 216 registers, whole-row slices, shared dQ, two stages or a window it compiles)."""
-    if (width(spec.head_dim) == 128 and spec.causal and not (spec.window_left or spec.window_right)
-            and config.num_stages == 3 and config.block_m == 64 and backward_dq_slice(spec, config) == 64
-            and not config.shared_dq and config.consumers == 2 and config.consumer_regs >= 232
-            and triton.__version__.startswith("3.6.")):
+    (exit -11) where each of two consumers reduces its own dQ in 64-lane slices with 232 or more registers:
+
+    - on 128 lanes under a causal mask without a window, three 64-row stages deep: fp16 and bf16, d96 and d128,
+      both alignments (with 216 registers, whole-row slices, shared dQ, two stages or a window it compiles);
+    - on 256 lanes (the head-dim split) under a band, causal or a window, ALiBi too: fp16 and bf16, d192 and
+      d256, both alignments (with 224 registers, 128-lane slices or no band it compiles)."""
+    if not (triton.__version__.startswith("3.6.") and config.block_m == 64 and config.consumers == 2
+            and not config.shared_dq and config.consumer_regs >= 232 and backward_dq_slice(spec, config) == 64):
+        return None
+    lanes, windowed = width(spec.head_dim), spec.window_left or spec.window_right
+    if lanes == 128 and spec.causal and not windowed and config.num_stages == 3:
         return "Triton 3.6's ptxas crashes on this causal d128 backward (3 stages, 64-lane dQ, 232+ registers)"
+    if lanes == 256 and (spec.causal or windowed):
+        return "Triton 3.6's ptxas crashes on this banded d256 backward (64-lane dQ, 232+ registers)"
     return None
 
 
