@@ -195,11 +195,7 @@ def attention(
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         if prepared.route and not routes.autocasting():
-            try:  # _route, inline: a call's host cost counts
-                routed = routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa,
-                                    prepared.paths)
-            except routes.Refused:
-                prepared.route, routed = "", None
+            routed = _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
             if routed is not None:
                 return routed
         if prepared.plan is not None:
@@ -209,7 +205,7 @@ def attention(
             # its plan was built for data aligned otherwise: the full key's plan runs (its route was tried),
             # remembered beside it for the next such call
             plain_prepared, prepared, routed_already = prepared, prepared.aligned_otherwise.get(alignment), True
-            if prepared is not None and prepared.plan is not None:
+            if prepared is not None:  # (only plans that run kernels are remembered)
                 return _run(prepared.plan, query, key, value, NO_EXTRAS)
     call = Call(attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, causal_alignment, alibi_slopes,
                 seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
