@@ -49,11 +49,10 @@ _lock = threading.Lock()
 
 def register() -> bool:
     """Register ``attn_implementation="fatune"`` with transformers (imported here); False if transformers is not
-    installed or lacks what fatune's functions use (transformers >= 5)."""
+    installed or lacks what fatune's functions use (transformers >= 5). `import fatune` calls it once transformers'
+    modeling code loads; calling it again is cheap and harmless."""
     global _registered
-    with _lock:
-        if _registered:
-            return True
+    with _lock:  # registered again where asked again: a registry another library reset is healed
         try:
             from transformers import masking_utils
             from transformers.modeling_utils import AttentionInterface

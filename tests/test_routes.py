@@ -87,11 +87,15 @@ def test_a_backend_that_does_not_exist_is_refused_by_name():
 
 @pytest.fixture
 def routed_db(tmp_path, monkeypatch):
-    """A user DB whose entry for (1, 2, 48, 32) float16 causal calls measured SDPA's cuDNN backend faster."""
-    def make(backend: str = "cudnn"):
-        path = write(tmp_path / "u.sqlite", make_entry(
+    """A user DB whose entry for (1, 2, 48, 32) float16 causal calls measured SDPA's cuDNN backend faster (a new
+    DB each time)."""
+    made = []
+
+    def make(backend: str = "cudnn", **changes):
+        made.append(backend)
+        path = write(tmp_path / f"u{len(made)}.sqlite", make_entry(
             gpu=GPU, capability=CAPABILITY, dtype="float16", head_dim=32, head_dim_v=32, seqlen_q_bucket=64,
-            seqlen_k_bucket=64, sdpa_backend=backend, sdpa_ms=1.0))
+            seqlen_k_bucket=64, sdpa_backend=backend, sdpa_ms=1.0, **changes))
         use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
         monkeypatch.setattr(logs, "_warned", set())
     return make
@@ -421,3 +425,52 @@ def test_a_call_whose_route_refuses_tries_it_once_whatever_its_alignment(direct_
     monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
     expected = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
     assert torch.equal(fatune.attention(q, k, shifted, is_causal=True), expected) and runs == ["cudnn"]
+
+
+# a tuned entry's forward (ms) and the problem it timed, against the call (B, H, L_q, L_k): host-bound or not
+TIMED = {"fwd_ms": 0.165, "batch": 32, "heads": 32, "seqlen_q": 512, "seqlen_k": 512}
+HOST_BOUND = [
+    (TIMED, (1, 8, 128, 128), True),  # 0.08 us predicted
+    (TIMED, (32, 32, 512, 512), False),  # the timed problem itself: 165 us
+    (TIMED, (1, 32, 512, 512), True),  # 5.2 us
+    (TIMED, (1, 16, 1024, 1024), False),  # 10.3 us
+    ({**TIMED, "fwd_ms": math.nan}, (1, 8, 128, 128), False),  # what the entry cannot say decides nothing
+    ({**TIMED, "fwd_ms": math.inf}, (1, 8, 128, 128), False),
+    ({**TIMED, "fwd_ms": -1.0}, (1, 8, 128, 128), False),
+    ({**TIMED, "fwd_ms": "0.1"}, (1, 8, 128, 128), False),
+    ({**TIMED, "batch": 0}, (1, 8, 128, 128), False),  # an entry that does not store its problem
+    ({**TIMED, "batch": "ab"}, (1, 8, 128, 128), False),  # untrusted: never a string repeated
+    ({**TIMED, "heads": 2.5}, (1, 8, 128, 128), False),
+    ({k: v for k, v in TIMED.items() if k != "seqlen_k"}, (1, 8, 128, 128), False),
+    (None, (1, 8, 128, 128), False),
+]
+
+
+@pytest.mark.parametrize("entry, call, expected", HOST_BOUND)
+def test_a_call_is_host_bound_where_the_entry_predicts_its_forward_under_ten_microseconds(entry, call, expected):
+    batch, heads, seqlen_q, seqlen_k = call
+    q = torch.empty(batch, heads, seqlen_q, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(batch, heads, seqlen_k, 64, device="meta", dtype=torch.bfloat16)
+    assert routes.host_bound(entry, check_inputs(q, k, k, is_causal=True)) is expected
+
+
+def test_a_host_bound_call_without_gradients_runs_fatunes_kernels_and_one_with_them_the_route(direct_cudnn,
+                                                                                               routed_db):
+    """A call whose forward the entry predicts too short to pay a route's host cost: without gradients fatune's
+    kernels run (their launch costs the host less), and explain says so; with gradients the route runs."""
+    routed_db("cudnn", fwd_ms=0.165, batch=32, heads=32, seqlen_q=512, seqlen_k=512)
+    q, k, v = inputs()
+    with torch.no_grad():
+        config = fatune.explain(q, k, v, is_causal=True).decision.config
+        kernels = fatune.attention(q, k, v, is_causal=True, config=config)
+        assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and direct_cudnn == []
+        explained = fatune.explain(q, k, v, is_causal=True)
+    assert explained.backend == "triton-interpreter" and "host-bound" in explained.reason
+    out = fatune.attention(q, k, v, is_causal=True)
+    assert len(direct_cudnn) == 1 and direct_cudnn[0][1] is True  # the op, with its log-sum-exp for the backward
+    out.float().sum().backward()
+    assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
+    routed_db("cudnn", fwd_ms=0.165, batch=1, heads=2, seqlen_q=64, seqlen_k=64)  # 92 us predicted: routed
+    with torch.no_grad():
+        fatune.attention(q, k, v, is_causal=True)
+    assert len(direct_cudnn) == 2 and direct_cudnn[1][1] is False

@@ -70,6 +70,18 @@ WARMUP_STEPS = 5  # steps left out of the throughput (compiles, allocator warm-u
 PREFILL_REPEATS = 3  # the prefill's time: their median
 
 
+def _model(workload: Workload, device: torch.device):
+    """The random-weight model both implementations start from, with attn_implementation="fatune" registered."""
+    from transformers import LlamaForCausalLM
+
+    from fatune import huggingface
+
+    if not huggingface.register():
+        raise RuntimeError("attn_implementation='fatune' could not be registered: this suite needs transformers >= 5")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(workload.config("sdpa")).to(device, workload.dtype)
+
+
 def _sync(device: torch.device) -> None:
     if on_gpu(device):
         torch.cuda.synchronize(device)
@@ -77,10 +89,7 @@ def _sync(device: torch.device) -> None:
 
 def train(workload: Workload, device: torch.device) -> dict[str, dict]:
     """Per implementation: every step's loss and the tokens per second after WARMUP_STEPS."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    initial = LlamaForCausalLM(workload.config("sdpa")).to(device, workload.dtype)
+    initial = _model(workload, device)
     data = torch.randint(0, workload.vocab, (workload.steps, workload.batch, workload.length),
                          generator=torch.Generator().manual_seed(1)).to(device)
     results = {}
@@ -110,10 +119,7 @@ def train(workload: Workload, device: torch.device) -> dict[str, dict]:
 def generate(workload: Workload, device: torch.device) -> dict[str, dict]:
     """Per implementation: the prefill's milliseconds and the milliseconds per generated token (greedy, a
     DynamicCache), and the tokens (both implementations must pick the same ones)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    initial = LlamaForCausalLM(workload.config("sdpa")).to(device, workload.dtype).eval()
+    initial = _model(workload, device).eval()
     prompt = torch.randint(0, workload.vocab, (workload.generate_batch, workload.prompt),
                            generator=torch.Generator().manual_seed(2)).to(device)
     results = {}

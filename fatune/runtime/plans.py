@@ -190,6 +190,8 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
                                                None if strict else decision.fallback, decision.sources, strict)
     route = routes.choose(decision.route, problem, query, key, value)
     paths = routes.paths(route, problem, query, key, value) if route else (routes.SWITCHED, routes.SWITCHED)
+    if route and routes.host_bound(decision.entry, problem):
+        paths = (routes.KERNELS, paths[1])
     return Prepared("kernels", plan, decision, decision.reason, lengths, route, paths, alignment_key(query, key, value),
                     settled=decision.layer != "heuristic")
 
