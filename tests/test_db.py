@@ -264,7 +264,7 @@ INVALID_FIELDS = [  # (field, bad value, what the message must name)
     ("fwd_config", {"family": "gluon", "block_n": 128}, "fwd_config: expected"),
     ("bwd_config", {"dkdv": GLUON_CONFIG, "dq": GOOD_CONFIG}, "bwd_config.dkdv: expected"),
     # a Gluon backward: likewise
-    ("bwd_config", {"dkdv": {**GLUON_BACKWARD, "dq_slice": 32}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.dq_slice"),
+    ("bwd_config", {"dkdv": {**GLUON_BACKWARD, "dq_slice": 48}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.dq_slice"),
     ("bwd_config", {"dkdv": {**GLUON_BACKWARD, "consumers": 3}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.consumer_regs"),
     ("bwd_config", {"dkdv": {**GLUON_BACKWARD, "block_m": 1.5}, "dq": GOOD_CONFIG}, "bwd_config.dkdv.block_m"),
     ("bwd_config", {"dkdv": GOOD_CONFIG, "dq": GLUON_BACKWARD}, "bwd_config.dq"),

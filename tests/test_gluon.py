@@ -436,6 +436,8 @@ COMPILED_BACKWARD = [
     # a head-dim split at 256 lanes: two consumers share each key tile, each owning 128 lanes of dK, dV and dQ
     (KernelSpec("bfloat16", 256), default_backward(KernelSpec("bfloat16", 256)), 768),
     (KernelSpec("bfloat16", 256, causal=True), default_backward(KernelSpec("bfloat16", 256)), 1024),
+    # two stages deep at 256 lanes: dQ in 32-lane slices leaves the second Q and dO buffers room
+    (KernelSpec("bfloat16", 256), GluonBackwardConfig(num_stages=2, dq_slice=32), 768),
     # shared dQ: both consumers' dS in two slots, each consumer adding up half of dQ's lanes over all 128 keys
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(shared_dq=1), 384),
     (KernelSpec("bfloat16", 128), default_backward(KernelSpec("bfloat16", 128)), 384),  # the built-in d128 backward
@@ -540,7 +542,7 @@ BACKWARD_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("forward", ["triton", "gluon"])
-@pytest.mark.parametrize("tiles", ["default", "128-query", "three-deep", "shared-dq"])
+@pytest.mark.parametrize("tiles", ["default", "128-query", "three-deep", "shared-dq", "narrow-dq"])
 @pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -552,7 +554,8 @@ def test_gpu_gluon_backward_matches_reference(shape, dtype, causal, alignment, t
     spec = KernelSpec(dtype, d, causal=causal, bottom_right=alignment == "bottom_right")
     backward = {"default": default_backward(spec), "128-query": GluonBackwardConfig(block_m=128, dq_slice=64),
                 "three-deep": GluonBackwardConfig(num_stages=3),
-                "shared-dq": dataclasses.replace(default_backward(spec), shared_dq=1)}[tiles]
+                "shared-dq": dataclasses.replace(default_backward(spec), shared_dq=1),
+                "narrow-dq": GluonBackwardConfig(num_stages=2, dq_slice=32)}[tiles]
     if resources.backward_infeasible(spec, backward, 232448):
         pytest.skip(resources.backward_infeasible(spec, backward, 232448))
     config = default_config(spec, (9, 0)).replace(dkdv=backward)

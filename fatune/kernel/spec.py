@@ -410,7 +410,7 @@ class GluonBackwardConfig:
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_m", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
-                              ("dq_slice", (64, 128, 256)), ("shared_dq", (0, 1))):
+                              ("dq_slice", (32, 64, 128, 256)), ("shared_dq", (0, 1))):
             if getattr(self, name) not in allowed or not _is_int(getattr(self, name)):
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         _check_registers(self)

@@ -81,7 +81,7 @@ class SearchSpace:
     # reduction (consumers and registers above)
     gluon_block_m: tuple[int, ...] = (64, 128)
     gluon_bwd_stages: tuple[int, ...] = (1, 2, 3)
-    dq_slice: tuple[int, ...] = (64, 128)
+    dq_slice: tuple[int, ...] = (32, 64, 128)  # 32: at 256 lanes only (two stages fit there with it)
     shared_dq: tuple[int, ...] = (0, 1)
     families: tuple[str, ...] = ("triton", "gluon")  # the kernel families whose studies a search runs
 
@@ -96,7 +96,8 @@ class SearchSpace:
                     "consumer_regs": self.consumer_regs, "overlap": self.overlap, "pingpong": self.pingpong,
                     "persistent": self.persistent if shape.spec.seqlens == "fixed" else (0,)}
         if kernel == GLUON_BACKWARD:
-            slices = tuple(value for value in self.dq_slice if value <= max(64, lanes(shape.spec.head_dim)))
+            width = lanes(shape.spec.head_dim)
+            slices = tuple(value for value in self.dq_slice if value <= max(64, width) and (value >= 64 or width > 128))
             return {"block_m": self.gluon_block_m, "num_stages": self.gluon_bwd_stages, "consumers": self.consumers,
                     "consumer_regs": self.consumer_regs, "dq_slice": slices, "shared_dq": self.shared_dq}
         axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
