@@ -5,8 +5,9 @@
   implementations (the curves must agree: the largest relative gap is reported) and the training throughput in
   tokens per second over the steps after the first few (compiles and allocator warm-up left out).
 - generate: greedy decoding of `new_tokens` tokens for a batch of 8 prompts that fill a 4k cache (DynamicCache),
-  after a warm-up generation from the same prompt; the prompt's prefill timed apart (median of PREFILL_REPEATS),
-  then milliseconds per generated token.
+  after a warm-up generation from the same prompt; each token's scores time-stamped as generation makes them:
+  the prompt's prefill up to the first, and milliseconds per generated token between the later ones (medians over
+  GENERATE_REPEATS generations).
 
 Wall-clock timings with the GPU synchronized around each measured region, medians where repeated. In Triton's
 interpreter (`--interpret`) a tiny model runs a few steps on the CPU (a smoke run; timings not meaningful).
@@ -67,7 +68,7 @@ GPU_WORKLOAD = Workload(hidden=2048, layers=8, heads=16, kv_heads=4, head_dim=12
 INTERPRETER_WORKLOAD = Workload(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97, batch=2,
                                 length=24, steps=3, prompt=12, new_tokens=3, generate_batch=2, dtype=torch.float32)
 WARMUP_STEPS = 5  # steps left out of the throughput (compiles, allocator warm-up)
-PREFILL_REPEATS = 3  # the prefill's time: their median
+GENERATE_REPEATS = 3  # timed generations: the median prefill and the median step between tokens
 
 
 def _model(workload: Workload, device: torch.device):
@@ -80,6 +81,19 @@ def _model(workload: Workload, device: torch.device):
         raise RuntimeError("attn_implementation='fatune' could not be registered: this suite needs transformers >= 5")
     torch.manual_seed(0)
     return LlamaForCausalLM(workload.config("sdpa")).to(device, workload.dtype)
+
+
+class _Stamps:
+    """A logits processor that only notes the time (the GPU synchronized) each time a generation's forward has
+    made the next token's scores: the first after the prefill, each later one a decode step after the last."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
 
 
 def _sync(device: torch.device) -> None:
@@ -118,7 +132,10 @@ def train(workload: Workload, device: torch.device) -> dict[str, dict]:
 
 def generate(workload: Workload, device: torch.device) -> dict[str, dict]:
     """Per implementation: the prefill's milliseconds and the milliseconds per generated token (greedy, a
-    DynamicCache), and the tokens (both implementations must pick the same ones)."""
+    DynamicCache; medians over GENERATE_REPEATS generations), and the tokens (both implementations must pick the
+    same ones)."""
+    from transformers import LogitsProcessorList
+
     initial = _model(workload, device).eval()
     prompt = torch.randint(0, workload.vocab, (workload.generate_batch, workload.prompt),
                            generator=torch.Generator().manual_seed(2)).to(device)
@@ -132,19 +149,16 @@ def generate(workload: Workload, device: torch.device) -> dict[str, dict]:
             # cuDNN's graphs; tuning on first use) happens here, not in the timed calls
             model.generate(prompt, max_new_tokens=workload.new_tokens, **options)
             _sync(device)
-            prefills = []
-            for _ in range(PREFILL_REPEATS):
+            prefills, steps = [], []
+            for _ in range(GENERATE_REPEATS):
+                stamps = _Stamps(device)
                 start = time.perf_counter()
-                model.generate(prompt, max_new_tokens=1, **options | {"min_new_tokens": 1})
-                _sync(device)
-                prefills.append(time.perf_counter() - start)
-            prefill = statistics.median(prefills)
-            start = time.perf_counter()
-            tokens = model.generate(prompt, max_new_tokens=workload.new_tokens, **options)
-            _sync(device)
-            total = time.perf_counter() - start
-        results[implementation] = {"prefill_ms": prefill * 1e3,
-                                   "ms_per_token": (total - prefill) * 1e3 / max(1, workload.new_tokens - 1),
+                tokens = model.generate(prompt, max_new_tokens=workload.new_tokens,
+                                        logits_processor=LogitsProcessorList([stamps]), **options)
+                prefills.append(stamps.times[0] - start)
+                steps += [after - before for before, after in zip(stamps.times, stamps.times[1:])]
+        results[implementation] = {"prefill_ms": statistics.median(prefills) * 1e3,
+                                   "ms_per_token": statistics.median(steps) * 1e3,
                                    "tokens": tokens[:, workload.prompt:].tolist()}
         del model
     return results
