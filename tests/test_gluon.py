@@ -467,10 +467,11 @@ def test_backward_compiles_for_sm90_within_its_budgets(spec, config, spills_allo
 PTXAS_CRASH = [
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("float16", 96, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3, consumer_regs=232)),
-    (KernelSpec("bfloat16", 192, causal=True), GluonBackwardConfig(num_stages=1)),
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3, consumer_regs=216)),
     (KernelSpec("bfloat16", 128), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("bfloat16", 256, causal=True), GluonBackwardConfig(num_stages=1, consumer_regs=224)),
+    # at 256 lanes it crashed too, before the consumers of a key tile shared its dS tile
+    (KernelSpec("bfloat16", 192, causal=True), GluonBackwardConfig(num_stages=1)),
 ]
 
 
@@ -496,8 +497,8 @@ def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
                 if line.startswith(("compiles", "fails"))]
     expected = ["fails PTXASError" if resources.backward_uncompilable(spec, config) else "compiles"
                 for spec, config in PTXAS_CRASH]
-    assert outcomes == expected == ["fails PTXASError"] * 3 + ["compiles"] * 3
-    assert all(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in PTXAS_CRASH[:3])
+    assert outcomes == expected == ["fails PTXASError"] * 2 + ["compiles"] * 4
+    assert all(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in PTXAS_CRASH[:2])
 
 
 def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
@@ -703,7 +704,8 @@ SANITIZED_CASES = [
     ("forward-three-consumers", 64, False, GluonConfig(128, 2, consumers=3, consumer_regs=160), None, 1, 4, 900),
     ("backward-default", 128, True, None, GluonBackwardConfig(), 2, 4, 700),
     ("backward-shared-dq", 64, True, None, GluonBackwardConfig(shared_dq=1), 1, 2, 333),
-    ("backward-head-split", 256, False, None, GluonBackwardConfig(num_stages=1, dq_slice=128), 1, 2, 300),
+    # the consumers of a key tile share its dS tile (stored by one, read by both): causal, two stages deep
+    ("backward-head-split", 256, True, None, GluonBackwardConfig(num_stages=2, dq_slice=32), 1, 2, 300),
 ]
 
 SANITIZED_SCRIPT = """

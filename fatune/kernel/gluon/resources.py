@@ -43,36 +43,33 @@ def infeasible(spec: KernelSpec, config: GluonConfig, shared_limit: int | None) 
 
 def backward_shared_memory_bytes(spec: KernelSpec, config: GluonBackwardConfig) -> int:
     """Shared memory of one backward program, an upper bound within 1 KiB of what Triton allocates: each
-    consumer's K and V tiles, the Q and dO ring, each consumer's dS tile (two under a band: dS's low part; twice
-    that where the consumers share dQ's reduction: two slots), each consumer's float32 dQ slice and the
-    mbarriers."""
+    key group's K and V tiles, the Q and dO ring, each key group's dS tile (its consumers compute the same dS; two
+    under a band: dS's low part; twice that where the consumers share dQ's reduction: two slots), each consumer's
+    float32 dQ slice and the mbarriers."""
     lanes, split = width(spec.head_dim), backward_head_split(spec)
     keys = 2 * (config.consumers // split) * GLUON_SPLIT_M * lanes * ELEMENT_BYTES
     ring = 2 * config.num_stages * config.block_m * lanes * ELEMENT_BYTES
     banded = spec.causal or spec.window_left or spec.window_right
     slots = 2 if config.shared_dq else 1
-    ds = slots * config.consumers * (2 if banded else 1) * GLUON_SPLIT_M * config.block_m * ELEMENT_BYTES
+    ds = slots * (config.consumers // split) * (2 if banded else 1) * GLUON_SPLIT_M * config.block_m * ELEMENT_BYTES
     dq = config.consumers * config.block_m * backward_dq_slice(spec, config) * 4
-    barriers = 8 * (config.consumers // split + 3 * config.num_stages + 2)
+    ds_barriers = 2 * (config.consumers // split) if split > 1 else 2  # each key group's handover, or dS slots
+    barriers = 8 * (config.consumers // split + 3 * config.num_stages + ds_barriers)
     return keys + ring + ds + dq + barriers + 512  # alignment
 
 
 def backward_uncompilable(spec: KernelSpec, config: GluonBackwardConfig) -> str | None:
     """Why Triton 3.6's ptxas cannot compile the backward `config` for `spec` (None: not known to fail). It crashes
-    (exit -11) where each of two consumers reduces its own dQ in 64-lane slices with 232 or more registers:
-
-    - on 128 lanes under a causal mask without a window, three 64-row stages deep: fp16 and bf16, d96 and d128,
-      both alignments (with 216 registers, whole-row slices, shared dQ, two stages or a window it compiles);
-    - on 256 lanes (the head-dim split) under a band, causal or a window, ALiBi too: fp16 and bf16, d192 and
-      d256, both alignments (with 224 registers, 128-lane slices or no band it compiles)."""
+    (exit -11) where each of two consumers reduces its own dQ in 64-lane slices with 232 or more registers on 128
+    lanes under a causal mask without a window, three 64-row stages deep: fp16 and bf16, d96 and d128, both
+    alignments (with 216 registers, whole-row slices, shared dQ, two stages or a window it compiles). (At 256
+    lanes under a band it crashed too while each consumer of a key tile stored its own copy of the tile's dS.)"""
     if not (triton.__version__.startswith("3.6.") and config.block_m == 64 and config.consumers == 2
             and not config.shared_dq and config.consumer_regs >= 232 and backward_dq_slice(spec, config) == 64):
         return None
     lanes, windowed = width(spec.head_dim), spec.window_left or spec.window_right
     if lanes == 128 and spec.causal and not windowed and config.num_stages == 3:
         return "Triton 3.6's ptxas crashes on this causal d128 backward (3 stages, 64-lane dQ, 232+ registers)"
-    if lanes == 256 and (spec.causal or windowed):
-        return "Triton 3.6's ptxas crashes on this banded d256 backward (64-lane dQ, 232+ registers)"
     return None
 
 
