@@ -194,7 +194,7 @@ def attention(
                 first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention):
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
-        if prepared.route and not routes.autocasting():
+        if prepared.route and routes.taken(prepared.host_bound, query, key, value):
             routed = _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
             if routed is not None:
                 return routed
@@ -218,7 +218,7 @@ def attention(
         prepared = prepare(query, key, value, call, config, strict)
         if routed_already and prepared.plan is not None and len(plain_prepared.aligned_otherwise) < 8:
             plain_prepared.aligned_otherwise[alignment] = prepared
-    if prepared.route and not routed_already and not routes.autocasting():
+    if prepared.route and not routed_already and routes.taken(prepared.host_bound, query, key, value):
         routed = _route(prepared, query, key, value, call.dropout_p, call.is_causal, call.scale, call.enable_gqa)
         if routed is not None:
             return routed
@@ -293,7 +293,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     if prepared.plan is None:
         backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
         return Explanation(backend, spec, None, {}, prepared.reason)
-    host_bound = prepared.paths[0] == routes.KERNELS and not _wants_grad(query, key, value)
+    host_bound = prepared.host_bound and not _wants_grad(query, key, value)
     if prepared.route and not host_bound:
         return Explanation(f"sdpa-{prepared.route}", spec, prepared.decision, {}, prepared.reason)
     plan = prepared.plan

@@ -706,6 +706,7 @@ SANITIZED_CASES = [
     ("backward-shared-dq", 64, True, None, GluonBackwardConfig(shared_dq=1), 1, 2, 333),
     # the consumers of a key tile share its dS tile (stored by one, read by both): causal, two stages deep
     ("backward-head-split", 256, True, None, GluonBackwardConfig(num_stages=2, dq_slice=32), 1, 2, 300),
+    ("backward-head-split-unbanded", 256, False, None, GluonBackwardConfig(num_stages=1, dq_slice=128), 1, 2, 300),
 ]
 
 SANITIZED_SCRIPT = """

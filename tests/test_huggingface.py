@@ -269,6 +269,18 @@ def test_import_fatune_registers_in_either_order(order):
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=300)
 
 
+def test_register_again_heals_a_registry_another_library_reset():
+    from transformers import masking_utils
+    from transformers.modeling_utils import AttentionInterface
+
+    assert huggingface.register()
+    AttentionInterface._global_mapping.pop(huggingface.NAME)
+    masking_utils.AttentionMaskInterface._global_mapping.pop(huggingface.NAME)
+    assert huggingface.register()
+    assert AttentionInterface._global_mapping[huggingface.NAME] is huggingface.attention_forward
+    assert masking_utils.AttentionMaskInterface._global_mapping[huggingface.NAME] is huggingface.mask
+
+
 def test_registration_costs_import_fatune_almost_nothing():
     from fatune import huggingface
 

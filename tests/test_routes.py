@@ -427,50 +427,63 @@ def test_a_call_whose_route_refuses_tries_it_once_whatever_its_alignment(direct_
     assert torch.equal(fatune.attention(q, k, shifted, is_causal=True), expected) and runs == ["cudnn"]
 
 
-# a tuned entry's forward (ms) and the problem it timed, against the call (B, H, L_q, L_k): host-bound or not
+# a tuned entry's forward (ms) and the problem it timed; the margin the route was measured faster by; the call
+# (B, H, L_q, L_k): host-bound or not
 TIMED = {"fwd_ms": 0.165, "batch": 32, "heads": 32, "seqlen_q": 512, "seqlen_k": 512}
 HOST_BOUND = [
-    (TIMED, (1, 8, 128, 128), True),  # 0.08 us predicted
-    (TIMED, (32, 32, 512, 512), False),  # the timed problem itself: 165 us
-    (TIMED, (1, 32, 512, 512), True),  # 5.2 us
-    (TIMED, (1, 16, 1024, 1024), False),  # 10.3 us
-    ({**TIMED, "fwd_ms": math.nan}, (1, 8, 128, 128), False),  # what the entry cannot say decides nothing
-    ({**TIMED, "fwd_ms": math.inf}, (1, 8, 128, 128), False),
-    ({**TIMED, "fwd_ms": -1.0}, (1, 8, 128, 128), False),
-    ({**TIMED, "fwd_ms": "0.1"}, (1, 8, 128, 128), False),
-    ({**TIMED, "batch": 0}, (1, 8, 128, 128), False),  # an entry that does not store its problem
-    ({**TIMED, "batch": "ab"}, (1, 8, 128, 128), False),  # untrusted: never a string repeated
-    ({**TIMED, "heads": 2.5}, (1, 8, 128, 128), False),
-    ({k: v for k, v in TIMED.items() if k != "seqlen_k"}, (1, 8, 128, 128), False),
-    (None, (1, 8, 128, 128), False),
+    (TIMED, 1.03, (1, 8, 128, 128), True),  # 0.08 us predicted
+    (TIMED, 1.03, (32, 32, 512, 512), False),  # the timed problem itself: 165 us
+    (TIMED, 1.03, (1, 32, 512, 512), True),  # 5.2 us, 0.15 us of it at stake
+    (TIMED, 1.2, (1, 32, 512, 512), True),  # 0.9 us at stake
+    (TIMED, 3.0, (1, 32, 512, 512), False),  # 3.4 us at stake: the route saves more GPU time than host time
+    (TIMED, 3.0, (1, 8, 128, 128), True),
+    (TIMED, 1.03, (1, 16, 1024, 1024), False),  # 10.3 us
+    (TIMED, math.nan, (1, 8, 128, 128), False),
+    (TIMED, 0.5, (1, 8, 128, 128), False),  # no route is slower than fatune
+    ({**TIMED, "fwd_ms": math.nan}, 1.03, (1, 8, 128, 128), False),  # what the entry cannot say decides nothing
+    ({**TIMED, "fwd_ms": math.inf}, 1.03, (1, 8, 128, 128), False),
+    ({**TIMED, "fwd_ms": -1.0}, 1.03, (1, 8, 128, 128), False),
+    ({**TIMED, "fwd_ms": "0.1"}, 1.03, (1, 8, 128, 128), False),
+    ({**TIMED, "batch": 0}, 1.03, (1, 8, 128, 128), False),  # an entry that does not store its problem
+    ({**TIMED, "batch": "ab"}, 1.03, (1, 8, 128, 128), False),  # untrusted: never a string repeated
+    ({**TIMED, "heads": 2.5}, 1.03, (1, 8, 128, 128), False),
+    ({k: v for k, v in TIMED.items() if k != "seqlen_k"}, 1.03, (1, 8, 128, 128), False),
+    (None, 1.03, (1, 8, 128, 128), False),
 ]
 
 
-@pytest.mark.parametrize("entry, call, expected", HOST_BOUND)
-def test_a_call_is_host_bound_where_the_entry_predicts_its_forward_under_ten_microseconds(entry, call, expected):
+@pytest.mark.parametrize("entry, margin, call, expected", HOST_BOUND)
+def test_a_call_is_host_bound_where_its_forward_and_the_gpu_time_at_stake_are_small(entry, margin, call, expected):
     batch, heads, seqlen_q, seqlen_k = call
     q = torch.empty(batch, heads, seqlen_q, 64, device="meta", dtype=torch.bfloat16)
     k = torch.empty(batch, heads, seqlen_k, 64, device="meta", dtype=torch.bfloat16)
-    assert routes.host_bound(entry, check_inputs(q, k, k, is_causal=True)) is expected
+    assert routes.host_bound(entry, margin, check_inputs(q, k, k, is_causal=True)) is expected
 
 
 def test_a_host_bound_call_without_gradients_runs_fatunes_kernels_and_one_with_them_the_route(direct_cudnn,
-                                                                                               routed_db):
+                                                                                               routed_db, monkeypatch):
     """A call whose forward the entry predicts too short to pay a route's host cost: without gradients fatune's
-    kernels run (their launch costs the host less), and explain says so; with gradients the route runs."""
-    routed_db("cudnn", fwd_ms=0.165, batch=32, heads=32, seqlen_q=512, seqlen_k=512)
+    kernels run (their launch costs the host less), and explain says so; with gradients, or while a CUDA graph
+    captures it (a replay costs no host time), the route runs. An entry that predicts a longer forward routes
+    both."""
+    routed_db("cudnn", fwd_ms=0.165, batch=32, heads=32, seqlen_q=512, seqlen_k=512)  # sdpa_ms 1.0: margin 3
     q, k, v = inputs()
     with torch.no_grad():
         config = fatune.explain(q, k, v, is_causal=True).decision.config
         kernels = fatune.attention(q, k, v, is_causal=True, config=config)
         assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and direct_cudnn == []
         explained = fatune.explain(q, k, v, is_causal=True)
-    assert explained.backend == "triton-interpreter" and "host-bound" in explained.reason
+        assert explained.backend == "triton-interpreter" and "host-bound" in explained.reason
+        with monkeypatch.context() as capturing:
+            capturing.setattr(routes, "_capturing", lambda query: True)
+            fatune.attention(q, k, v, is_causal=True)
+        assert direct_cudnn == [(None, False, 0.0, True, False, None)]
     out = fatune.attention(q, k, v, is_causal=True)
-    assert len(direct_cudnn) == 1 and direct_cudnn[0][1] is True  # the op, with its log-sum-exp for the backward
+    assert len(direct_cudnn) == 2 and direct_cudnn[1][1] is True  # the op, with its log-sum-exp for the backward
     out.float().sum().backward()
     assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
     routed_db("cudnn", fwd_ms=0.165, batch=1, heads=2, seqlen_q=64, seqlen_k=64)  # 92 us predicted: routed
     with torch.no_grad():
         fatune.attention(q, k, v, is_causal=True)
-    assert len(direct_cudnn) == 2 and direct_cudnn[1][1] is False
+        assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
+    assert len(direct_cudnn) == 3 and direct_cudnn[2][1] is False

@@ -298,6 +298,11 @@ def test_the_gluon_backward_axes_fit_the_gpu():
     assert GluonBackwardConfig(block_m=128, num_stages=2) not in grid  # 128-row Q and dO tiles two deep at d128
     small = dataclasses.replace(SHAPE, head_dim=64, head_dim_v=64)
     assert {config.dq_slice for config in GPU_SPACE.grid(GLUON_BACKWARD, small, 132)} == {64}
+    # 32-lane slices only at 256 lanes, where they let two Q/dO stages fit
+    assert {config.dq_slice for config in GPU_SPACE.grid(GLUON_BACKWARD, SHAPE, 132)} == {64, 128}
+    wide = dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256)
+    assert {config.dq_slice for config in GPU_SPACE.grid(GLUON_BACKWARD, wide, 132)} == {32, 64, 128}
+    assert GluonBackwardConfig(num_stages=2, dq_slice=32) in GPU_SPACE.feasible(GLUON_BACKWARD, wide, HOPPER)
 
 
 @pytest.mark.gpu

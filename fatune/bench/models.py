@@ -17,6 +17,7 @@ Needs transformers (`pip install 'fatune[transformers]'`).
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -132,8 +133,8 @@ def train(workload: Workload, device: torch.device) -> dict[str, dict]:
 
 def generate(workload: Workload, device: torch.device) -> dict[str, dict]:
     """Per implementation: the prefill's milliseconds and the milliseconds per generated token (greedy, a
-    DynamicCache; medians over GENERATE_REPEATS generations), and the tokens (both implementations must pick the
-    same ones)."""
+    DynamicCache; the median prefill of GENERATE_REPEATS generations, and the median of their steps between
+    tokens), and the tokens (both implementations must pick the same ones)."""
     from transformers import LogitsProcessorList
 
     initial = _model(workload, device).eval()
@@ -158,7 +159,8 @@ def generate(workload: Workload, device: torch.device) -> dict[str, dict]:
                 prefills.append(stamps.times[0] - start)
                 steps += [after - before for before, after in zip(stamps.times, stamps.times[1:])]
         results[implementation] = {"prefill_ms": statistics.median(prefills) * 1e3,
-                                   "ms_per_token": statistics.median(steps) * 1e3,
+                                   # (a single new token has no step after it)
+                                   "ms_per_token": statistics.median(steps) * 1e3 if steps else math.nan,
                                    "tokens": tokens[:, workload.prompt:].tolist()}
         del model
     return results

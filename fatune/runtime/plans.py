@@ -55,6 +55,8 @@ class Prepared:
     # how the route reaches its backend, without and with gradients (fatune.runtime.routes.paths)
     paths: tuple[str, str] = (routes.SWITCHED, routes.SWITCHED)
     alignment: tuple[int, int, int] = (0, 0, 0)  # of the tensors `plan` was built for (fatune.call.alignment_key)
+    # whether a call without gradients runs `plan` rather than `route` (fatune.runtime.routes.host_bound)
+    host_bound: bool = False
     # whether tuning on first use has had its say (fatune.tuning.first_use), or has none: a tuned entry decided
     settled: bool = True
     # a plain key's Prepared: those of its calls whose data is aligned otherwise than `alignment` (api.attention)
@@ -190,10 +192,10 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
                                                None if strict else decision.fallback, decision.sources, strict)
     route = routes.choose(decision.route, problem, query, key, value)
     paths = routes.paths(route, problem, query, key, value) if route else (routes.SWITCHED, routes.SWITCHED)
-    if route and routes.host_bound(decision.entry, problem):
-        paths = (routes.KERNELS, paths[1])
+    # the entry's forward says nothing of a fallback config's kernels
+    host_bound = bool(route) and not plan.build_failure and routes.host_bound(decision.entry, decision.margin, problem)
     return Prepared("kernels", plan, decision, decision.reason, lengths, route, paths, alignment_key(query, key, value),
-                    settled=decision.layer != "heuristic")
+                    settled=decision.layer != "heuristic", host_bound=host_bound)
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:

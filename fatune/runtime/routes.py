@@ -15,7 +15,7 @@ its plan is built, apart for calls with gradients and without (`paths`): SDPA as
 backend itself for such tensors; else the backend's own op, as SDPA calls it once it has chosen it (cuDNN's); else
 SDPA with torch's switches of the other backends turned off around the call, which costs the most host time.
 A call without gradients so small that its time is the host's runs fatune's kernels, whose launch costs the host
-less than any route (`host_bound`).
+less than any route (`host_bound`), except while a CUDA graph captures it (a replay costs no host time).
 """
 
 from __future__ import annotations
@@ -83,30 +83,32 @@ autocasting = getattr(torch._C, "_is_any_autocast_enabled", None) or (
 SDPA = "sdpa"  # SDPA as it is: it picks the backend itself
 OP = "op"  # the backend's own op
 SWITCHED = "switched"  # SDPA with the other backends switched off
-KERNELS = "kernels"  # not routed: fatune's own kernels (a call without gradients too small to pay the route)
+# A call without gradients whose forward is predicted this short on the GPU, with little GPU time at stake, is
+# host-bound: its time is the host's, and a routed call costs the host more than fatune's own launch (measured on an
+# H100, B1 H8 L128 D64 causal bf16: 21.3 us a routed forward, 17.5 us fatune's kernels, 16.4 us SDPA). Calls with
+# gradients keep the route at any size: there torch's C++ autograd costs the host less than fatune's Function does
+# (131 against 152 us a training step, same shape). The prediction scales the entry's measured forward by the work,
+# which underestimates the smallest problems (a launch's fixed cost): they count as host-bound all the more.
+HOST_BOUND_US = 10.0  # fatune's forward, predicted
+AT_STAKE_US = 1.0  # the GPU time the route would save, predicted from the margin it was measured faster by
 
-# A call without gradients whose forward is predicted this short on the GPU is host-bound: its time is the host's,
-# and a routed call costs the host more than fatune's own launch (measured on an H100, B1 H8 L128 D64 causal bf16:
-# 21.3 us a routed call, 17.5 us fatune's kernels, 16.4 us SDPA), while at most about a microsecond of GPU time is
-# at stake. Calls with gradients keep the route at any size: there torch's C++ autograd costs the host less than
-# fatune's Function does (131 against 152 us a training step, same shape).
-HOST_BOUND_US = 10.0
 
-
-def host_bound(entry: dict | None, problem: AttentionProblem) -> bool:
-    """Whether fatune's forward of `problem` is predicted under HOST_BOUND_US: the forward the tuned `entry` (a DB
-    row: untrusted) measured, scaled by the scores computed (batch x heads x queries x keys) from the problem it
-    timed to this one. False where the entry cannot say."""
+def host_bound(entry: dict | None, margin: float, problem: AttentionProblem) -> bool:
+    """Whether a call of `problem` without gradients is host-bound: fatune's forward predicted under HOST_BOUND_US,
+    and under AT_STAKE_US of it saved by a route `margin` times faster (fatune's time over the backend's). The
+    forward is the tuned `entry`'s (a DB row: untrusted) scaled by the scores computed (batch x heads x queries x
+    keys) from the problem it timed to this one. False where the entry cannot say."""
     if not isinstance(entry, dict):
         return False
     sizes = [entry.get(name) for name in ("batch", "heads", "seqlen_q", "seqlen_k")]
     forward_ms = entry.get("fwd_ms")
     if not all(type(size) is int and size > 0 for size in sizes) or \
-            type(forward_ms) is not float or not 0 < forward_ms < math.inf:
+            type(forward_ms) is not float or not 0 < forward_ms < math.inf or not 1 <= margin < math.inf:
         return False
     timed = sizes[0] * sizes[1] * sizes[2] * sizes[3]
     work = problem.batch * problem.heads * problem.max_seqlen_q * problem.max_seqlen_k
-    return forward_ms * 1e3 * work / timed < HOST_BOUND_US
+    forward_us = forward_ms * 1e3 * work / timed
+    return forward_us < HOST_BOUND_US and forward_us * (1 - 1 / margin) < AT_STAKE_US
 
 
 def paths(backend: str, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
@@ -186,22 +188,34 @@ _deterministic_warn_only = torch._C._get_deterministic_algorithms_warn_only
 _switching = threading.Lock()  # the switches are the process's: one routed call flips them at a time
 
 
+def taken(host_bound: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether a call whose plan has a route takes it: not under autocast, nor (`host_bound`: its plan's) without
+    gradients outside CUDA-graph capture."""
+    if autocasting():
+        return False
+    if not host_bound or torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return True
+    return _capturing(query)
+
+
+def _capturing(query: torch.Tensor) -> bool:
+    return query.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
         is_causal: bool, scale: float | None, enable_gqa: bool,
         how: tuple[str, str] = (SWITCHED, SWITCHED)) -> torch.Tensor | None:
-    """The whole call on SDPA's `backend` (its autograd computes the gradients); None where `how` says KERNELS for
-    the call, or where SDPA refuses it after all (a switch torch.use_deterministic_algorithms turned since the
-    route was chosen, say): the caller runs fatune's kernels, a refusal said once. Never under autocast, which
-    would cast SDPA's inputs and not fatune's: the caller does not route there. `how` (see `paths`), without
-    gradients and with: SDPA as it is, the backend's op (Refused where it raises), SDPA switched to the backend
-    alone, or KERNELS. With deterministic algorithms required (not warnings only), SDPA switched: SDPA then
-    refuses backends that are not deterministic. SDPA as it is only while the backend's switch is on (the
-    caller's sdpa_kernel context leaves the route its backend)."""
+    """The whole call on SDPA's `backend` (its autograd computes the gradients); None where SDPA refuses it after
+    all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say): the caller runs
+    fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not fatune's, nor for a
+    host-bound call: the caller does not route there (`taken`). `how` (see `paths`), without gradients and with:
+    SDPA as it is, the backend's op (Refused where it raises), or SDPA switched to the backend alone. With
+    deterministic algorithms required (not warnings only), always the last: SDPA then refuses backends that are
+    not deterministic. SDPA as it is only while the backend's switch is on (the caller's sdpa_kernel context
+    leaves the route its backend)."""
     # SDPA computes the log-sum-exp the backward needs only where autograd records the call
     wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     path = how[wants_lse]
-    if path == KERNELS:
-        return None
     if path != SWITCHED and _deterministic() and not _deterministic_warn_only():
         path = SWITCHED
     elif path == SDPA and not _SWITCHES[backend][0]():  # the backend switched off since: the route still runs it

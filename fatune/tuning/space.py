@@ -81,7 +81,7 @@ class SearchSpace:
     # reduction (consumers and registers above)
     gluon_block_m: tuple[int, ...] = (64, 128)
     gluon_bwd_stages: tuple[int, ...] = (1, 2, 3)
-    dq_slice: tuple[int, ...] = (32, 64, 128)  # 32: at 256 lanes only (two stages fit there with it)
+    dq_slice: tuple[int, ...] = (32, 64, 128)  # 32 at 256 lanes only, where two Q/dO stages fit with it
     shared_dq: tuple[int, ...] = (0, 1)
     families: tuple[str, ...] = ("triton", "gluon")  # the kernel families whose studies a search runs
 
