@@ -16,6 +16,9 @@ from fatune import huggingface
 from tests.conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
+if not all(hasattr(pytest.importorskip("transformers.masking_utils"), name) for name in huggingface._MASKING_NAMES):
+    pytest.skip(f"attn_implementation='fatune' needs transformers >= 5, found {transformers.__version__}",
+                allow_module_level=True)
 from transformers import (  # noqa: E402
     DataCollatorWithFlattening,
     LlamaConfig,
