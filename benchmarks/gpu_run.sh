@@ -17,6 +17,12 @@
 #   compile          torch.compile modes from fresh processes, CUDA-graph capture
 #   serial           timing and memory measurements, alone on the GPU
 #   pytest           any selection: PYTEST_ARGS (default: -m gpu tests/test_variants.py)
+#   transformers     the transformers GPU tests, with transformers 5 from wheels carried in .whl/hf (the machine's
+#                    own lacks what attn_implementation="fatune" needs), fetched once here with
+#                      pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#                        --platform manylinux2014_x86_64 --platform any -d .whl/hf "transformers>=5"
+#                    then removing from .whl/hf what the machine has: numpy, tqdm, rich, click, pygments,
+#                    markdown-it-py, mdurl, typing_extensions
 #   sanitize         a pytest selection under compute-sanitizer's memcheck: SAN_SEED (FATUNE_RANDOM_SEED),
 #                    SAN_TESTS (pytest args; default the GPU random calls), SAN_K (-k)
 #   dense            fatune bench --suite dense, bf16 then fp16 (DENSE_DTYPES), DENSE_ARGS (default: D 64/128/256,
@@ -28,8 +34,9 @@
 #                    search --shapes 0,1 --seeds 0,1,2), SQ_FROM (an earlier run's output folder to extend)
 #   tuning-gain      fatune bench --suite tuning-gain, resumable: TG_ARGS (default --part gain; --part nearest|tie),
 #                    TG_FROM (an earlier run's output folder to extend)
-#   db-refresh       the shipped H200 DB's stale entries re-timed beside the heuristic (fatune db refresh;
-#                    REFRESH_ARGS, REFRESH_TIMEOUT s, default 480); the DB comes back in $OUT: commit it
+#   db-refresh       the shipped DB of this GPU (REFRESH_DB; default tuned_db/nvidia-h100.sqlite on an H100, else
+#                    tuned_db/nvidia-h200.sqlite): its stale entries re-timed beside the heuristic (fatune db
+#                    refresh; REFRESH_ARGS, REFRESH_TIMEOUT s, default 480); the DB comes back in $OUT: commit it
 set -uo pipefail
 if [ ! -e /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -93,6 +100,11 @@ for stage in "$@"; do
     pytest)
       python3 -m pytest ${PYTEST_ARGS:--m gpu tests/test_variants.py} -q -p no:cacheprovider > "$RUN/pytest.log" 2>&1
       tail -n 10 "$RUN/pytest.log" ;;
+    transformers)
+      [ -e /tmp/site-hf/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site-hf .whl/hf/*.whl && touch /tmp/site-hf/.installed; }
+      PYTHONPATH=$PWD:/tmp/site-hf:/tmp/site python3 -m pytest -m gpu tests/test_huggingface.py -q -p no:cacheprovider \
+        > "$RUN/transformers.log" 2>&1; tail -n 10 "$RUN/transformers.log" ;;
     sanitize)  # compute-sanitizer runs on Firecracker machines only
       sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
       env ${SAN_SEED:+FATUNE_RANDOM_SEED=$SAN_SEED} "$sanitizer" --tool memcheck --print-limit 20 python3 -m pytest \
@@ -117,7 +129,10 @@ for stage in "$@"; do
       bench tuning-gain tuning-gain ${TG_ARGS:---part gain} ;;
     db-refresh)  # it writes each entry as it finishes: cut at REFRESH_TIMEOUT it keeps what it wrote, and the DB
       # still comes back; run it again to go on (refreshed entries are current: not timed twice)
-      db=tuned_db/nvidia-h200.sqlite
+      case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" in
+        *H100*) db=${REFRESH_DB:-tuned_db/nvidia-h100.sqlite} ;;
+        *) db=${REFRESH_DB:-tuned_db/nvidia-h200.sqlite} ;;
+      esac
       timeout "${REFRESH_TIMEOUT:-480}" python3 -m fatune.cli db refresh --db "$db" ${REFRESH_ARGS:-} \
         > "$RUN/db-refresh.log" 2>&1; echo "rc $?" >> "$RUN/db-refresh.log"
       python3 -c "import sqlite3; sqlite3.connect('$db').execute('pragma journal_mode=delete').fetchall()"
