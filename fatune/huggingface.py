@@ -47,20 +47,33 @@ _registered = False
 _lock = threading.Lock()
 
 
+def unsupported() -> str | None:
+    """Why ``attn_implementation="fatune"`` cannot register with the installed transformers (None: it can)."""
+    try:
+        import transformers
+        from transformers import masking_utils, modeling_utils
+    except ImportError as error:
+        return f"transformers cannot be imported ({error})"
+    needed = [(modeling_utils, "AttentionInterface")] + [(masking_utils, name) for name in _MASKING_NAMES]
+    if not all(hasattr(module, name) for module, name in needed):
+        return f"it needs transformers >= 5 (its masking functions), found {transformers.__version__}"
+    return None
+
+
 def register() -> bool:
     """Register ``attn_implementation="fatune"`` with transformers (imported here); False if transformers is not
-    installed or lacks what fatune's functions use (transformers >= 5). `import fatune` calls it once transformers'
-    modeling code loads; calling it again is cheap and harmless."""
+    installed or lacks what fatune's functions use (transformers >= 5: `unsupported` says why). `import fatune`
+    calls it once transformers' modeling code loads; calling it again is cheap and harmless."""
     global _registered
     with _lock:  # registered again where asked again: a registry another library reset is healed
-        try:
-            from transformers import masking_utils
-            from transformers.modeling_utils import AttentionInterface
-        except ImportError:
+        reason = unsupported()
+        if reason is not None:
+            if not reason.startswith("transformers cannot be imported"):
+                warn_once(f"fatune: attn_implementation='fatune' is not available: {reason}")
             return False
-        if not all(hasattr(masking_utils, name) for name in _MASKING_NAMES):
-            warn_once("fatune: attn_implementation='fatune' needs transformers >= 5 (its masking functions)")
-            return False
+        from transformers import masking_utils
+        from transformers.modeling_utils import AttentionInterface
+
         AttentionInterface.register(NAME, attention_forward)
         masking_utils.AttentionMaskInterface.register(NAME, mask)
         _registered = True

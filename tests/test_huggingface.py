@@ -16,9 +16,8 @@ from fatune import huggingface
 from tests.conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
-if not all(hasattr(pytest.importorskip("transformers.masking_utils"), name) for name in huggingface._MASKING_NAMES):
-    pytest.skip(f"attn_implementation='fatune' needs transformers >= 5, found {transformers.__version__}",
-                allow_module_level=True)
+if huggingface.unsupported():
+    pytest.skip(f"attn_implementation='fatune': {huggingface.unsupported()}", allow_module_level=True)
 from transformers import (  # noqa: E402
     DataCollatorWithFlattening,
     LlamaConfig,
@@ -270,6 +269,17 @@ def test_import_fatune_registers_in_either_order(order):
         "import transformers.modeling_utils\n" + REGISTRATION.replace(
             'assert "transformers" not in sys.modules, "import fatune imported transformers"\n', "")
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=300)
+
+
+def test_a_transformers_without_its_masking_functions_is_refused_by_name(monkeypatch):
+    """Where transformers lacks a masking function fatune's mask reads (older than 5), registering returns False
+    and says why, naming the version, rather than failing inside a model later."""
+    from transformers import masking_utils
+
+    assert huggingface.unsupported() is None
+    monkeypatch.delattr(masking_utils, "packed_sequence_mask_function")
+    assert transformers.__version__ in huggingface.unsupported()
+    assert huggingface.register() is False
 
 
 def test_register_again_heals_a_registry_another_library_reset():
