@@ -707,6 +707,8 @@ SANITIZED_CASES = [
     # the consumers of a key tile share its dS tile (stored by one, read by both): causal, two stages deep
     ("backward-head-split", 256, True, None, GluonBackwardConfig(num_stages=2, dq_slice=32), 1, 2, 300),
     ("backward-head-split-unbanded", 256, False, None, GluonBackwardConfig(num_stages=1, dq_slice=128), 1, 2, 300),
+    # grouped query heads (4 per K/V head), three stages: a program's ring wraps across the group's heads
+    ("backward-gqa-three-stages", 128, False, None, GluonBackwardConfig(num_stages=3), 1, 8, 300, 4),
 ]
 
 SANITIZED_SCRIPT = """
@@ -715,7 +717,7 @@ from fatune.kernel.gluon import launch as gluon_launch
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.triton.heuristics import default_config
 from fatune.kernel.triton.launch import ensure_triton_allocator
-d, causal, forward, backward, b, h, n = json.loads(sys.argv[1])
+d, causal, forward, backward, b, h, n, group = json.loads(sys.argv[1])
 consan = sys.argv[2] == "consan"
 sanitized = collections.Counter()
 
@@ -736,17 +738,20 @@ if consan:
     gluon_launch.GluonForward.__call__ = under_consan("forward", gluon_launch.GluonForward.__call__)
     gluon_launch.GluonBackward.__call__ = under_consan("backward", gluon_launch.GluonBackward.__call__)
 torch.manual_seed(0)
-q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-spec = fatune.explain(q, k, v, is_causal=causal).spec
+q, k, v = (torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for heads in (h, h // group, h // group))
+gqa = group > 1
+spec = fatune.explain(q, k, v, is_causal=causal, enable_gqa=gqa).spec
 config = default_config(spec, (9, 0)).to_dict()
 config = AttentionConfig.from_dict({**config, **({"fwd": forward} if forward else {}),
                                     **({"dkdv": backward} if backward else {})})
-launched = fatune.explain(q, k, v, is_causal=causal, config=config).launched
+launched = fatune.explain(q, k, v, is_causal=causal, config=config, enable_gqa=gqa).launched
 assert launched.gluon_forward == bool(forward) and launched.gluon_backward == bool(backward), launched
-out = fatune.attention(q, k, v, is_causal=causal, config=config)
+out = fatune.attention(q, k, v, is_causal=causal, config=config, enable_gqa=gqa)
 grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
 torch.cuda.synchronize()
-reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                                             enable_gqa=gqa)
 error = (out.float() - reference).abs().max().item()
 assert error < 0.05 and all(bool(torch.isfinite(g).all()) for g in grads), error
 if consan:
@@ -763,12 +768,12 @@ def _run_sanitized(case, tmp_path, tool: str, prefix: tuple[str, ...] = ()) -> s
     import subprocess
     import sys
 
-    _, d, causal, forward, backward, batch, heads, length = case
+    _, d, causal, forward, backward, batch, heads, length, *group = case
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FATUNE_CACHE_DIR": str(tmp_path / "kernels"),
            "FATUNE_DB": str(tmp_path / "none.sqlite")}
     env.pop("TRITON_INSTRUMENTATION_MODE", None)
     arguments = json.dumps([d, causal, forward.to_dict() if forward else None,
-                            backward.to_dict() if backward else None, batch, heads, length])
+                            backward.to_dict() if backward else None, batch, heads, length, *(group or [1])])
     try:  # below pytest's timeout, which would kill the xdist worker
         done = subprocess.run([*prefix, sys.executable, "-c", SANITIZED_SCRIPT, arguments, tool], env=env,
                               capture_output=True, text=True, timeout=170)
