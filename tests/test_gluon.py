@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-import triton
 
 import fatune
 from fatune.call import check_inputs
@@ -418,10 +417,10 @@ def test_gpu_gluon_forward_of_packed_sequences(d, causal, window, dtype, poison_
 
 # (spec, backward config, spilled bytes allowed): the backward's structural variants CI compiles. Two consumer
 # warpgroups of 64 keys hold dK and dV (64 + 64 registers each at d128) beside S^T and dP^T: ptxas spills a little
-# at d128, more under a band (its masks and split dS)
+# at d128, more under a band (its masks, and a second loop with the two-part dS)
 COMPILED_BACKWARD = [
     (KernelSpec("bfloat16", 64), GluonBackwardConfig(), 0),
-    (KernelSpec("float16", 64, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3), 0),
+    (KernelSpec("float16", 64, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3), 64),
     (KernelSpec("bfloat16", 128), GluonBackwardConfig(), 128),
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(), 384),
     (KernelSpec("float16", 96, window_left=True, window_right=True, bottom_right=True),
@@ -463,28 +462,27 @@ def test_backward_compiles_for_sm90_within_its_budgets(spec, config, spills_allo
     assert not warnings
 
 
-# (spec, backward config): the ptxas crash backward_uncompilable names, and its nearest neighbours that compile
-PTXAS_CRASH = [
+# (spec, backward config): backwards Triton 3.6's ptxas crashed on (exit -11) while every program ran one loop, with
+# the two-part dS in its registers where no row needed it (causal d96/d128, three stages, 64-lane dQ, 232+
+# registers; at 256 lanes under a band while each consumer of a key tile stored its own dS), and neighbours
+ONCE_CRASHED = [
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("float16", 96, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3, consumer_regs=232)),
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3, consumer_regs=216)),
     (KernelSpec("bfloat16", 128), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("bfloat16", 256, causal=True), GluonBackwardConfig(num_stages=1, consumer_regs=224)),
-    # at 256 lanes it crashed too, before the consumers of a key tile shared its dS tile
     (KernelSpec("bfloat16", 192, causal=True), GluonBackwardConfig(num_stages=1)),
 ]
 
 
-@pytest.mark.skipif(not triton.__version__.startswith("3.6."), reason="a crash of Triton 3.6's ptxas")
-def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
-    """A search rejects the Gluon backward configs Triton 3.6's ptxas crashes on (exit -11; one of an H200
-    search's candidates) before compiling them: backward_uncompilable names exactly the cases whose compile fails.
-    One process compiles them all."""
+def test_the_backwards_ptxas_once_crashed_on_compile(tmp_path):
+    """The backward configs Triton 3.6's ptxas crashed on compile, and none is rejected before compiling (a
+    search may take them). One process compiles them all."""
     script = "\n".join([
         "from fatune.kernel.gluon.offline import compile_backward",
         "from fatune.kernel.spec import GluonBackwardConfig, KernelSpec",
         "cases = [" + ", ".join(f"(KernelSpec(**{spec.to_dict()!r}), "
-                               f"GluonBackwardConfig.from_dict({config.to_dict()!r}))" for spec, config in PTXAS_CRASH)
+                               f"GluonBackwardConfig.from_dict({config.to_dict()!r}))" for spec, config in ONCE_CRASHED)
         + "]",
         "for spec, config in cases:",
         "    try:",
@@ -495,10 +493,8 @@ def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
     ])
     outcomes = [line for line in compile_in_subprocess(script, tmp_path).splitlines()
                 if line.startswith(("compiles", "fails"))]
-    expected = ["fails PTXASError" if resources.backward_uncompilable(spec, config) else "compiles"
-                for spec, config in PTXAS_CRASH]
-    assert outcomes == expected == ["fails PTXASError"] * 2 + ["compiles"] * 4
-    assert all(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in PTXAS_CRASH[:2])
+    assert outcomes == ["compiles"] * len(ONCE_CRASHED)
+    assert not any(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in ONCE_CRASHED)
 
 
 def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
