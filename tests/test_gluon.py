@@ -462,27 +462,31 @@ def test_backward_compiles_for_sm90_within_its_budgets(spec, config, spills_allo
     assert not warnings
 
 
-# (spec, backward config): backwards Triton 3.6's ptxas crashed on (exit -11) while every program ran one loop, with
-# the two-part dS in its registers where no row needed it (causal d96/d128, three stages, 64-lane dQ, 232+
-# registers; at 256 lanes under a band while each consumer of a key tile stored its own dS), and neighbours
-ONCE_CRASHED = [
+# (spec, backward config): backwards Triton 3.6's ptxas crashed on (exit -11) while every program ran one loop with
+# the two-part dS in its registers (causal d96/d128, three stages, 64-lane dQ, 232+ registers; at 256 lanes under a
+# band while each consumer of a key tile stored its own dS), and neighbours: all compile now, but under ALiBi,
+# whose kernel keeps one loop (backward_uncompilable names those)
+PTXAS_CRASH = [
+    (KernelSpec("bfloat16", 128, causal=True, bottom_right=True, alibi=True), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("float16", 96, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3, consumer_regs=232)),
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(num_stages=3, consumer_regs=216)),
+    (KernelSpec("bfloat16", 128, causal=True, bottom_right=True, alibi=True),
+     GluonBackwardConfig(num_stages=3, consumer_regs=216)),
     (KernelSpec("bfloat16", 128), GluonBackwardConfig(num_stages=3)),
     (KernelSpec("bfloat16", 256, causal=True), GluonBackwardConfig(num_stages=1, consumer_regs=224)),
     (KernelSpec("bfloat16", 192, causal=True), GluonBackwardConfig(num_stages=1)),
 ]
 
 
-def test_the_backwards_ptxas_once_crashed_on_compile(tmp_path):
-    """The backward configs Triton 3.6's ptxas crashed on compile, and none is rejected before compiling (a
-    search may take them). One process compiles them all."""
+def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
+    """A search rejects the Gluon backward configs Triton 3.6's ptxas crashes on (exit -11) before compiling them:
+    backward_uncompilable names exactly the cases whose compile fails. One process compiles them all."""
     script = "\n".join([
         "from fatune.kernel.gluon.offline import compile_backward",
         "from fatune.kernel.spec import GluonBackwardConfig, KernelSpec",
         "cases = [" + ", ".join(f"(KernelSpec(**{spec.to_dict()!r}), "
-                               f"GluonBackwardConfig.from_dict({config.to_dict()!r}))" for spec, config in ONCE_CRASHED)
+                               f"GluonBackwardConfig.from_dict({config.to_dict()!r}))" for spec, config in PTXAS_CRASH)
         + "]",
         "for spec, config in cases:",
         "    try:",
@@ -493,8 +497,10 @@ def test_the_backwards_ptxas_once_crashed_on_compile(tmp_path):
     ])
     outcomes = [line for line in compile_in_subprocess(script, tmp_path).splitlines()
                 if line.startswith(("compiles", "fails"))]
-    assert outcomes == ["compiles"] * len(ONCE_CRASHED)
-    assert not any(resources.backward_infeasible(spec, config, 227 * 1024) for spec, config in ONCE_CRASHED)
+    expected = ["fails PTXASError" if resources.backward_uncompilable(spec, config) else "compiles"
+                for spec, config in PTXAS_CRASH]
+    assert outcomes == expected == ["fails PTXASError"] + ["compiles"] * (len(PTXAS_CRASH) - 1)
+    assert resources.backward_infeasible(*PTXAS_CRASH[0], 227 * 1024)
 
 
 def test_a_gluon_backward_config_round_trips_and_names_its_kernels():

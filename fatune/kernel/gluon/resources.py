@@ -3,6 +3,8 @@ fit before it spends a trial on it."""
 
 from __future__ import annotations
 
+import triton
+
 from fatune.kernel.gluon.codegen import backward_dq_slice, backward_head_split, unpersistent, unshared_dq, width
 from fatune.kernel.spec import GLUON_SPLIT_M, GluonBackwardConfig, GluonConfig, KernelSpec
 
@@ -56,9 +58,27 @@ def backward_shared_memory_bytes(spec: KernelSpec, config: GluonBackwardConfig) 
     return keys + ring + ds + dq + barriers + 512  # alignment
 
 
+def backward_uncompilable(spec: KernelSpec, config: GluonBackwardConfig) -> str | None:
+    """Why Triton 3.6's ptxas cannot compile the backward `config` for `spec` (None: not known to fail). It crashes
+    (exit -11) on the one-loop kernel ALiBi keeps (its two-part dS in every tile) where each of two consumers
+    reduces its own dQ in 64-lane slices with 232 or more registers on 128 lanes under a causal mask without a
+    window, three 64-row stages deep (d96 and d128; bottom-right measured, top-left taken with it). Without ALiBi
+    only programs whose rows see few keys carry the split, and these configs compile."""
+    if not (spec.alibi and triton.__version__.startswith("3.6.") and config.block_m == 64 and config.consumers == 2
+            and not config.shared_dq and config.consumer_regs >= 232 and backward_dq_slice(spec, config) == 64):
+        return None
+    windowed = spec.window_left or spec.window_right
+    if width(spec.head_dim) == 128 and spec.causal and not windowed and config.num_stages == 3:
+        return "Triton 3.6's ptxas crashes on this causal ALiBi d128 backward (3 stages, 64-lane dQ, 232+ registers)"
+    return None
+
+
 def backward_infeasible(spec: KernelSpec, config: GluonBackwardConfig, shared_limit: int | None) -> str | None:
     """Why the backward `config` cannot run for `spec` on a GPU with `shared_limit` bytes of shared memory per
     block (None: unknown); None if it may."""
+    reason = backward_uncompilable(spec, config)
+    if reason is not None:
+        return reason
     split = backward_head_split(spec)
     if config.consumers % split:
         return f"{config.consumers} consumer warpgroups cannot share key tiles {split} to a tile"
