@@ -706,8 +706,8 @@ SANITIZED_CASES = [
     ("forward-three-consumers", 64, False, GluonConfig(128, 2, consumers=3, consumer_regs=160), None, 1, 4, 900),
     ("backward-default", 128, True, None, GluonBackwardConfig(), 2, 4, 700),
     ("backward-shared-dq", 64, True, None, GluonBackwardConfig(shared_dq=1), 1, 2, 333),
-    # the consumers of a key tile share its dS tile (stored by one, read by both): causal, two stages deep
-    ("backward-head-split", 256, True, None, GluonBackwardConfig(num_stages=2, dq_slice=32), 1, 2, 300),
+    # the consumers of a key tile split its query rows and share its P and dS tiles (each stores its rows): causal
+    ("backward-head-split", 256, True, None, GluonBackwardConfig(num_stages=1, dq_slice=64), 1, 2, 300),
     ("backward-head-split-unbanded", 256, False, None, GluonBackwardConfig(num_stages=1, dq_slice=128), 1, 2, 300),
     # grouped query heads (4 per K/V head), three stages: a program's ring wraps across the group's heads
     ("backward-gqa-three-stages", 128, False, None, GluonBackwardConfig(num_stages=3), 1, 8, 300, 4),

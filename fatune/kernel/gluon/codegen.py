@@ -161,9 +161,11 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
         "CONSUMERS": config.consumers, "CONSUMER_REGS": config.consumer_regs, "PRODUCER_REGS": GLUON_PRODUCER_REGS,
         "EXACT_DELTA_KEYS": EXACT_DELTA_KEYS, "BOTTOM_RIGHT": spec.bottom_right, "HAS_LEFT": spec.window_left,
         "HAS_RIGHT": has_right, "HAS_BAND": split_ds, "SPLIT_DS": split_ds,
-        # dS tiles: each consumer's, or with a head-dim split each key group's (its consumers compute the same dS)
-        "SHARED_DS": head_split > 1,
-        "DS_BUFFERS": (config.consumers // head_split) * (2 if split_ds else 1) * (2 if config.shared_dq else 1),
+        # dS tiles: each consumer's, or with a head-dim split each key group's, and its P tile (its consumers
+        # compute each of them a part of the rows)
+        "SHARED_DS": head_split > 1, "ROWS": config.block_m // head_split,
+        "DS_BUFFERS": (config.consumers // head_split) * ((2 if split_ds else 1) * (2 if config.shared_dq else 1)
+                                                           + (head_split > 1)),
         # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
         "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi, "D": spec.head_dim,
         "STORE_BY_POINTERS": backward_stores_by_pointers(spec),

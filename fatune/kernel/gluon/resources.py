@@ -43,15 +43,16 @@ def infeasible(spec: KernelSpec, config: GluonConfig, shared_limit: int | None) 
 
 def backward_shared_memory_bytes(spec: KernelSpec, config: GluonBackwardConfig) -> int:
     """Shared memory of one backward program, an upper bound within 1 KiB of what Triton allocates: each
-    key group's K and V tiles, the Q and dO ring, each key group's dS tile (its consumers compute the same dS; two
-    under a band: dS's low part; twice that where the consumers share dQ's reduction: two slots), each consumer's
-    float32 dQ slice and the mbarriers."""
+    key group's K and V tiles, the Q and dO ring, each key group's dS tile (two under a band: dS's low part;
+    twice that where the consumers share dQ's reduction: two slots; with a head-dim split, its P tile too), each
+    consumer's float32 dQ slice and the mbarriers."""
     lanes, split = width(spec.head_dim), backward_head_split(spec)
     keys = 2 * (config.consumers // split) * GLUON_SPLIT_M * lanes * ELEMENT_BYTES
     ring = 2 * config.num_stages * config.block_m * lanes * ELEMENT_BYTES
     banded = spec.causal or spec.window_left or spec.window_right
     slots = 2 if config.shared_dq else 1
-    ds = slots * (config.consumers // split) * (2 if banded else 1) * GLUON_SPLIT_M * config.block_m * ELEMENT_BYTES
+    tiles = slots * (2 if banded else 1) + (split > 1)  # with a head-dim split, P's tile too
+    ds = tiles * (config.consumers // split) * GLUON_SPLIT_M * config.block_m * ELEMENT_BYTES
     dq = config.consumers * config.block_m * backward_dq_slice(spec, config) * 4
     ds_barriers = 2 * (config.consumers // split) if split > 1 else 2  # each key group's handover, or dS slots
     barriers = 8 * (config.consumers // split + 3 * config.num_stages + ds_barriers)
