@@ -23,6 +23,7 @@ import math
 import os
 import sqlite3
 import stat
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -194,7 +195,7 @@ class TunedDB:
                 self._check_write_lock()
             self._check_schema()
             if not readonly and wal:
-                self.db.enable_wal()
+                self._enable_wal()
         except sqlite3.DatabaseError as error:
             self.db.conn.close()
             raise DBError(f"{self.label}: not a usable SQLite database ({error})") from None
@@ -216,6 +217,22 @@ class TunedDB:
             if "readonly" in str(error):
                 raise DBError(f"{self.label}: is read-only ({error})") from None
             raise
+
+    def _enable_wal(self, timeout_s: float = 30.0) -> None:
+        """Switch to WAL journaling. SQLite answers 'database is locked' at once, without its busy handler,
+        while another connection of a file still in rollback mode reads it (processes opening a fresh file
+        together), so the switch is retried here for as long as the busy timeout would wait."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            try:
+                self.db.enable_wal()
+                return
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def _check_schema(self) -> None:
         tables = set(self.db.table_names())
