@@ -18,11 +18,17 @@ INTERPRET_ENV = "TRITON_INTERPRET"  # Triton's own: 1 runs kernels in its CPU in
 
 
 def user_path(env: str, name: str) -> Path:
-    """$env if set, else `name` in fatune's folder of the user's cache dir ($XDG_CACHE_HOME or ~/.cache)."""
+    """$env if set, else `name` in fatune's folder of the user's cache dir ($XDG_CACHE_HOME if absolute, as the
+    XDG spec asks, else ~/.cache). RuntimeError naming $env where its '~user' has no home directory."""
     configured = os.environ.get(env)
     if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        try:
+            return Path(configured).expanduser()
+        except RuntimeError as error:
+            raise RuntimeError(f"${env}={configured!r}: {error}") from None
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "fatune" / name
 
 

@@ -4,8 +4,10 @@ line with the right exit code."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -142,6 +144,38 @@ USER_ERRORS = [  # (id, arguments ({tmp} is a fresh folder), exit code, text of 
     ("list-corrupt-db", ["db", "list", "--db", "{tmp}/garbage.sqlite"], 1, "not a usable SQLite"),
     ("import-invalid-entry", ["db", "import", "--db", "{tmp}/good.sqlite", "{tmp}/invalid-entry.sqlite"], 1,
      "fwd_config.block_m"),
+    # a target DB altered as no fatune would: refused in one line, before any write (a search: before any trial)
+    ("import-into-triggers", ["db", "import", "--db", "{tmp}/trigger.sqlite", "{tmp}/good.sqlite"], 1, "triggers"),
+    ("import-into-a-check", ["db", "import", "--db", "{tmp}/check.sqlite", "{tmp}/good.sqlite"], 1,
+     "CHECK constraint failed"),
+    ("import-into-no-ids", ["db", "import", "--db", "{tmp}/no-id.sqlite", "{tmp}/good.sqlite"], 1, "['id']"),
+    ("import-into-bad-text", ["db", "import", "--db", "{tmp}/bad-text.sqlite", "{tmp}/good.sqlite"], 1, "UTF-8"),
+    ("import-into-a-damaged-db", ["db", "import", "--db", "{tmp}/damaged.sqlite", "{tmp}/good.sqlite"], 1,
+     "malformed"),
+    ("search-into-a-damaged-db", [*SEARCH, "--db", "{tmp}/damaged.sqlite"], 1, "malformed"),
+    ("search-huge-seed", [*SEARCH, "--seed", str(2**64)], 2, "--seed"),
+    ("search-int32-offsets", [*SEARCH[:-6], "--lengths", "40000000", "--head-dim", "64", "--mask", "none"], 2,
+     "int32"),
+    ("search-compile-workers", [*SEARCH, "--db", "{tmp}/t.sqlite", "--compile-workers", "100000"], 2,
+     "--compile-workers"),
+    ("search-workers", [*SEARCH, "--db", "{tmp}/t.sqlite", "--workers", "100000"], 2, "--workers"),
+    ("bench-int8", ["bench", "--dtypes", "int8", "--dry-run"], 2, "--dtypes"),
+    ("bench-unknown-impl", ["bench", "--impls", "fatune,bogus", "--dry-run"], 2, "--impls"),
+    ("bench-impls-of-another-suite", ["bench", "--suite", "overhead", "--impls", "fatune", "--dry-run"], 2,
+     "--impls"),
+    ("bench-zero-tokens", ["bench", "--tokens", "0", "--dry-run"], 2, "--tokens"),
+    ("bench-negative-model-dim", ["bench", "--model-dim", "-64", "--dry-run"], 2, "--model-dim"),
+    ("bench-nan-warmup", ["bench", "--warmup-ms", "nan", "--dry-run"], 2, "--warmup-ms"),
+    ("bench-zero-rep", ["bench", "--rep-ms", "0", "--dry-run"], 2, "--rep-ms"),
+    ("bench-infinite-rep", ["bench", "--rep-ms", "inf", "--dry-run"], 2, "--rep-ms"),
+    ("bench-malformed-state", ["bench", "--suite", "tuning-gain", "--part", "table", "-o", "{tmp}/bad-state"], 1,
+     "not a state file"),
+    ("bench-state-of-wrong-types", ["bench", "--suite", "search-quality", "--part", "table", "-o",
+                                    "{tmp}/list-state"], 1, "not a state file"),
+    ("bench-merge-malformed-state", ["bench", "--suite", "tuning-gain", "--part", "table", "-o", "{tmp}/out",
+                                     "--merge", "{tmp}/bad-state"], 1, "not a state file"),
+    ("bench-state-fifo", ["bench", "--suite", "tuning-gain", "--part", "table", "-o", "{tmp}/fifo-state"], 1,
+     "not a regular file"),
 ]
 
 
@@ -165,11 +199,16 @@ def test_bench_dry_run_lists_the_masked_shapes(args, labels):
 def _fixtures(tmp_path: Path) -> None:
     from tests.test_db import make_entry, write_bad_db
 
-    for kind in ("garbage", "foreign", "newer", "invalid-entry"):
+    for kind in ("garbage", "foreign", "newer", "invalid-entry", "trigger", "check", "no-id", "bad-text", "damaged"):
         write_bad_db(tmp_path / f"{kind}.sqlite", kind)
     with TunedDB(tmp_path / "good.sqlite") as db:
         db.upsert(make_entry())
     (tmp_path / "file").write_text("")
+    for name, text in (("bad-state", '{"gain": '), ("list-state", '{"grid": [1, 2]}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.json").write_text(text)
+    (tmp_path / "fifo-state").mkdir()
+    os.mkfifo(tmp_path / "fifo-state" / "state.json")
 
 
 def _files(folder: Path) -> list[str]:
@@ -191,6 +230,16 @@ def test_user_errors_are_one_line_with_the_right_exit_code(tmp_path, args, code,
     result = CliRunner().invoke(cli, [arg.replace("{tmp}", str(tmp_path)) for arg in args])
     assert_one_line_error(result, code, text)
     assert _files(tmp_path) == before  # refused before any work: no DB, storage or folder created
+
+
+def test_a_foreign_optuna_storage_is_one_line(tmp_path):
+    """A database with a table of one of Optuna's names that is not Optuna's: refused when opened, not mid-search."""
+    with contextlib.closing(sqlite3.connect(tmp_path / "studies.sqlite")) as connection:
+        connection.execute("create table studies (x)")
+        connection.commit()
+    result = CliRunner().invoke(cli, [*SEARCH, "--db", str(tmp_path / "t.sqlite"), "--storage",
+                                      f"sqlite:///{tmp_path}/studies.sqlite"])
+    assert_one_line_error(result, 1, "cannot open Optuna storage")
 
 
 def test_an_unusable_fatune_db_variable_is_named(tmp_path):

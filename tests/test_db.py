@@ -94,6 +94,11 @@ OLD, NEW = "2026-11-01T00:00:00+00:00", "2026-11-30T00:00:00+00:00"
      {"fwd_ms": 1.0, "created_at": OLD}, False),
     # the same instant: the entry in place stays
     ({"batch": 4, "fwd_bwd_ms": 1.0, "created_at": NEW}, {"batch": 8, "fwd_bwd_ms": 3.0, "created_at": NEW}, False),
+    # times compared as times: an ISO week date (2026-W01-1 is 2025-12-29) and another time zone are no newer
+    # for sorting after the calendar date as text
+    ({"batch": 4, "created_at": "2026-W01-1"}, {"batch": 8, "created_at": "2026-01-05T00:00:00+00:00"}, False),
+    ({"batch": 4, "created_at": "2026-01-05T01:00:00+05:00"}, {"batch": 8, "created_at": "2026-01-04T21:00:00+00:00"},
+     False),
 ])
 def test_an_entry_supersedes_by_time_on_its_problem_and_by_recency_across_problems(mine, theirs, replaces):
     """Times of different problems say nothing about each other's configs; a newer search of a key started
@@ -164,6 +169,30 @@ def write_bad_db(path: Path, kind: str, **match) -> Path:
             connection.execute("update meta set value = ? where key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
             connection.commit()
             connection.close()
+    elif kind in ("trigger", "check", "no-id", "damaged", "bad-text"):  # fatune's tables, altered as no fatune would
+        with TunedDB(path, wal=False) as db:
+            db.upsert(make_entry(**match))
+        connection = sqlite3.connect(path)
+        if kind == "trigger":
+            connection.execute("create trigger refuse before insert on entries begin select raise(abort, 'no'); end")
+        elif kind == "check":  # refuses every entry fatune writes
+            (sql,) = connection.execute("select sql from sqlite_master where name = 'entries'").fetchone()
+            connection.executescript(f"drop table entries; {sql.rstrip()[:-1]}, check (seqlen_q_bucket < 16));")
+        elif kind == "no-id":
+            columns = ", ".join(c for (_, c, *_) in connection.execute("pragma table_info(entries)") if c != "id")
+            connection.executescript(f"create table copied as select {columns} from entries; drop table entries; "
+                                     f"alter table copied rename to entries;")
+        elif kind == "bad-text":  # not UTF-8, in the row an upsert of the same key reads
+            connection.execute("update entries set sdpa_backend = cast(x'c328' as text)")
+        else:  # the entries table's first page overwritten
+            (page,) = connection.execute("select rootpage from sqlite_master where name = 'entries'").fetchone()
+            (size,) = connection.execute("pragma page_size").fetchone()
+        connection.commit()
+        connection.close()
+        if kind == "damaged":
+            with open(path, "r+b") as handle:
+                handle.seek((page - 1) * size)
+                handle.write(b"\xff" * size)
     else:  # a row no fatune would write: block_m 7, a missing backward config or a negative time
         TunedDB(path).close()
         raw_insert(path, **match, **{

@@ -36,7 +36,7 @@ CASES = 300
 # -- values no entry may hold, per field (each one invalid whatever the rest of the entry) --------
 
 WRONG_TYPES = [None, [], {}, True, 1.5, "x", 7]
-NOT_TEXT = [v for v in WRONG_TYPES if not isinstance(v, str)] + [""]
+NOT_TEXT = [v for v in WRONG_TYPES if not isinstance(v, str)] + ["", "H100\nError: forged", "a\x1bb", "x" * 201]
 NOT_COUNT = [-1, 1.5, "3", None, True, 2**70, [], {}]
 NOT_TIME = [0, 0.0, -1.0, -1e-9, 1e-300, math.nan, math.inf, -math.inf, "1.0", None, True, [], {}]
 NOT_OPTIONAL_TIME = [0, -1.0, 1e-300, math.inf, -math.inf, "1.0", None, True, []]
@@ -57,10 +57,10 @@ INVALID = {
     "bwd_ms": [-1.0, 0.0, 1e-300, math.nan, math.inf, "1", None, True, []],
     "tflops": [-1.0, 1e9, math.inf, "400", None, True, []],
     "sdpa_ms": NOT_OPTIONAL_TIME, "speedup": NOT_OPTIONAL_TIME,
-    "sdpa_backend": [5, None, [], True],
+    "sdpa_backend": [5, None, [], True, "cudnn\nforged line"],
     "batch": NOT_COUNT, "heads": NOT_COUNT, "seqlen_q": NOT_COUNT, "seqlen_k": NOT_COUNT, "trials": NOT_COUNT,
     "interpreted": [0, 1, "true", None, [], 2.0],
-    "created_at": [5, None, [], True],
+    "created_at": [5, None, [], True, "2999-01-01T00:00:00+00:00", "yesterday"],
 }
 CONFIG_INVALID = {"block_m": BAD_TILES, "block_n": BAD_TILES, "num_warps": BAD_WARPS, "num_stages": BAD_STAGES}
 
@@ -401,3 +401,46 @@ def test_read_only_deployment_reads_and_refuses_writes_at_once(tmp_path):
     layer, skipped = out["unreadable"]
     assert layer == "shipped-db" and "unreadable.sqlite" in skipped[0] and "Permission denied" in skipped[0]
     assert sorted(p.name for p in deploy.iterdir()) == before  # nothing written, not even side files
+
+
+# -- folders and cached files named by the environment ---------------------------------------------
+
+NO_HOME_CHILD = """
+import json, os, sys, torch
+import fatune
+from fatune.kernel import codegen
+from fatune.tuning import compile_log
+
+q, k, v = (torch.randn(1, 2, 33, 16, dtype=torch.float32, requires_grad=True) for _ in range(3))
+out = fatune.attention(q, k, v, is_causal=True)
+out.sum().backward()
+reference = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+print(json.dumps({"error": (out.double() - reference).abs().max().item(), "cache": str(codegen.cache_dir()),
+                  "log": str(compile_log.write("title", "text"))}))
+"""
+
+
+@pytest.mark.parametrize("variable", ["FATUNE_CACHE_DIR", "FATUNE_LOG_DIR", "XDG_CACHE_HOME"])
+def test_a_folder_variable_naming_no_folder_costs_a_warning_never_a_call(tmp_path, monkeypatch, variable):
+    """'~user' of no user (Path.expanduser raises) or a relative XDG_CACHE_HOME (the XDG spec: ignored): the call
+    runs and is right, its sources and a search's log go to a temporary folder, nothing lands in the working one."""
+    value = "~no-such-user-of-fatune/x" if variable != "XDG_CACHE_HOME" else "relative-cache"
+    for name in ("FATUNE_CACHE_DIR", "FATUNE_LOG_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (result,) = run_child(NO_HOME_CHILD)
+    assert result["error"] < 1e-4
+    assert "~no-such-user" not in result["cache"] + result["log"] and not (tmp_path / "relative-cache").exists()
+    assert not any(p.name.startswith("~") for p in tmp_path.iterdir())
+
+
+def test_a_damaged_cached_source_is_written_again(tmp_path):
+    """A cached kernel source that is not the rendered text (not even UTF-8) is replaced, not read as an error."""
+    from fatune.kernel import codegen
+
+    path = tmp_path / "attn_fwd_damaged.py"
+    path.write_bytes(b"\xff\xfe")
+    assert codegen._write_source(path, "x = 1\n") == path
+    assert path.read_text() == "x = 1\n"

@@ -28,8 +28,20 @@ STATE = "state.json"
 
 
 def load(folder: Path) -> dict:
+    """The state in `folder` ({} if none); ValueError naming the file where it is not a state file: a JSON object
+    of objects (a folder given to --merge may come from another machine)."""
     path = Path(folder) / STATE
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    if not path.is_file():  # a FIFO would block the read forever
+        raise ValueError(f"{path}: not a regular file")
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path}: not a state file ({error})") from None
+    if not isinstance(state, dict) or not all(isinstance(value, dict) for value in state.values()):
+        raise ValueError(f"{path}: not a state file (expected a JSON object of objects)")
+    return state
 
 
 def save(folder: Path, state: dict) -> None:

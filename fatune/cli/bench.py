@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from fatune.cli.options import (
     name_list,
     reexec_interpreted,
 )
+from fatune.kernel.spec import dtype_name
 from fatune.settings import interpreting
 
 SUITE_DEFAULTS = {  # per suite: the --head-dims and --lengths a run gets when they are not given
@@ -31,6 +33,30 @@ def _counts(value: str, allow_empty: bool = False) -> list[int]:
     if not (parts or allow_empty and not value.strip()) or not all(part.isdigit() for part in parts):
         raise click.BadParameter(f"expected comma-separated integers from 0 such as 0,1,2, got {value!r}")
     return [int(part) for part in parts]
+
+
+def _milliseconds(value: float, positive: bool = False) -> float:
+    """A timing budget: finite, at most an hour, and > 0 (`positive`) or >= 0 (click's FloatRange lets NaN by)."""
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= 3.6e6):
+        raise click.BadParameter(f"expected a number of milliseconds {'> 0' if positive else '>= 0'} and at most "
+                                 f"3600000, got {value}")
+    return value
+
+
+def _impl_names(suite: str) -> tuple[str, ...]:
+    """The implementations a suite can time (--impls)."""
+    from fatune.tuning.competitors import SDPA_BACKENDS
+
+    sdpa = tuple(f"sdpa-{backend}" for backend in SDPA_BACKENDS)
+    if suite == "dense":
+        from fatune.bench import dense
+
+        return (*dense.FATUNE_IMPLS, *sdpa, "flex")
+    if suite == "masked":
+        return ("fatune", "flex", *sdpa)
+    if suite == "inference":
+        return ("fatune", "fatune-unsplit", "fatune-paged", *sdpa)
+    return ()
 
 
 def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -63,11 +89,14 @@ def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None)
                    "--documents documents (cu_seqlens; Flex gets a document mask, SDPA cannot take it); competitors "
                    "get the same mask.")
 @mask_variant_options
-@click.option("--tokens", default=16384, show_default=True, help="dense, masked: B * L per shape.")
-@click.option("--model-dim", default=2048, show_default=True, help="dense, masked: H * D per shape.")
+@click.option("--tokens", type=click.IntRange(1), default=16384, show_default=True,
+              help="dense, masked: B * L per shape.")
+@click.option("--model-dim", type=click.IntRange(1), default=2048, show_default=True,
+              help="dense, masked: H * D per shape.")
 @click.option("--only", default="", help="masked: the cases whose name contains one of these comma-separated texts.")
-@click.option("--warmup-ms", default=25.0, show_default=True)
-@click.option("--rep-ms", default=100.0, show_default=True)
+@click.option("--warmup-ms", default=25.0, show_default=True, callback=lambda ctx, param, value: _milliseconds(value))
+@click.option("--rep-ms", default=100.0, show_default=True,
+              callback=lambda ctx, param, value: _milliseconds(value, positive=True))
 @click.option("--calls", type=click.IntRange(1), default=2000, show_default=True,
               help="overhead: calls per round of each workload.")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=5, show_default=True,
@@ -134,6 +163,17 @@ def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, v
                                                                                           "table")
         if part not in parts:
             raise click.UsageError(f"--suite {suite} takes --part {'|'.join(parts)}")
+    if impls is not None:
+        known = _impl_names(suite)
+        unknown = [name for name in impls if name not in known]
+        if not known or unknown or not impls:
+            raise click.BadParameter(f"--suite {suite} times one or more of {', '.join(known)}, got "
+                                     f"{','.join(impls) or 'none'}" if known else
+                                     f"--suite {suite} takes no --impls", param_hint="--impls")
+    try:
+        dtypes = [dtype_name(d) for d in dtypes]
+    except ValueError as error:
+        raise click.BadParameter(str(error).removeprefix("dtype: "), param_hint="--dtypes") from None
     output = output or Path("bench-results") / suite
     planned = _plan(suite, head_dims, lengths, causal, dtypes, gqa, mask, window, valid_keys, documents, tokens,
                     model_dim, only)
@@ -167,8 +207,6 @@ def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, v
 def _plan(suite, head_dims, lengths, causal, dtypes, gqa, mask, window, valid_keys, documents, tokens, model_dim,
           only) -> list:
     """The shapes (dense) or cases (masked) a run times; nothing for the other suites."""
-    from fatune.kernel.spec import dtype_name
-
     if suite not in SUITE_DEFAULTS:
         return []
     default_dims, default_lengths = SUITE_DEFAULTS[suite]
@@ -248,10 +286,13 @@ def _run(suite, planned, impls, warmup_ms, rep_ms, calls, rounds, part, indices,
         return models.run(interpret)
     from fatune.bench import resumable
 
-    if merge:
+    try:  # this folder's state and the merged ones', checked before any measurement
         state = resumable.load(output)
         for folder in merge:
             resumable.merge(state, resumable.load(folder))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    if merge:
         resumable.save(output, state)
     echo = click.echo  # progress lines as they come
     try:

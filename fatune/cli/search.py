@@ -93,7 +93,8 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
               help="Optuna trials per kernel per shape, in all (every worker and host together).")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
               help="Seconds per shape.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (same seed, same trial sequence).")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Sampler seed (same seed, same trial sequence).")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Tuned DB file (default: $FATUNE_DB or ~/.cache/fatune/tuned.sqlite).")
 @click.option("--storage", default=None,
@@ -162,6 +163,11 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
                     head_dim=head_dim, dtype=dtype, causal=c, kv_heads=kv_heads or heads)
               for c in causal_values for lq, lk in zip(lengths, lengths_k)]
     shapes = apply_mask(shapes, mask, window, valid_keys, documents)
+    for shape in shapes:  # a call fatune.attention would refuse (int32 offsets, say) is refused here, before any trial
+        try:
+            shape.problem
+        except ValueError as error:
+            raise click.UsageError(f"shape {shape.label()}: {error}") from None
 
     # everything that can fail for a reason other than the search itself fails here, before any trial
     try:
@@ -192,8 +198,11 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
     space = INTERPRETER_SPACE if interpret else GPU_SPACE
     if families == "triton":
         space = dataclasses.replace(space, families=("triton",))
-    job = hosts.Job(tuple(shapes), trials, time_budget, storage, seed, space, interpret,
-                    hosts.compile_worker_count(compile_workers, workers, interpret), str(log))
+    try:
+        compile_workers = hosts.compile_worker_count(compile_workers, workers, interpret)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--compile-workers") from None
+    job = hosts.Job(tuple(shapes), trials, time_budget, storage, seed, space, interpret, compile_workers, str(log))
     try:
         database = tuned_db.TunedDB(db_path)
     except tuned_db.DBError as error:

@@ -86,6 +86,15 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def _creation_time(value: str) -> datetime.datetime:
+    """A created_at as a UTC time ('' is now): compared as times, not strings (ISO 8601 has other spellings
+    of a date, such as week dates, that sort after every calendar date)."""
+    if not value:
+        return datetime.datetime.now(datetime.timezone.utc)
+    when = datetime.datetime.fromisoformat(value)
+    return when.replace(tzinfo=datetime.timezone.utc) if when.tzinfo is None else when
+
+
 @dataclass
 class Entry:
     """One tuned result: the key columns, the winning configs and what was measured."""
@@ -143,7 +152,7 @@ class Entry:
             if self.forward_only or other.forward_only:
                 return self.fwd_ms < other.fwd_ms
             return self.fwd_bwd_ms < other.fwd_bwd_ms
-        return (self.created_at or _now()) > (other.created_at or _now())
+        return _creation_time(self.created_at) > _creation_time(other.created_at)
 
     def route(self) -> str:
         """The torch SDPA backend a call of this entry's key runs on ("" for fatune's kernels): the one measured
@@ -309,8 +318,9 @@ def _causal_pairs(lq: int, lk: int, offset: int) -> int:
     return upto(lq + offset) - upto(offset)
 
 
-def _is_text(value: Any, pattern: str = r".+") -> bool:
-    return isinstance(value, str) and re.fullmatch(pattern, value, re.DOTALL) is not None
+def _is_text(value: Any, pattern: str = r"[^\x00-\x1f\x7f]{1,200}") -> bool:
+    """A string matching `pattern`: by default one line of printable text (a field is printed in log lines)."""
+    return isinstance(value, str) and re.fullmatch(pattern, value) is not None
 
 
 _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -334,7 +344,7 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fwd_bwd_ms": (lambda v: _is_time(v, nan=True), f"a finite time >= {MIN_TIME_MS} ms, or NaN (forward-only)"),
     "tflops": (lambda v: _is_number(v, 0, MAX_FLOPS_PER_S / 1e12, nan=True),
                f"a finite number in 0..{MAX_FLOPS_PER_S / 1e12:.0f} (TFLOP/s), or NaN"),
-    "sdpa_backend": (lambda v: isinstance(v, str), "a string"),
+    "sdpa_backend": (lambda v: v == "" or _is_text(v), "'' or one line of text"),
     "sdpa_ms": (lambda v: _is_time(v, nan=True), f"a finite time >= {MIN_TIME_MS} ms, or NaN"),
     "speedup": (lambda v: _is_number(v, 0, above=True, nan=True), "a finite number > 0, or NaN"),
     **{name: (lambda v: _is_int(v, 0, MAX_COUNT), "an int >= 0")
@@ -353,11 +363,9 @@ def _is_creation_time(value: Any) -> bool:
     if not value:
         return True
     try:
-        when = datetime.datetime.fromisoformat(value)
+        when = _creation_time(value)
     except ValueError:
         return False
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
     return when <= datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
 
 

@@ -44,7 +44,7 @@ def default_path() -> Path:
     try:
         return user_path(DB_ENV, "tuned.sqlite")
     except RuntimeError as error:  # Path.expanduser: no home directory for '~user'
-        raise DBError(f"${DB_ENV}={os.environ.get(DB_ENV, '')!r}: {error}") from None
+        raise DBError(str(error)) from None
 
 
 def label(path: str | os.PathLike) -> str:
@@ -259,9 +259,16 @@ class TunedDB:
                     for statement in MIGRATIONS[target]:
                         self.db.execute(statement)
                 self.db["meta"].upsert({"key": "schema_version", "value": str(SCHEMA_VERSION)}, pk="key")
-        missing = [column for column in _COLUMNS if column not in self.db[TABLE].columns_dict]
+        missing = [column for column in ("id", *_COLUMNS) if column not in self.db[TABLE].columns_dict]
         if missing:
             raise DBError(f"{self.label}: not a fatune tuned DB (table {TABLE} lacks columns {missing})")
+        triggers = [row[0] for row in self.db.execute("select name from sqlite_master where type = 'trigger'")]
+        if triggers:  # fatune makes none; one could refuse or rewrite what fatune writes
+            raise DBError(f"{self.label}: not a fatune tuned DB (it has triggers: {triggers[:3]})")
+        if not self.readonly:
+            problems = [row[0] for row in self.db.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:  # caught here, not by the write at the end of a search
+                raise DBError(f"{self.label}: damaged SQLite file ({'; '.join(problems)[:200]})")
 
     def _create(self) -> None:
         with self.transaction():
@@ -273,18 +280,32 @@ class TunedDB:
     # -- transactions ------------------------------------------------------------------------
 
     class _Transaction:
-        def __init__(self, db: sqlite_utils.Database):
+        """BEGIN IMMEDIATE (the write lock now: no lost updates) .. COMMIT, or ROLLBACK on an error; an error of
+        SQLite's (a damaged or foreign file, a full disk) leaves as a DBError naming the file."""
+
+        def __init__(self, db: sqlite_utils.Database, label: str):
             self.db = db
+            self.label = label
 
         def __enter__(self):
-            self.db.execute("BEGIN IMMEDIATE")  # take the write lock now: no lost updates
+            try:
+                self.db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as error:
+                raise DBError(f"{self.label}: cannot be written ({error})") from None
             return self
 
         def __exit__(self, kind, value, traceback):
-            self.db.execute("ROLLBACK" if kind else "COMMIT")
+            try:
+                self.db.execute("ROLLBACK" if kind else "COMMIT")
+            except sqlite3.Error as error:
+                if kind is None:
+                    raise DBError(f"{self.label}: cannot be written ({error})") from None
+            if kind is not None and issubclass(kind, sqlite3.Error):
+                raise DBError(f"{self.label}: cannot be written ({value})") from None
+            return False
 
     def transaction(self) -> TunedDB._Transaction:
-        return TunedDB._Transaction(self.db)
+        return TunedDB._Transaction(self.db, self.label)
 
     # -- rows --------------------------------------------------------------------------------
 

@@ -126,22 +126,38 @@ def _span(lines: list[str], start: tuple[int, int], end: tuple[int, int]) -> str
     return lines[start[0] - 1][start[1]:] + "".join(lines[start[0]:end[0] - 1]) + lines[end[0] - 1][:end[1]]
 
 
+_fallback_dir: Path | None = None  # this process's folder for sources where the cache cannot take them
+
+
 def cache_dir() -> Path:
-    """Where rendered sources go: $FATUNE_CACHE_DIR, else ~/.cache/fatune/kernels."""
-    return user_path(CACHE_ENV, "kernels")
+    """Where rendered sources go: $FATUNE_CACHE_DIR, else ~/.cache/fatune/kernels (a value naming no folder, such
+    as '~user' of no user, costs one warning: a private temporary folder is used instead)."""
+    try:
+        return user_path(CACHE_ENV, "kernels")
+    except RuntimeError as error:
+        return _fallback(str(error))
+
+
+def _fallback(why: str) -> Path:
+    """This process's private folder for sources, made (and warned about, naming $FATUNE_CACHE_DIR) once."""
+    global _fallback_dir
+    if _fallback_dir is None:
+        _fallback_dir = Path(tempfile.mkdtemp(prefix="fatune-kernels-"))
+        log.warning("fatune: cannot write generated kernels (%s); set $%s to a writable folder. Using %s in this "
+                    "process.", why, CACHE_ENV, _fallback_dir)
+    return _fallback_dir
 
 
 def _write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
     os.replace(tmp, path)
 
 
 _modules: dict[tuple, ModuleType] = {}
 _lock = threading.Lock()
-_fallback_dir: Path | None = None
 
 
 def _write_source(path: Path, source: str) -> Path:
@@ -150,17 +166,12 @@ def _write_source(path: Path, source: str) -> Path:
     A cache folder that cannot be written (read-only home, a file in the way) costs one
     warning naming $FATUNE_CACHE_DIR; the sources then go to a private temporary folder.
     """
-    global _fallback_dir
     try:
-        if not path.is_file() or path.read_text() != source:
+        if not path.is_file() or path.read_bytes() != source.encode():  # a damaged file is rewritten
             _write_atomically(path, source)
         return path
     except OSError as error:
-        if _fallback_dir is None:
-            _fallback_dir = Path(tempfile.mkdtemp(prefix="fatune-kernels-"))
-            log.warning("fatune: cannot write generated kernels to %s (%s); set $%s to a writable folder. "
-                        "Using %s in this process.", path.parent, error, CACHE_ENV, _fallback_dir)
-        fallback = _fallback_dir / path.name
+        fallback = _fallback(f"{path.parent}: {error}") / path.name
         _write_atomically(fallback, source)
         return fallback
 

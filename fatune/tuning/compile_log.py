@@ -88,7 +88,10 @@ def details(error: BaseException) -> str:
 def log_dir() -> Path:
     """Where searches keep their logs: $FATUNE_LOG_DIR, else ~/.cache/fatune/logs."""
 
-    return user_path(LOG_ENV, "logs")
+    try:
+        return user_path(LOG_ENV, "logs")
+    except RuntimeError:  # '~user' of no user: the temporary folder write() falls back to anyway
+        return Path(tempfile.gettempdir()) / "fatune-logs"
 
 
 def start(path: str | Path | None = None) -> Path:

@@ -155,6 +155,7 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
                                                  grace_period=GRACE_S, **_retry_callback_kwargs())
             if path is not None:
                 _write_ahead(storage.engine)
+            storage.get_all_studies()  # a foreign database with tables of Optuna's names fails here, not mid-search
             return storage
     except Exception as error:  # noqa: BLE001 - unreachable servers, foreign databases
         raise ValueError(f"{url}: cannot open Optuna storage ({type(error).__name__}: "

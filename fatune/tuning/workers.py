@@ -60,6 +60,9 @@ def worker_count(requested: int | None, interpret: bool) -> int:
     """The number of workers: `requested` (ValueError if more than the visible GPUs: two workers on one
     GPU would time each other's kernels), else one per visible GPU (one in the interpreter)."""
     if interpret:
+        cores = _cores()
+        if requested and requested > cores:
+            raise ValueError(f"expected at most {cores} with --interpret (one per CPU core), got {requested}")
         return requested or 1
     gpus = len(visible_gpus())
     if requested is None:
@@ -73,12 +76,19 @@ def worker_count(requested: int | None, interpret: bool) -> int:
 def compile_worker_count(requested: int | None, workers: int, interpret: bool) -> int:
     """Compile processes per worker: `requested`, else the CPU cores per worker less the one that times
     (at most MAX_COMPILE_WORKERS); none in the interpreter, which compiles nothing."""
+    cores = _cores()
     if requested is not None:
+        if requested > cores:
+            raise ValueError(f"expected at most {cores} (this host's CPU cores), got {requested}")
         return requested
     if interpret:
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
     return max(1, min(MAX_COMPILE_WORKERS, cores // workers - 1))
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
 
 
 def _interrupt(signum, frame) -> None:
