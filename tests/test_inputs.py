@@ -177,6 +177,16 @@ def test_zero_heads_give_an_empty_result():
     assert out.shape == (2, 0, 16, 32)
 
 
+def test_no_keys_give_zeros_whatever_the_queries_hold():
+    """L_k = 0: every row sees no key and returns 0, also where an input holds inf or NaN (they reach no key)."""
+    q, k, v = qkv(lq=5, lk=0)
+    q[0, 0, 0, 0], q[1, 1, 2, 3] = float("inf"), float("nan")
+    q.requires_grad_()
+    out = fatune.attention(q, k, v)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(q.grad, torch.zeros_like(q))
+
+
 def test_meta_tensors_give_shapes():
     q, k, v = qkv(dv=24, device="meta")
     out = fatune.attention(q, k, v, is_causal=True)

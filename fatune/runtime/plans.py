@@ -222,5 +222,6 @@ def run_without_kernels(prepared: Prepared, query, key, value, call: Call) -> to
         return out
     if call.block_table is not None:  # a paged cache's pool is not this call's keys (nor differentiable)
         return out.zero_()
-    # no keys anywhere: every row is a row that sees no key (0), still connected to the inputs
-    return out.zero_() + (query.sum() + key.sum() + value.sum()) * 0
+    # no keys anywhere: every row is a row that sees no key (0), still connected to the inputs through sums of
+    # no elements (exactly 0 whatever the inputs hold: an inf times 0 would be NaN), whose gradients are 0
+    return out.zero_() + (query[..., :0].sum() + key[..., :0].sum() + value[..., :0].sum())
