@@ -232,14 +232,22 @@ def test_user_errors_are_one_line_with_the_right_exit_code(tmp_path, args, code,
     assert _files(tmp_path) == before  # refused before any work: no DB, storage or folder created
 
 
-def test_a_foreign_optuna_storage_is_one_line(tmp_path):
+@pytest.mark.parametrize("table", ["studies", "trials", "trial_values"])
+def test_a_foreign_optuna_storage_is_one_line(tmp_path, table):
     """A database with a table of one of Optuna's names that is not Optuna's: refused when opened, not mid-search."""
     with contextlib.closing(sqlite3.connect(tmp_path / "studies.sqlite")) as connection:
-        connection.execute("create table studies (x)")
+        connection.execute(f"create table {table} (x)")
         connection.commit()
     result = CliRunner().invoke(cli, [*SEARCH, "--db", str(tmp_path / "t.sqlite"), "--storage",
                                       f"sqlite:///{tmp_path}/studies.sqlite"])
     assert_one_line_error(result, 1, "cannot open Optuna storage")
+
+
+@pytest.mark.parametrize("suite, impls", [("masked", "fatune-heuristic,fatune-triton,sdpa-cudnn"), ("dense", ""),
+                                          ("inference", "fatune-paged,sdpa-flash")])
+def test_bench_takes_every_implementation_its_suite_times(suite, impls):
+    result = CliRunner().invoke(cli, ["bench", "--suite", suite, "--impls", impls, "--dry-run"])
+    assert result.exit_code == 0, result.output
 
 
 def test_an_unusable_fatune_db_variable_is_named(tmp_path):

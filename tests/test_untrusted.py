@@ -421,9 +421,10 @@ print(json.dumps({"error": (out.double() - reference).abs().max().item(), "cache
 
 
 @pytest.mark.parametrize("variable", ["FATUNE_CACHE_DIR", "FATUNE_LOG_DIR", "XDG_CACHE_HOME"])
-def test_a_folder_variable_naming_no_folder_costs_a_warning_never_a_call(tmp_path, monkeypatch, variable):
-    """'~user' of no user (Path.expanduser raises) or a relative XDG_CACHE_HOME (the XDG spec: ignored): the call
-    runs and is right, its sources and a search's log go to a temporary folder, nothing lands in the working one."""
+def test_a_folder_variable_naming_no_folder_falls_back_never_breaks_a_call(tmp_path, monkeypatch, variable):
+    """'~user' of no user (Path.expanduser raises): the call runs and is right, its sources (with a warning) and a
+    search's log go to a temporary folder. A relative XDG_CACHE_HOME is ignored, as the XDG spec says (~/.cache is
+    used). Nothing lands in the working folder."""
     value = "~no-such-user-of-fatune/x" if variable != "XDG_CACHE_HOME" else "relative-cache"
     for name in ("FATUNE_CACHE_DIR", "FATUNE_LOG_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)

@@ -93,7 +93,7 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
               help="Optuna trials per kernel per shape, in all (every worker and host together).")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
               help="Seconds per shape.")
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(-(2**63), 2**63 - 1), default=0, show_default=True,
               help="Sampler seed (same seed, same trial sequence).")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Tuned DB file (default: $FATUNE_DB or ~/.cache/fatune/tuned.sqlite).")

@@ -328,7 +328,7 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "capability": (lambda v: _is_text(v, r"\d+\.\d+|cpu"), "'MAJOR.MINOR' such as '9.0', or 'cpu'"),
     "triton_version": (_is_text, "a Triton version"),
     "torch_version": (_is_text, "a torch version"),
-    "template_hash": (_is_text, "a kernel hash"),
+    "template_hash": (lambda v: _is_text(v, r"[^\x00-\x1f\x7f]{1,4000}"), "kernel hashes, one line"),
     "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
     "head_dim": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),
     "head_dim_v": (lambda v: _is_int(v, 1, MAX_HEAD_DIM), f"an int in 1..{MAX_HEAD_DIM}"),

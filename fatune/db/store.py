@@ -18,6 +18,7 @@ heuristic's backward configs; the upsert then compares forward times.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -298,7 +299,9 @@ class TunedDB:
             try:
                 self.db.execute("ROLLBACK" if kind else "COMMIT")
             except sqlite3.Error as error:
-                if kind is None:
+                if kind is None:  # the COMMIT failed: roll back, or the write lock stays held
+                    with contextlib.suppress(sqlite3.Error):
+                        self.db.execute("ROLLBACK")
                     raise DBError(f"{self.label}: cannot be written ({error})") from None
             if kind is not None and issubclass(kind, sqlite3.Error):
                 raise DBError(f"{self.label}: cannot be written ({value})") from None

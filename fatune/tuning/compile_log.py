@@ -91,7 +91,12 @@ def log_dir() -> Path:
     try:
         return user_path(LOG_ENV, "logs")
     except RuntimeError:  # '~user' of no user: the temporary folder write() falls back to anyway
-        return Path(tempfile.gettempdir()) / "fatune-logs"
+        return _fallback_dir()
+
+
+def _fallback_dir() -> Path:
+    """Where logs go when their folder cannot be made or written."""
+    return Path(tempfile.gettempdir()) / "fatune-logs"
 
 
 def start(path: str | Path | None = None) -> Path:
@@ -115,7 +120,7 @@ def write(title: str, text: str) -> Path | None:
     record = f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()}:{os.getpid()} {title}\n" \
              f"{text.rstrip()}\n\n".encode("utf-8", "replace")
     global _path
-    for attempt in (path(), Path(tempfile.gettempdir()) / "fatune-logs" / path().name):
+    for attempt in (path(), _fallback_dir() / path().name):
         try:
             attempt.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(attempt, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -141,6 +141,23 @@ def _write_ahead(engine) -> None:
         connection.exec_driver_sql("PRAGMA journal_mode=WAL")
 
 
+def _check_tables(engine) -> None:
+    """ValueError where a table of Optuna's names lacks Optuna's columns (a foreign database: it would fail
+    mid-search). RDBStorage has created the tables that were missing."""
+    import sqlalchemy
+
+    try:
+        from optuna.storages._rdb.models import BaseModel
+    except ImportError:  # another Optuna layout: RDBStorage's own checks only
+        return
+    inspector = sqlalchemy.inspect(engine)
+    for table in BaseModel.metadata.sorted_tables:
+        columns = {column["name"] for column in inspector.get_columns(table.name)}
+        missing = sorted(column.name for column in table.columns if column.name not in columns)
+        if missing:
+            raise ValueError(f"table {table.name} lacks Optuna's columns {missing}: not an Optuna storage")
+
+
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """The Optuna storage at `url` (created if new, safely when several searches start at once);
     ValueError naming what is wrong with the URL, its location or the server."""
@@ -155,7 +172,7 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
                                                  grace_period=GRACE_S, **_retry_callback_kwargs())
             if path is not None:
                 _write_ahead(storage.engine)
-            storage.get_all_studies()  # a foreign database with tables of Optuna's names fails here, not mid-search
+            _check_tables(storage.engine)
             return storage
     except Exception as error:  # noqa: BLE001 - unreachable servers, foreign databases
         raise ValueError(f"{url}: cannot open Optuna storage ({type(error).__name__}: "

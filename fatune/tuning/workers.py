@@ -58,11 +58,11 @@ def visible_gpus() -> list[str]:
 
 def worker_count(requested: int | None, interpret: bool) -> int:
     """The number of workers: `requested` (ValueError if more than the visible GPUs: two workers on one
-    GPU would time each other's kernels), else one per visible GPU (one in the interpreter)."""
+    GPU would time each other's kernels; in the interpreter, more than process_cap()), else one per visible GPU
+    (one in the interpreter)."""
     if interpret:
-        cores = _cores()
-        if requested and requested > cores:
-            raise ValueError(f"expected at most {cores} with --interpret (one per CPU core), got {requested}")
+        if requested and requested > process_cap():
+            raise ValueError(f"expected at most {process_cap()} with --interpret (four per CPU core), got {requested}")
         return requested or 1
     gpus = len(visible_gpus())
     if requested is None:
@@ -74,16 +74,21 @@ def worker_count(requested: int | None, interpret: bool) -> int:
 
 
 def compile_worker_count(requested: int | None, workers: int, interpret: bool) -> int:
-    """Compile processes per worker: `requested`, else the CPU cores per worker less the one that times
-    (at most MAX_COMPILE_WORKERS); none in the interpreter, which compiles nothing."""
-    cores = _cores()
+    """Compile processes per worker: `requested` (ValueError above process_cap()), else the CPU cores per worker
+    less the one that times (at most MAX_COMPILE_WORKERS); none in the interpreter, which compiles nothing."""
     if requested is not None:
-        if requested > cores:
-            raise ValueError(f"expected at most {cores} (this host's CPU cores), got {requested}")
+        if requested > process_cap():
+            raise ValueError(f"expected at most {process_cap()} (four per CPU core), got {requested}")
         return requested
     if interpret:
         return 0
-    return max(1, min(MAX_COMPILE_WORKERS, cores // workers - 1))
+    return max(1, min(MAX_COMPILE_WORKERS, _cores() // workers - 1))
+
+
+def process_cap() -> int:
+    """The most processes of one kind a search starts on this host: four per CPU core, at least 16 (more only
+    queue for the cores; a typo of 100000 would start them all)."""
+    return max(16, 4 * _cores())
 
 
 def _cores() -> int:
