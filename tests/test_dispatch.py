@@ -464,6 +464,50 @@ def test_threads_that_share_a_plan_whose_kernels_cannot_be_built_all_fall_back(t
     assert all(torch.allclose(r, expected, atol=2e-3) for r in results)
 
 
+CONCURRENT_CALLS = [  # (query length, key length, kwargs): plain, causal, a bool mask (its span scan launches too)
+    (64, 64, {}), (33, 48, {"is_causal": True}), (17, 96, {"attn_mask": "bool"}), (64, 40, {"enable_gqa": True})]
+
+
+def test_calls_from_several_threads_at_once_are_all_right():
+    """Threads launching at once, each its own calls (Triton's interpreter keeps one grid per process: overlapping
+    launches failed or ran with another's grid until they were made to take turns; a GPU runs them as they come)."""
+    def draw(index: int):
+        lq, lk, kwargs = CONCURRENT_CALLS[index % len(CONCURRENT_CALLS)]
+        generator = torch.Generator().manual_seed(index)
+        heads_kv = 1 if kwargs.get("enable_gqa") else 2
+        q = torch.randn(1, 2, lq, 32, generator=generator).to(DEVICE, torch.float16)
+        k, v = (torch.randn(1, heads_kv, lk, 32, generator=generator).to(DEVICE, torch.float16) for _ in range(2))
+        if kwargs.get("attn_mask") == "bool":
+            kwargs = {"attn_mask": (torch.rand(lq, lk, generator=generator) < 0.7).to(DEVICE)}
+        return q, k, v, kwargs
+
+    for index in range(len(CONCURRENT_CALLS)):  # kernels built first: the launches, not the builds, overlap
+        fatune.attention(*draw(index)[:3], **draw(index)[3])
+    start = threading.Barrier(6, timeout=60)
+    failures = []
+
+    def calls(thread: int):
+        start.wait()
+        for index in range(thread, thread + 8):
+            q, k, v, kwargs = draw(index)
+            try:
+                out = fatune.attention(q, k, v, **kwargs)
+                expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                            **kwargs)
+                if not torch.allclose(out.double(), expected, atol=2e-3):
+                    failures.append(f"call {index}: max error {(out.double() - expected).abs().max().item():.3g}")
+            except Exception as error:  # noqa: BLE001 - reported below
+                failures.append(f"call {index}: {type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads), "a thread still runs after 300 s"
+    assert failures == []
+
+
 def test_strict_mode_raises_when_the_tuned_kernels_cannot_be_built(tmp_path, monkeypatch):
     """strict=True promises the tuned entry or an error: no quiet fallback past it."""
     from fatune.kernel.triton import launch

@@ -18,7 +18,12 @@ def patch_interpreter() -> None:
     - `tl.fma` on float32: the interpreter rounds the product and then the sum; a GPU's FMA rounds once.
     - TMA reductions (`tensor_descriptor.atomic_add`, which the TMA-dQ backward uses): the same adds,
       element by element.
+    - Launches from several threads: the interpreter keeps one grid and one program id per process and patches
+      triton.language for each launch, so launches that overlap fail or compute with another's grid; they run
+      one at a time.
     """
+    import threading
+
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -60,6 +65,14 @@ def patch_interpreter() -> None:
         exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
         return interpreter.TensorHandle(exact.astype(np.float32), z.dtype.scalar)
 
+    launch = interpreter.GridExecutor.__call__
+    one_at_a_time = threading.RLock()
+
+    def call(self, *args, **kwargs):
+        with one_at_a_time:
+            return launch(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = call
     builder.create_dot = create_dot
     builder.create_fma = create_fma
     builder.cast_impl = cast_impl

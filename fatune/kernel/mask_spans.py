@@ -37,6 +37,7 @@ import triton.language as tl
 
 from fatune.hardware import sm_count
 from fatune.kernel.direct_launch import CachedJit
+from fatune.kernel.interpreter import patch_interpreter
 from fatune.settings import interpreting
 
 NO_SPAN = 1 << 30  # an empty span's first index: past any sequence (kernel indices are int32), and its end is 0
@@ -259,6 +260,7 @@ def _launch(launch: tuple, pointers: tuple[torch.Tensor, torch.Tensor]) -> None:
     directly once compiled for these arguments (fatune.kernel.direct_launch), as the attention kernels launch."""
     grid, warps, tail = launch
     if interpreting():
+        patch_interpreter()  # launches from several threads one at a time (and the kernels' other gaps)
         _jitted(True)[grid](*pointers, *tail, num_warps=warps)
         return
     device = pointers[0].device
