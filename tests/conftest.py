@@ -144,3 +144,15 @@ def use_dispatcher(monkeypatch: pytest.MonkeyPatch, dispatcher) -> None:
 
     monkeypatch.setattr(dispatch, "_dispatcher", dispatcher)
     monkeypatch.setattr(plans, "_plans", {})
+
+
+def run_together(target, count: int, timeout: float) -> None:
+    """`target(i)` in `count` threads started together; fails the test if one still runs after `timeout` s."""
+    import threading
+
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert not any(thread.is_alive() for thread in threads), f"a thread still runs after {timeout} s"

@@ -43,6 +43,7 @@ from fatune.db import (
 from fatune.kernel.codegen import Templates
 from fatune.kernel.spec import DTYPES, KernelSpec
 from fatune.kernel.triton import codegen, resolve
+from tests.conftest import run_together
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -260,7 +261,7 @@ def test_connections_opening_a_fresh_file_together_all_succeed(tmp_path):
         path = tmp_path / f"fresh-{round_}.sqlite"
         barrier = threading.Barrier(6)
 
-        def open_it():
+        def open_it(_: int):
             barrier.wait()
             try:
                 with TunedDB(path) as db:
@@ -268,12 +269,7 @@ def test_connections_opening_a_fresh_file_together_all_succeed(tmp_path):
             except Exception as error:  # noqa: BLE001 - any error of any opener fails the test
                 failures.append(repr(error))
 
-        threads = [threading.Thread(target=open_it) for _ in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        assert not any(thread.is_alive() for thread in threads), "an opener is still waiting after 60 s"
+        run_together(open_it, 6, timeout=60)
     assert failures == []
 
 

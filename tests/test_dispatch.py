@@ -22,7 +22,7 @@ from fatune.kernel.triton.resolve import resolve
 from fatune.runtime import dispatch
 from fatune.runtime.dispatch import Dispatcher, DispatchError
 from fatune.runtime.plans import clear
-from tests.conftest import DEVICE, use_dispatcher
+from tests.conftest import DEVICE, run_together, use_dispatcher
 from tests.test_db import make_entry, raw_insert, write_bad_db
 
 GPU, CAPABILITY = hardware.device_identity(torch.device(DEVICE))
@@ -499,12 +499,7 @@ def test_calls_from_several_threads_at_once_are_all_right():
             except Exception as error:  # noqa: BLE001 - reported below
                 failures.append(f"call {index}: {type(error).__name__}: {error}")
 
-    threads = [threading.Thread(target=calls, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not any(thread.is_alive() for thread in threads), "a thread still runs after 300 s"
+    run_together(calls, 6, timeout=300)
     assert failures == []
 
 
