@@ -24,6 +24,7 @@ import pytest
 import sqlite_utils
 import torch
 import triton
+from click.testing import CliRunner
 
 from fatune.db import (
     MAX_FLOPS_PER_S,
@@ -40,6 +41,7 @@ from fatune.db import (
     read_entries,
     seqlen_bucket,
 )
+from fatune.cli import cli
 from fatune.kernel.codegen import Templates
 from fatune.kernel.spec import DTYPES, KernelSpec
 from fatune.kernel.triton import codegen, resolve
@@ -809,6 +811,33 @@ def test_one_row_per_key_whatever_the_kernels(tmp_path):
         db.delete(db.entries())
         assert db.upsert(replace(fast, template_hash="0123456789abcdef", fwd_bwd_ms=1.0))
         assert db.upsert(other_tiles) and db.count() == 1 and next(db.entries()).fwd_bwd_ms == 4.0
+
+
+@pytest.mark.parametrize("same_problem", [True, False])
+def test_a_stale_entry_never_replaces_a_current_one(tmp_path, same_problem):
+    """Faster on the same problem or newer on another, an entry whose kernels changed (imported with --force, say)
+    loses to the current entry in place: the dispatcher would not run it."""
+    current = make_entry(fwd_bwd_ms=5.0, created_at="2026-11-01T00:00:00+00:00")
+    stale = make_entry(template_hash="fwd:feedfacefeedface", fwd_bwd_ms=1.0, created_at="2026-11-30T00:00:00+00:00",
+                       **({} if same_problem else {"batch": 8}))
+    with TunedDB(tmp_path / "t.sqlite") as db:
+        assert db.upsert(current)
+        assert not db.upsert(stale) and not db.upsert(stale, keep_faster=False)
+        assert [e.fwd_bwd_ms for e in db.entries()] == [5.0]
+
+
+def test_prune_drops_invalid_rows_and_export_counts_what_it_wrote(tmp_path):
+    path = tmp_path / "t.sqlite"
+    with TunedDB(path) as db:
+        db.upsert(make_entry())
+    raw_insert(path, fwd_config='{"block_m": 7, "block_n": 64, "num_warps": 4, "num_stages": 3}', seqlen_q_bucket=64)
+    result = CliRunner().invoke(cli, ["db", "prune", "--db", str(path)])
+    assert result.exit_code == 0 and "dropped 0 entries and 1 invalid rows" in result.output, result.output
+    with TunedDB(path, readonly=True) as db:
+        assert db.count() == 1
+        kept = next(db.entries())
+    twice = [kept, replace(kept, template_hash="fwd:feedfacefeedface")]  # one key: the export merges them
+    assert export_entries(twice, tmp_path / "out.sqlite") == 1 and export_entries(twice, tmp_path / "out.json") == 2
 
 
 def test_between_two_stale_rows_the_faster_stays(tmp_path):

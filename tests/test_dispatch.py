@@ -173,18 +173,36 @@ def test_the_decode_heuristic_streams_deeper_with_one_program_per_multiprocessor
     assert chooser.lookup(decode, GPU, CAPABILITY, (9, 0), sms=4).config == decision.config
 
 
-def test_stale_entries_are_caught_where_they_launch(tmp_path, caplog, monkeypatch):
-    """An entry of another Triton version is skipped when the DB is read (one line per file); an entry whose
-    kernels changed since it was measured is found when its kernels load, as reading the DB renders nothing: the
-    call runs the heuristic's config, said once, with the heuristic's result."""
-    stale = entry(template_hash="fwd:feedfacefeedface,bwd:feedfacefeedface", seqlen_q_bucket=64, seqlen_k_bucket=64)
-    path = write(tmp_path / "u.sqlite", stale, entry(triton_version="0.0.1", seqlen_q_bucket=512))
-    chooser = Dispatcher(user_db=path, shipped=[])
+STALE_KERNELS = "fwd:feedfacefeedface,bwd:feedfacefeedface"
+
+
+def test_stale_entries_are_skipped_and_the_next_answers(tmp_path, caplog):
+    """An entry of another Triton version, or whose kernels changed since it was measured, is skipped when the DB
+    is read (one line per file and kind): a current entry of a farther bucket answers, else the next layer (a
+    user DB's stale entries, after an upgrade, must not hide the shipped DB's current ones)."""
+    stale = entry(template_hash=STALE_KERNELS, seqlen_q_bucket=64, seqlen_k_bucket=64)
+    other_triton = entry(triton_version="0.0.1", seqlen_q_bucket=128, seqlen_k_bucket=128)
+    farther = entry(fwd_config={**make_entry().fwd_config, "block_m": 16}, seqlen_q_bucket=512, seqlen_k_bucket=512)
+    shipped = write(tmp_path / "shipped.sqlite", entry(seqlen_q_bucket=64, seqlen_k_bucket=64))
+    user = write(tmp_path / "u.sqlite", stale, other_triton)
     with caplog.at_level(logging.WARNING, logger="fatune"):
-        first = chooser.lookup(problem(), GPU, CAPABILITY, None)
-        chooser.lookup(problem(), GPU, CAPABILITY, None)
-    assert first.layer == "user-db" and len(first.skipped) == 1
-    assert len([r for r in caplog.records if "not used" in r.message]) == 1
+        first = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
+        Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
+    assert first.layer == "shipped-db" and len(first.skipped) == 2 and "changed since" in first.describe()
+    assert len([r for r in caplog.records if "not used" in r.message]) == 2
+    with TunedDB(user) as db:
+        db.upsert(farther)
+    nearer = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
+    assert nearer.layer == "user-db" and nearer.config.fwd.block_m == 16
+
+
+def test_stale_kernels_are_caught_where_they_launch_too(tmp_path, caplog, monkeypatch):
+    """Should an entry whose kernels changed reach a launch (rendered since the lookup, say), the launch finds it:
+    the call runs the heuristic's config, said once, with the heuristic's result."""
+    from fatune.db import store
+
+    path = write(tmp_path / "u.sqlite", entry(template_hash=STALE_KERNELS, seqlen_q_bucket=64, seqlen_k_bucket=64))
+    monkeypatch.setattr(store, "is_stale", lambda entry, render=True: [])  # the lookup renders nothing
     monkeypatch.setenv("FATUNE_DB", str(path))
     monkeypatch.setattr(logs, "_warned", set())
     clear()

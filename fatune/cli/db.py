@@ -134,7 +134,8 @@ def export_db(db_path, gpu, dtype, head_dim, mask_variant, output) -> None:
 @click.option("--force", is_flag=True,
               help="Import entries tuned with another Triton version or kernels that have changed since.")
 def import_db(db_path, source, force) -> None:
-    """Merge SOURCE (tuned DB or its JSON export) into the DB, keeping the faster entry per key.
+    """Merge SOURCE (tuned DB or its JSON export) into the DB as a search writes: per key, of two entries of one
+    problem the faster stays, of different problems the newer, and a current entry over a stale one.
 
     A corrupt, foreign or stale file, or one with any invalid entry, is refused and the DB is
     left untouched.
@@ -150,7 +151,8 @@ def import_db(db_path, source, force) -> None:
             written, kept = import_entries(database, source, force=force)
         except DBError as error:
             raise click.ClickException(str(error)) from None
-    click.echo(f"imported {written} entries from {source}; {kept} were slower than entries already there")
+    click.echo(f"imported {written} entries from {source}; kept {kept} entries already there (faster on the same "
+               f"problem, newer, or current where the imported one is stale)")
 
 
 @db.command()
@@ -158,10 +160,11 @@ def import_db(db_path, source, force) -> None:
 @filter_options
 @click.option("--stale/--all", default=True, show_default=True,
               help="Drop only entries tuned with another Triton version or kernels that have changed since, "
-                   "or every match.")
+                   "or every match. Invalid rows (no fatune can use them) are dropped either way.")
 @click.option("--dry-run", is_flag=True, help="Only say what would be dropped.")
 def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
-    """Drop stale entries (another Triton version, or kernels that have changed since), or every matching entry.
+    """Drop stale entries (another Triton version, or kernels that have changed since), or every matching entry;
+    and invalid rows.
 
     Example:
 
@@ -170,11 +173,14 @@ def prune(db_path, gpu, dtype, head_dim, mask_variant, stale, dry_run) -> None:
     from fatune.db import is_stale
 
     with _open(db_path, readonly=dry_run, create=False) as database:
-        warn = lambda message: click.echo(f"warning: {message}", err=True)  # noqa: E731
-        entries = [e for e in database.entries(on_invalid=warn, gpu=gpu, dtype=dtype, head_dim=head_dim,
-                                               mask_variant=mask_variant) if not stale or is_stale(e)]
+        filters = {"gpu": gpu, "dtype": dtype, "head_dim": head_dim, "mask_variant": mask_variant}
+        entries = [e for e in database.entries(on_invalid=lambda message: None, **filters)
+                   if not stale or is_stale(e)]
+        invalid = database.invalid_rows(**filters)
         count = len(entries) if dry_run else database.delete(entries)
-    click.echo(f"{'would drop' if dry_run else 'dropped'} {count} entries")
+        dropped = len(invalid) if dry_run else database.delete_rows(invalid)
+    click.echo(f"{'would drop' if dry_run else 'dropped'} {count} entries"
+               + (f" and {dropped} invalid rows" if invalid else ""))
 
 
 @db.command()

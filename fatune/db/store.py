@@ -340,7 +340,10 @@ class TunedDB:
                 current = Entry.from_row(row)
             except InvalidEntry:
                 continue  # an invalid row never wins
-            # a stale row loses to a current entry; otherwise the faster stays
+            # a stale entry never replaces a current one (the dispatcher would not run it); a stale row loses to a
+            # current entry; otherwise the faster stays
+            if is_stale(entry) and not is_stale(current):
+                return False
             if keep_faster and (not is_stale(current) or is_stale(entry)) and not entry.supersedes(current):
                 return False
         for row in rows:
@@ -367,9 +370,10 @@ class TunedDB:
                 on_invalid(message)
 
     def match(self, gpu: str, capability: str, key: CallKey, report: Callable[[str], None]) -> tuple[Entry, str] | None:
-        """The usable entry nearest `key` on this GPU, and why; invalid rows and rows of another Triton version
-        are reported, skipped. Nothing is rendered: whether an entry's kernels changed since it was measured is
-        seen when its kernels are loaded for a launch (Entry.sources)."""
+        """The usable entry nearest `key` on this GPU, and why; invalid rows, rows of another Triton version and
+        rows whose kernels have changed since they were measured are reported, skipped (the next nearest, or the
+        next layer, answers). Only the nearest candidates are rendered to tell the last (cached per config; a
+        launch checks the sources it runs too, Entry.sources)."""
         filters = {"gpu": gpu, "capability": capability, **asdict(key)}
         del filters["seqlen_q_bucket"], filters["seqlen_k_bucket"]
         usable = []
@@ -379,7 +383,29 @@ class TunedDB:
                        f"re-times them on this GPU, `fatune search` searches again (`fatune db list` shows them)")
                 continue
             usable.append(entry)
-        return nearest(usable, key)
+        while (found := nearest(usable, key)) is not None:
+            if not is_stale(found[0]):
+                return found
+            report(f"{self.label}: entries measured with kernels that have changed since are not used; `fatune db "
+                   f"refresh` re-times them on this GPU (`fatune db list` shows them)")
+            usable.remove(found[0])
+        return None
+
+    def invalid_rows(self, **filters: Any) -> list[int]:
+        """The ids of the rows matching `filters` that hold no valid entry (no fatune can use them)."""
+        where, args = self._where({key: value for key, value in filters.items() if value is not None})
+        invalid = []
+        for row in self.db[TABLE].rows_where(where, args):
+            try:
+                Entry.from_row(row)
+            except InvalidEntry:
+                invalid.append(row["id"])
+        return invalid
+
+    def delete_rows(self, ids: list[int]) -> int:
+        """Delete the rows of these ids."""
+        with self.transaction():
+            return sum(self.db.execute(f"delete from {TABLE} where id = ?", [row]).rowcount for row in ids)
 
     def delete(self, entries: Iterable[Entry]) -> int:
         with self.transaction():
@@ -432,10 +458,11 @@ def export_entries(entries: Iterable[Entry], path: str | os.PathLike) -> int:
             payload = {"fatune_tuned_db": SCHEMA_VERSION, "entries": [asdict(entry) for entry in entries]}
             path.write_text(json.dumps(payload, indent=1, sort_keys=True))
             return len(entries)
-        with TunedDB(path, wal=False) as out, out.transaction():
-            for entry in entries:
-                out.upsert_in_transaction(entry)
-        return len(entries)
+        with TunedDB(path, wal=False) as out:
+            with out.transaction():
+                for entry in entries:
+                    out.upsert_in_transaction(entry)
+            return out.count()  # rows of one key merge as an upsert merges them
     except BaseException as error:
         path.unlink(missing_ok=True)
         if isinstance(error, OSError):
@@ -474,7 +501,8 @@ def read_entries(path: str | os.PathLike) -> list[Entry]:
 
 
 def import_entries(db: TunedDB, path: str | os.PathLike, *, force: bool = False) -> tuple[int, int]:
-    """Merge `path` into `db`, keeping the faster entry per key; (written, kept) counts.
+    """Merge `path` into `db` as a search's upsert does (per key the faster entry of one problem, the newer of
+    different problems, a current one over a stale one); (written, kept) counts.
 
     The whole file is read and checked first: an unreadable, foreign or invalid file, or a
     stale one (another Triton version or changed kernels, unless force), raises DBError and

@@ -6,8 +6,8 @@ built-in heuristic. fatune.db owns the key: an entry must match the GPU, dtype, 
 mask variant and GQA group; the nearest sequence-length bucket (log scale) of the call's regime
 (decode or prefill, fatune.db.nearest) wins. A DB or
 entry that cannot be used (unreadable, corrupt, foreign, stale, invalid) is skipped with
-one log line naming the file and the reason, and the next layer answers; strict mode
-raises DispatchError instead.
+one log line naming the file and the reason, and the nearest usable entry of the file, else the next
+layer, answers; strict mode raises DispatchError instead.
 
 The first call for a key reads the DBs; later calls for the same key are a dictionary
 lookup (a per-process memo, filled under a lock).
