@@ -4,10 +4,12 @@ from fatune import huggingface, ops  # noqa: F401 - ops registers the fatune:: t
 from fatune.api import FlashAttention, attention, explain
 from fatune.kernel.mask_spans import prepare_mask
 from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig, KernelSpec, LaunchConfig
+from fatune.runtime.dispatch import DispatchError
+from fatune.runtime.plans import FallbackError
 from fatune.tuning.first_use import autotune
 
 huggingface.install()  # attn_implementation="fatune" in transformers, registered once transformers loads
 
 __version__ = "0.1.0"
-__all__ = ["AttentionConfig", "FlashAttention", "GluonBackwardConfig", "GluonConfig", "KernelSpec", "LaunchConfig",
-           "attention", "autotune", "explain", "prepare_mask", "__version__"]
+__all__ = ["AttentionConfig", "DispatchError", "FallbackError", "FlashAttention", "GluonBackwardConfig", "GluonConfig",
+           "KernelSpec", "LaunchConfig", "attention", "autotune", "explain", "prepare_mask", "__version__"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import os
 import re
 import sqlite3
@@ -295,6 +296,25 @@ def test_db_which_gives_a_decode_call_the_depth_its_batch_gets(tmp_path, batch, 
                                       *sms, "--db", str(tmp_path / "empty.sqlite")])
     assert result.exit_code == 0, result.output
     assert "layer: heuristic" in result.output and f"config: fwd 16x64/w4/s{stages}/" in result.output, result.output
+
+
+@pytest.mark.parametrize("kernels", ["gluon forward", "gluon backward", "triton"])
+def test_db_which_names_the_sources_of_each_family(tmp_path, kernels):
+    """The shipped H100 DB's entries hold both families' configs: each names the source files it would run."""
+    from fatune.db import TunedDB
+
+    TunedDB(tmp_path / "empty.sqlite").close()
+    base = ["db", "which", "--dtype", "bf16", "--gpu", "NVIDIA H100 80GB HBM3", "--capability", "9.0", "--db",
+            str(tmp_path / "empty.sqlite")]
+    with TunedDB(Path(__file__).resolve().parent.parent / "tuned_db" / "nvidia-h100.sqlite", readonly=True) as db:
+        entry = next(e for e in db.entries(dtype="bfloat16", mask_variant="causal", group_size=1)
+                     if ("gluon" in json.dumps(e.fwd_config)) == (kernels == "gluon forward")
+                     and ("gluon" in json.dumps(e.bwd_config)) == (kernels == "gluon backward"))
+    result = CliRunner().invoke(cli, [*base, "--head-dim", str(entry.head_dim), "--seqlen", str(entry.seqlen_q_bucket),
+                                      "--causal"])
+    assert result.exit_code == 0, result.output
+    sources = [line.split()[-1] for line in result.output.splitlines() if line.startswith("source (")]
+    assert len(sources) == 2 and ("gluon" in " ".join(sources)) == (kernels != "triton"), result.output
 
 
 def test_db_which_refuses_a_call_too_large_to_describe(tmp_path):

@@ -241,7 +241,7 @@ def test_concurrent_first_calls_agree(tmp_path):
 
 def test_strict_mode_refuses_the_heuristic(tmp_path):
     chooser = Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[])
-    with pytest.raises(DispatchError, match="strict"):
+    with pytest.raises(fatune.DispatchError, match="strict"):  # the README's name for it
         chooser.decide(problem(), torch.device(DEVICE), strict=True)
 
 

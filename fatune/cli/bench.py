@@ -69,7 +69,8 @@ def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option("--suite", type=click.Choice(SUITES), default=None,
               help="What to measure (default: dense): dense (the training-step grid), masked (windows, padding, "
                    "packed documents, GQA, mask tensors), inference (decode, chunked prefill), overhead (host cost "
-                   "per call), search-quality, tuning-gain.")
+                   "per call), search-quality, tuning-gain, transformers (a Hugging Face Llama's training step and "
+                   "generation, fatune against SDPA).")
 @click.option("--head-dims", default=None, callback=_ints_or_none,
               help="Comma-separated head dims (dense: 64,128; masked: 128).")
 @click.option("--lengths", default=None, callback=_ints_or_none,
@@ -91,10 +92,10 @@ def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None)
                    "--documents documents (cu_seqlens; Flex gets a document mask, SDPA cannot take it); competitors "
                    "get the same mask.")
 @mask_variant_options
-@click.option("--tokens", type=click.IntRange(1), default=16384, show_default=True,
-              help="dense, masked: B * L per shape.")
-@click.option("--model-dim", type=click.IntRange(1), default=2048, show_default=True,
-              help="dense, masked: H * D per shape.")
+@click.option("--tokens", type=click.IntRange(1), default=None,
+              help="dense, masked: B * L per shape (default 16384; 64 with --interpret).")
+@click.option("--model-dim", type=click.IntRange(1), default=None,
+              help="dense, masked: H * D per shape (default 2048; 64 with --interpret).")
 @click.option("--only", default="", help="masked: the cases whose name contains one of these comma-separated texts.")
 @click.option("--warmup-ms", default=25.0, show_default=True, callback=lambda ctx, param, value: _milliseconds(value))
 @click.option("--rep-ms", default=100.0, show_default=True,
@@ -178,6 +179,8 @@ def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, v
     except ValueError as error:
         raise click.BadParameter(str(error).removeprefix("dtype: "), param_hint="--dtypes") from None
     output = output or Path("bench-results") / suite
+    tokens = tokens or (64 if interpret else 16384)  # --interpret: small shapes
+    model_dim = model_dim or (64 if interpret else 2048)
     planned = _plan(suite, head_dims, lengths, causal, dtypes, gqa, mask, window, valid_keys, documents, tokens,
                     model_dim, only)
     if dry_run:

@@ -262,7 +262,7 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
 @db.command()
 @db_option
 @click.option("--head-dim", type=click.IntRange(1, 256), required=True)
-@click.option("--head-dim-v", type=click.IntRange(0, 256), default=0, help="Value head dim (default: --head-dim).")
+@click.option("--head-dim-v", type=click.IntRange(0, 256), default=0, help="Value head dim (default, or 0: --head-dim).")
 @click.option("--dtype", default="bf16", show_default=True, callback=parse_dtype)
 @click.option("--seqlen", type=click.IntRange(1, MAX_LENGTH), required=True,
               help="Query length (and key length unless --seqlen-k).")
@@ -273,7 +273,7 @@ def refresh(db_path, gpu, dtype, head_dim, mask_variant, rounds, compile_workers
               help="Multiprocessors of the GPU (default: this machine's GPU's, unless --gpu or --capability names "
                    "another; then one program per multiprocessor is assumed for decode calls).")
 @click.option("--heads", type=click.IntRange(1, 65536), default=16, show_default=True)
-@click.option("--kv-heads", type=click.IntRange(0, 65536), default=0, help="Key/value heads (default: --heads).")
+@click.option("--kv-heads", type=click.IntRange(0, 65536), default=0, help="Key/value heads (default, or 0: --heads).")
 @click.option("--causal", is_flag=True)
 @click.option("--window", type=click.IntRange(-1), default=-1, help="Causal sliding window (left size).")
 @click.option("--gpu", default=None, help="GPU name (default: this machine's GPU).")
@@ -294,7 +294,7 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, sms, he
     from fatune.db import check_readable
     from fatune.hardware import device_arch, device_identity, sm_count
     from fatune.kernel.spec import DTYPES
-    from fatune.kernel.triton import codegen
+    from fatune.kernel.family import family
     from fatune.runtime.dispatch import Dispatcher
     from fatune.tuning.shape import Shape
 
@@ -328,4 +328,4 @@ def which(db_path, head_dim, head_dim_v, dtype, seqlen, seqlen_k, batch, sms, he
     click.echo(f"call: {shape.label()} on {name} (sm {cap})")
     click.echo(decision.describe())
     for kind in ("fwd", "bwd"):
-        click.echo(f"source ({kind}): {codegen.source_path(kind, problem.spec, decision.config)}")
+        click.echo(f"source ({kind}): {family(decision.config.family).source_path(kind, problem.spec, decision.config)}")

@@ -76,7 +76,7 @@ def kernel_spec_options(fn: Callable) -> Callable:
     fn = click.option("--dtype", default="bf16", show_default=True, callback=parse_dtype,
                       help="fp16, bf16 or fp32.")(fn)
     fn = click.option("--head-dim-v", type=click.IntRange(0, 256), default=0,
-                      help="Head dim of value/output (default: same as --head-dim).")(fn)
+                      help="Head dim of value/output (default, or 0: same as --head-dim).")(fn)
     fn = click.option("--head-dim", type=click.IntRange(1, 256), required=True, help="Head dim of query/key.")(fn)
     return fn
 

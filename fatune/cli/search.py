@@ -76,7 +76,7 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
                    f"{DECODE_QUERIES} are inference (decode) shapes: only the forward is searched and timed.")
 @click.option("--lengths", "lengths_old", callback=_given_int_list,
               default=None,
-              help="The same as --lengths-q (its older name).")
+              help="Comma-separated query lengths, the same as --lengths-q (key lengths too unless --lengths-k).")
 @click.option("--lengths-k", callback=optional_int_list, default="",
               help="Key lengths (default: same as --lengths-q).")
 @click.option("--batch", type=click.IntRange(0), default=0,
@@ -84,7 +84,7 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
                    f"{DECODE_QUERIES}, max(1, 16384 / L_k): a KV cache of 16384 tokens).")
 @click.option("--heads", type=click.IntRange(0), default=0, help="Query heads (default: 2048 / head dim).")
 @click.option("--kv-heads", type=click.IntRange(0), default=0,
-              help="Key/value heads for GQA (default: same as --heads).")
+              help="Key/value heads for GQA (default, or 0: same as --heads).")
 @click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding", "packed"]), default="both",
               show_default=True, help="Mask variant(s): both = none and causal; packed = the batch's tokens packed "
                                       "as --documents documents (cu_seqlens), causal and not.")
@@ -108,7 +108,8 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--interpret", is_flag=True, help="Run in Triton's CPU interpreter: tiny shapes, timings not meaningful.")
 @click.option("--family", "families", type=click.Choice(["all", "triton"]), default="all", show_default=True,
               help="Kernel families searched: all = the Triton family's kernels and, on Hopper GPUs, the Gluon "
-                   "forward beside the Triton forward (the faster is stored); triton = the Triton family alone.")
+                   "forward and backward beside the Triton ones (the faster of each is stored); triton = the Triton "
+                   "family alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--profile", is_flag=True,
               help="After the results, print where each shape's wall time went in this process, seconds per phase "
@@ -132,6 +133,7 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
 
     Example:
 
+    \b
         fatune search --head-dim 64 --dtype bf16
         fatune search --head-dim 128 --dtype fp16 --lengths 4096 --mask causal --trials 40
         fatune search --head-dim 64 --dtype bf16 --storage postgresql://tuner@db-host/fatune

@@ -146,7 +146,7 @@ class Dispatcher:
                                      tuple(skipped), heuristic, entry.sources, route,
                                      entry.time_ms / entry.sdpa_ms if route else 1.0),
                             skipped[0] if skipped else None)
-        return (Decision(heuristic, "heuristic", f"no tuned entry matched; built-in heuristic for sm {arch}", None,
+        return (Decision(heuristic, "heuristic", f"no tuned entry matched; built-in heuristic for {f'sm {arch}' if arch else 'no GPU'}", None,
                          None, tuple(skipped), heuristic), skipped[0] if skipped else None)
 
     def _layers(self, report) -> list[tuple[str, list[Path]]]:

@@ -265,8 +265,9 @@ class GluonPlan:
                 failures.append(f"the Gluon backward {backward} does not run here ({reason}): the Triton backward runs")
         if failures:
             self._failure = "; ".join(failures)
-            if strict:
-                raise KernelBuildError(f"{self._failure} (strict mode: strict=True or $FATUNE_STRICT)")
+            if strict:  # nothing runs in their place
+                reasons = "; ".join(failure.rsplit(": the Triton", 1)[0] for failure in failures)
+                raise KernelBuildError(f"{reasons} (strict mode: strict=True or $FATUNE_STRICT)")
             for failure in failures:
                 warn_once(f"fatune: {failure}")
 
