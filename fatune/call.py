@@ -340,7 +340,10 @@ def _packed_sizes(query, key, value, call: Call, device: torch.device) -> tuple:
         raise ValueError(f"cu_seqlens_k: expected {call.cu_seqlens_q.shape[0]} entries like cu_seqlens_q, "
                          f"got {call.cu_seqlens_k.shape[0]}")
     for name, given in (("max_seqlen_q", call.max_seqlen_q), ("max_seqlen_k", call.max_seqlen_k)):
-        if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
+        if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+            raise TypeError(f"{name}: expected a Python int (>= the longest sequence) or None, got "
+                            f"{type(given).__name__} {given!r}")
+        if given is not None and given < 0:
             raise ValueError(f"{name}: expected an int >= the longest sequence, or None, got {given!r}")
     for name, reason in (("attn_mask", "not supported with packed (cu_seqlens) inputs; use window_size or seqlens"),
                          ("seqlens_k", "not used with packed inputs (cu_seqlens_k already gives key lengths)"),

@@ -79,6 +79,9 @@ BAD_INPUTS = [
      "alibi_slopes"),
     ("max-seqlen-too-small", _packed_qkv, {"cu_seqlens_q": i32([0, 4, 10]), "cu_seqlens_k": i32([0, 5, 12]),
                                            "max_seqlen_q": 3}, ValueError, "max_seqlen_q"),
+    # the type is what is wrong, and the message says so (not "too small")
+    ("max-seqlen-numpy", _packed_qkv, {"cu_seqlens_q": i32([0, 4, 10]), "cu_seqlens_k": i32([0, 5, 12]),
+                                       "max_seqlen_q": np.int64(6)}, TypeError, "max_seqlen_q: expected a Python int"),
 ]
 
 
