@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fatune import ops
 from fatune.call import PAGED_GRADIENTS, Call, alignment_key, check_flag
@@ -120,6 +121,15 @@ class _TransformedAttention(torch.autograd.Function):
 # wrappers among the tensor arguments. attention() does that itself and calls the C apply.
 _apply = super(torch.autograd.Function, _FlashAttention).apply
 _functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _traced(query: torch.Tensor) -> bool:
+    """Whether the call is traced, not run: under torch.compile or a dispatch mode (FakeTensorMode, make_fx, a
+    FLOP counter), or on tensors that hold no data (meta, fake). fatune's custom op takes such calls: its fake
+    implementation gives the outputs' sizes and strides, its autograd formula their gradients."""
+    return (torch.compiler.is_compiling() or _dispatch_modes() > 0 or isinstance(query, FakeTensor)
+            or (isinstance(query, torch.Tensor) and query.is_meta))
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 # The autograd engine calls the node's `apply`, torch's Python method that looks up the user's
 # backward (or vjp) on every call; ours is `backward`, bound once.
@@ -183,7 +193,7 @@ def attention(
     if block_table is not None and torch.is_grad_enabled() and \
             (query.requires_grad or key.requires_grad or value.requires_grad):
         raise ValueError(PAGED_GRADIENTS)
-    compiling, transformed = torch.compiler.is_compiling(), _functorch_active()
+    compiling, transformed = _traced(query), _functorch_active()
     plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
         cu_seqlens_k is None and block_table is None
     prepared, plain_prepared, routed_already = None, None, False
@@ -250,14 +260,17 @@ def _run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 class FlashAttention(torch.nn.Module):
-    """Drop-in attention module: forward(query, key, value, **kwargs) = fatune.attention(..., **defaults, **kwargs)."""
+    """Drop-in attention module: forward(query, key, value, **kwargs) = fatune.attention(..., **defaults, **kwargs).
+    A default dropout_p applies in training mode only, as nn.Dropout's (eval() turns it off); one passed to forward
+    applies as passed."""
 
     def __init__(self, **defaults):
         super().__init__()
         self.defaults = defaults
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
-        return attention(query, key, value, **{**self.defaults, **kwargs})
+        defaults = self.defaults if self.training else {**self.defaults, "dropout_p": 0.0}
+        return attention(query, key, value, **{**defaults, **kwargs})
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,8 @@ def _longest_packed(name: str, cu: torch.Tensor, total: int, given_max: int | No
     if cu.device.type == "meta" or not contents_readable():
         if given_max is None:
             raise ValueError(f"max_seqlen_{name[-1]}: pass max_seqlen_q and max_seqlen_k as ints under "
-                             f"torch.compile and CUDA-graph capture ({name} cannot be read there)")
+                             f"torch.compile and CUDA-graph capture, and with meta or fake tensors ({name} cannot "
+                             f"be read there)")
         return given_max
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:

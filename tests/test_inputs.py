@@ -490,3 +490,30 @@ def test_outputs_and_gradients_take_the_inputs_layout_unless_its_rows_overflow_i
     out_shape, out_strides = layout_like(shape, strides)
     assert out_shape == shape and out_strides == expected
     assert slice_offset(out_shape, out_strides, 0 if len(shape) == 3 else 2) <= MAX_SLICE_OFFSET
+
+
+def test_calls_on_tensors_without_data_give_sizes_strides_and_gradients():
+    """Meta tensors, FakeTensorMode and make_fx take fatune's custom op: the eager output's sizes and strides, and an
+    output connected to autograd (gradient shapes, memory planning)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = qkv(hkv=2, dv=24)
+    eager = fatune.attention(q, k, v, is_causal=True, enable_gqa=True)
+    with FakeTensorMode() as mode:
+        fake = fatune.attention(*(mode.from_tensor(t) for t in (q, k, v)), is_causal=True, enable_gqa=True)
+    assert (fake.shape, fake.stride(), fake.dtype) == (eager.shape, eager.stride(), eager.dtype)
+    meta = [t.to("meta").requires_grad_() for t in (q, k, v)]
+    out = fatune.attention(*meta, is_causal=True, enable_gqa=True)
+    out.sum().backward()
+    assert out.shape == eager.shape and [t.grad.shape for t in meta] == [t.shape for t in (q, k, v)]
+    for mode_name in ("real", "fake", "symbolic"):
+        graph = make_fx(lambda a, b, c: fatune.attention(a, b, c, enable_gqa=True), tracing_mode=mode_name)(q, k, v)
+        assert "fatune.attention_forward" in graph.code, mode_name
+
+
+def test_the_module_drops_out_in_training_mode_only():
+    q, k, v = qkv(dtype=torch.float32)
+    module = fatune.FlashAttention(dropout_p=0.5)
+    torch.testing.assert_close(module.eval()(q, k, v), fatune.attention(q, k, v), rtol=0, atol=0)
+    assert not torch.allclose(module.train()(q, k, v), fatune.attention(q, k, v))
