@@ -122,6 +122,21 @@ class _TransformedAttention(torch.autograd.Function):
 _apply = super(torch.autograd.Function, _FlashAttention).apply
 _functorch_active = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def _autocast(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
+    """q, k and v as torch's SDPA takes them under autocast on their device: floating tensors other than float64
+    in autocast's dtype (a paged cache's pool is not copied: its calls are left as they are)."""
+    if not isinstance(query, torch.Tensor) or not torch.is_autocast_enabled(query.device.type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(query.device.type)
+
+    def cast(tensor):
+        eligible = isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != torch.float64
+        return tensor.to(dtype) if eligible and tensor.dtype != dtype else tensor
+
+    return cast(query), cast(key), cast(value)
 
 
 def _traced(query: torch.Tensor) -> bool:
@@ -193,6 +208,8 @@ def attention(
     if block_table is not None and torch.is_grad_enabled() and \
             (query.requires_grad or key.requires_grad or value.requires_grad):
         raise ValueError(PAGED_GRADIENTS)
+    if _any_autocast() and block_table is None:
+        query, key, value = _autocast(query, key, value)
     compiling, transformed = _traced(query), _functorch_active()
     plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
         cu_seqlens_k is None and block_table is None

@@ -517,3 +517,16 @@ def test_the_module_drops_out_in_training_mode_only():
     module = fatune.FlashAttention(dropout_p=0.5)
     torch.testing.assert_close(module.eval()(q, k, v), fatune.attention(q, k, v), rtol=0, atol=0)
     assert not torch.allclose(module.train()(q, k, v), fatune.attention(q, k, v))
+
+
+def test_autocast_casts_the_inputs_as_sdpa_does():
+    """Under torch.autocast, float32 q, k and v run in autocast's dtype, as torch's SDPA takes them (mixed dtypes
+    too); their gradients come back in float32."""
+    q, k, v = (t.float().requires_grad_() for t in qkv(device="cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fatune.attention(q, k.bfloat16(), v, is_causal=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k.bfloat16(), v, is_causal=True)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and q.grad.abs().max() > 0
