@@ -104,11 +104,11 @@ class _TransformedAttention(torch.autograd.Function):
         call = Call(*(_unwrapped(x) if isinstance(x, torch.Tensor) else x for x in call))
         with torch._C._DisableFuncTorch():  # the buffers the backward makes: plain tensors, as the kernels take
             prepared = prepare(query, key, value, call, config, strict)
-            if prepared.plan is None:
-                grads = dense_gradients(prepared, query, key, value, call, grad_out)
-            else:
+            if prepared.plan is not None:
                 grads = prepared.plan.backward(grad_out, query, key, value, out, lse, call.extras,
                                                seed if seed.numel() else None, key_spans if key_spans.numel() else None)
+        if prepared.plan is None:  # torch.func differentiates the dense result: not where functorch is disabled
+            grads = dense_gradients(prepared, query, key, value, call, grad_out)
         return (*grads, None, None, None)
 
     @staticmethod
@@ -121,34 +121,38 @@ class _TransformedAttention(torch.autograd.Function):
 # wrappers among the tensor arguments. attention() does that itself and calls the C apply.
 _apply = super(torch.autograd.Function, _FlashAttention).apply
 _functorch_active = torch._C._are_functorch_transforms_active
-_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode, _FAKE, _PROXY = (torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE,
+                                 torch._C._TorchDispatchModeKey.PROXY)
 _any_autocast = torch._C._is_any_autocast_enabled
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# The autograd engine calls the node's `apply`, torch's Python method that looks up the user's
+# backward (or vjp) on every call; ours is `backward`, bound once.
+_FlashAttention._backward_cls.apply = _FlashAttention.backward
 
 
-def _autocast(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
-    """q, k and v as torch's SDPA takes them under autocast on their device: floating tensors other than float64
-    in autocast's dtype (a paged cache's pool is not copied: its calls are left as they are)."""
+def _autocast(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None) -> tuple:
+    """q, k, v and the mask as torch's SDPA takes them under autocast on their device: floating q, k and v other
+    than float64 in autocast's dtype; an additive mask too unless float32, which fatune takes with any q (a paged
+    cache's pool is not copied: its calls are left as they are)."""
     if not isinstance(query, torch.Tensor) or not torch.is_autocast_enabled(query.device.type):
-        return query, key, value
+        return query, key, value, attn_mask
     dtype = torch.get_autocast_dtype(query.device.type)
 
     def cast(tensor):
         eligible = isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != torch.float64
         return tensor.to(dtype) if eligible and tensor.dtype != dtype else tensor
 
-    return cast(query), cast(key), cast(value)
+    mask = cast(attn_mask) if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype != torch.float32 else attn_mask
+    return cast(query), cast(key), cast(value), mask
 
 
-def _traced(query: torch.Tensor) -> bool:
-    """Whether the call is traced, not run: under torch.compile or a dispatch mode (FakeTensorMode, make_fx, a
-    FLOP counter), or on tensors that hold no data (meta, fake). fatune's custom op takes such calls: its fake
-    implementation gives the outputs' sizes and strides, its autograd formula their gradients."""
-    return (torch.compiler.is_compiling() or _dispatch_modes() > 0 or isinstance(query, FakeTensor)
+def _without_data(query: torch.Tensor) -> bool:
+    """Whether the call is traced on tensors that hold no data: under FakeTensorMode or make_fx, or on meta or
+    fake tensors. fatune's custom op takes such calls, as under torch.compile: its fake implementation gives the
+    outputs' sizes and strides, its autograd formula their gradients. (Other dispatch modes, such as a FLOP
+    counter, see the call run as it runs.)"""
+    return (_dispatch_mode(_FAKE) is not None or _dispatch_mode(_PROXY) is not None or isinstance(query, FakeTensor)
             or (isinstance(query, torch.Tensor) and query.is_meta))
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-# The autograd engine calls the node's `apply`, torch's Python method that looks up the user's
-# backward (or vjp) on every call; ours is `backward`, bound once.
-_FlashAttention._backward_cls.apply = _FlashAttention.backward
 
 
 def attention(
@@ -209,8 +213,9 @@ def attention(
             (query.requires_grad or key.requires_grad or value.requires_grad):
         raise ValueError(PAGED_GRADIENTS)
     if _any_autocast() and block_table is None:
-        query, key, value = _autocast(query, key, value)
-    compiling, transformed = _traced(query), _functorch_active()
+        query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
+    transformed = _functorch_active()
+    compiling = torch.compiler.is_compiling() or (not transformed and _without_data(query))
     plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
         cu_seqlens_k is None and block_table is None
     prepared, plain_prepared, routed_already = None, None, False
@@ -317,6 +322,12 @@ class Explanation:
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, config: AttentionConfig | None = None,
             strict: bool | None = None, **kwargs) -> Explanation:
     """Which tuned entry, config, generated source file and DB layer fatune.attention(same arguments) would use."""
+    if _any_autocast() and kwargs.get("block_table") is None:  # as attention() casts them
+        query, key, value, mask = _autocast(query, key, value, kwargs.get("attn_mask", args[0] if args else None))
+        if args:
+            args = (mask, *args[1:])
+        elif "attn_mask" in kwargs:
+            kwargs["attn_mask"] = mask
     call = Call(*args, **kwargs)
     spec = call.check(query, key, value).spec
     prepared = prepare(query, key, value, call, config, strict)

@@ -530,3 +530,44 @@ def test_autocast_casts_the_inputs_as_sdpa_does():
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
     out.float().sum().backward()
     assert q.grad.dtype == torch.float32 and q.grad.abs().max() > 0
+
+
+DENSE_FALLBACK_CHILD = """
+import json, os
+os.environ.pop("TRITON_INTERPRET", None)  # CPU tensors without the interpreter: the dense fallback
+import torch, fatune
+from torch.utils.flop_counter import FlopCounterMode
+
+q, k, v = (torch.randn(1, 2, 16, 32, requires_grad=True) for _ in range(3))
+expected = torch.func.grad(lambda a: torch.nn.functional.scaled_dot_product_attention(
+    a.double(), k.double(), v.double(), is_causal=True).sum())(q)
+call = lambda a: fatune.attention(a, k, v, is_causal=True)
+compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+grads = {"func.grad": torch.func.grad(lambda a: call(a).sum())(q),
+         "compiled": torch.autograd.grad(compiled(q).sum(), q)[0]}
+with FlopCounterMode(display=False):
+    grads["flop counter"] = torch.autograd.grad(call(q).sum(), q)[0]
+    grads["func.grad in a mode"] = torch.func.grad(lambda a: call(a).sum())(q)
+print(json.dumps({name: (g.double() - expected).abs().max().item() for name, g in grads.items()}))
+"""
+
+
+def test_the_dense_fallback_differentiates_under_compile_func_and_dispatch_modes():
+    """Without the interpreter a CPU call runs a dense torch implementation; its gradients come through the custom
+    op's backward (torch.compile), torch.func.grad and a FLOP counter as they do eagerly (they raised, or were
+    wrong under torch.func.grad once computed there by torch.func)."""
+    from tests.test_db import run_child
+
+    (errors,) = run_child(DENSE_FALLBACK_CHILD)
+    assert all(error < 1e-5 for error in errors.values()), errors
+
+
+def test_autocast_casts_a_half_precision_mask_with_the_inputs_and_explain_sees_it():
+    q, k, v = qkv(device="cpu")  # float16
+    mask = torch.randn(16, 16, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fatune.attention(q, k, v, mask)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+        assert fatune.explain(q, k, v, attn_mask=mask).spec.dtype == "bfloat16"
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)

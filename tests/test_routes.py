@@ -220,8 +220,9 @@ def test_gpu_a_call_routed_to_cudnn_runs_it_as_sdpa_would_unless_determinism_is_
 
 
 def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(routed_db, monkeypatch, caplog):
-    """Under autocast SDPA's inputs would be cast and fatune's not: no route. A backend that refuses a call after
-    its route was chosen (a switch turned since, say) hands it to fatune's kernels, said once."""
+    """Under autocast (the inputs already in its dtype) no route is taken: none was measured there. A backend that
+    refuses a call after its route was chosen (a switch turned since, say) hands it to fatune's kernels, said
+    once."""
     monkeypatch.setattr(routes, "unroutable", lambda *args: None)
     monkeypatch.setitem(routes.BACKENDS, "math", SDPBackend.MATH)
     routed_db("math")
@@ -230,7 +231,7 @@ def test_autocast_and_a_backend_that_refuses_after_all_run_fatunes_kernels(route
     runs = []
     real_run = routes.run
     monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.float16):
         assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels)
     assert runs == []
 

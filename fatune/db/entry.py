@@ -58,7 +58,8 @@ class InvalidEntry(DBError):
 def is_stale(entry: Entry, render: bool = True) -> list[str]:
     """Why `entry` cannot be used by this installation: another Triton version, or (`render`: its kernels
     rendered with these templates) kernels whose code has changed since it was measured; [] if it can. The
-    dispatcher does not render: a launch checks the sources it runs (Entry.sources)."""
+    dispatcher renders only its nearest candidates (TunedDB.match); a launch checks the sources it runs too
+    (Entry.sources)."""
     reasons = []
     if entry.triton_version != triton.__version__:
         reasons.append(f"Triton {entry.triton_version} (running {triton.__version__})")

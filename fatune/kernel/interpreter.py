@@ -6,6 +6,11 @@ give wrong numbers without an error (bfloat16 products, roundings) or fail (TMA 
 
 from __future__ import annotations
 
+import threading
+
+
+_patching = threading.Lock()  # two threads' first calls patch once, not twice (two launch locks would not exclude)
+
 
 def patch_interpreter() -> None:
     """Fill two gaps of Triton 3.6's interpreter that the kernels meet, once per process.
@@ -22,8 +27,11 @@ def patch_interpreter() -> None:
       triton.language for each launch, so launches that overlap fail or compute with another's grid; they run
       one at a time.
     """
-    import threading
+    with _patching:
+        _patch()
 
+
+def _patch() -> None:
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter

@@ -189,8 +189,8 @@ _switching = threading.Lock()  # the switches are the process's: one routed call
 
 
 def taken(host_bound: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether a call whose plan has a route takes it: not under autocast, nor (`host_bound`: its plan's) without
-    gradients outside CUDA-graph capture."""
+    """Whether a call whose plan has a route takes it: not under autocast (its routes were not measured there:
+    fatune's kernels run), nor (`host_bound`: its plan's) without gradients outside CUDA-graph capture."""
     if autocasting():
         return False
     if not host_bound or torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
@@ -207,7 +207,7 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         how: tuple[str, str] = (SWITCHED, SWITCHED)) -> torch.Tensor | None:
     """The whole call on SDPA's `backend` (its autograd computes the gradients); None where SDPA refuses it after
     all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say): the caller runs
-    fatune's kernels, said once. Never under autocast, which would cast SDPA's inputs and not fatune's, nor for a
+    fatune's kernels, said once. Never under autocast (routes were not measured there), nor for a
     host-bound call: the caller does not route there (`taken`). `how` (see `paths`), without gradients and with:
     SDPA as it is, the backend's op (Refused where it raises), or SDPA switched to the backend alone. With
     deterministic algorithms required (not warnings only), always the last: SDPA then refuses backends that are
