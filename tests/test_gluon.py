@@ -15,6 +15,7 @@ from fatune.call import check_inputs
 from fatune.kernel.family import builtin_config, family
 from fatune.kernel.gluon import resources
 from fatune.kernel.gluon import family as gluon_family
+from fatune.kernel.gluon import launch as gluon_launch
 from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.codegen import code_hash
 from fatune.kernel.problem import AttentionProblem
@@ -214,6 +215,20 @@ def test_a_gluon_plan_says_why_any_part_of_its_call_runs_other_kernels_and_stric
     with pytest.raises(KernelBuildError, match="strict mode") as error:
         family("gluon").plan(problem, _mixed(problem.spec), q.device, q, k, v, None, None, strict=True)
     assert "does not run here" in str(error.value) and "Triton forward runs" not in str(error.value)  # none does
+
+
+def test_a_group_split_backward_whose_grid_would_exceed_cudas_rows_runs_the_triton_one(monkeypatch):
+    """The group split multiplies the backward's grid rows (batch x K/V heads) by its parts: where that passes
+    CUDA's limit the Triton backward runs, said in build_failure, never a launch that fails."""
+    monkeypatch.setattr(gluon_launch, "backward_unserved", lambda spec, device: None)
+    monkeypatch.setattr(gluon_launch, "tma_readable", lambda *args, **kwargs: True)
+    q, k, v = random_qkv(4, 8, 2, 1, 1, 64, 64, dtype=torch.float16, device=DEVICE)
+    problem = check_inputs(q, k, v, enable_gqa=True)
+    monkeypatch.setattr(gluon_launch, "MAX_GRID_Y", problem.batch * problem.kv_heads * 2)
+    for parts, fits in ((2, True), (4, False)):
+        config = default_config(problem.spec, (9, 0)).replace(dkdv=GluonBackwardConfig(group_split=parts))
+        plan = family("gluon").plan(problem, config, q.device, q, k, v, None, None)
+        assert ("group parts) programs exceed a grid's" in (plan.build_failure or "")) != fits, plan.build_failure
 
 
 def test_the_builtin_decision_follows_the_batch_under_one_db_key(tmp_path, monkeypatch):

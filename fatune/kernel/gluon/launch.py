@@ -146,8 +146,8 @@ class GluonBackward:
         if self.packed:  # the consumers' sequence rows of dQ's accumulator (1, H, tokens, D)
             args += (dq_acc, dq_acc.stride(1), dq_acc.stride(2))
         sums = ()
-        if self.parts > 1:  # the group's parts add dK and dV up in float32
-            sums = tuple(torch.zeros(grad.shape, dtype=torch.float32, device=grad.device) for grad in (dk, dv))
+        if self.parts > 1:  # the group's parts add dK and dV up in float32 (one allocation and fill for both)
+            sums = tuple(torch.zeros((2, *dk.shape), dtype=torch.float32, device=dk.device).unbind(0))
         if self.stores:  # dK and dV (or their sums): (batch, head, row) strides; packed (tokens, H, D), no batch
             for grad in sums or (dk, dv):
                 args += (grad, 0, grad.stride(1), grad.stride(0)) if self.packed else (grad, *grad.stride()[:3])
@@ -256,9 +256,9 @@ class GluonPlan:
                 failures.append(f"the Gluon forward {forward} does not run here ({reason}): the Triton forward runs")
         if backward is not None:
             reason = backward_unserved(problem.spec, device) or unreadable
-            if reason is None and problem.batch * problem.kv_heads > MAX_GRID_Y:
-                reason = (f"{problem.batch} x {problem.kv_heads} (batch x K/V heads) programs exceed a grid's "
-                          f"{MAX_GRID_Y} rows")
+            if reason is None and problem.batch * problem.kv_heads * backward.group_split > MAX_GRID_Y:
+                reason = (f"{problem.batch} x {problem.kv_heads} x {backward.group_split} (batch x K/V heads x "
+                          f"group parts) programs exceed a grid's {MAX_GRID_Y} rows")
             if reason is None and not self.triton.atomic_dq:
                 reason = "the Triton passes around it (atomic dQ) cannot be built here"
             if reason is None:
