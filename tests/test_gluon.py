@@ -15,6 +15,7 @@ from fatune.call import check_inputs
 from fatune.kernel.family import builtin_config, family
 from fatune.kernel.gluon import resources
 from fatune.kernel.gluon import family as gluon_family
+from fatune.kernel.gluon import launch as gluon_launch
 from fatune.kernel.gluon.family import default_backward, default_forward
 from fatune.kernel.codegen import code_hash
 from fatune.kernel.problem import AttentionProblem
@@ -214,6 +215,20 @@ def test_a_gluon_plan_says_why_any_part_of_its_call_runs_other_kernels_and_stric
     with pytest.raises(KernelBuildError, match="strict mode") as error:
         family("gluon").plan(problem, _mixed(problem.spec), q.device, q, k, v, None, None, strict=True)
     assert "does not run here" in str(error.value) and "Triton forward runs" not in str(error.value)  # none does
+
+
+def test_a_group_split_backward_whose_grid_would_exceed_cudas_rows_runs_the_triton_one(monkeypatch):
+    """The group split multiplies the backward's grid rows (batch x K/V heads) by its parts: where that passes
+    CUDA's limit the Triton backward runs, said in build_failure, never a launch that fails."""
+    monkeypatch.setattr(gluon_launch, "backward_unserved", lambda spec, device: None)
+    monkeypatch.setattr(gluon_launch, "tma_readable", lambda *args, **kwargs: True)
+    q, k, v = random_qkv(4, 8, 2, 1, 1, 64, 64, dtype=torch.float16, device=DEVICE)
+    problem = check_inputs(q, k, v, enable_gqa=True)
+    monkeypatch.setattr(gluon_launch, "MAX_GRID_Y", problem.batch * problem.kv_heads * 2)
+    for parts, fits in ((2, True), (4, False)):
+        config = default_config(problem.spec, (9, 0)).replace(dkdv=GluonBackwardConfig(group_split=parts))
+        plan = family("gluon").plan(problem, config, q.device, q, k, v, None, None)
+        assert ("group parts) programs exceed a grid's" in (plan.build_failure or "")) != fits, plan.build_failure
 
 
 def test_the_builtin_decision_follows_the_batch_under_one_db_key(tmp_path, monkeypatch):
@@ -420,7 +435,7 @@ def test_gpu_gluon_forward_of_packed_sequences(d, causal, window, dtype, poison_
 # at d128, more under a band (its masks, and a second loop with the two-part dS)
 COMPILED_BACKWARD = [
     (KernelSpec("bfloat16", 64), GluonBackwardConfig(), 0),
-    (KernelSpec("float16", 64, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3), 64),
+    (KernelSpec("float16", 64, causal=True, bottom_right=True), GluonBackwardConfig(num_stages=3), 0),
     (KernelSpec("bfloat16", 128), GluonBackwardConfig(), 128),
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(), 384),
     (KernelSpec("float16", 96, window_left=True, window_right=True, bottom_right=True),
@@ -440,6 +455,9 @@ COMPILED_BACKWARD = [
     # shared dQ: both consumers' dS in two slots, each consumer adding up half of dQ's lanes over all 128 keys
     (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(shared_dq=1), 384),
     (KernelSpec("bfloat16", 128), default_backward(KernelSpec("bfloat16", 128)), 384),  # the built-in d128 backward
+    # the group split: four programs per key tile sum parts of the group, dK and dV added up by float32 atomics
+    (KernelSpec("bfloat16", 128, causal=True), GluonBackwardConfig(group_split=4), 384),
+    (KernelSpec("float16", 256, causal=True), GluonBackwardConfig(num_stages=1, dq_slice=128, group_split=2), 1024),
 ]
 
 
@@ -503,6 +521,24 @@ def test_the_backwards_ptxas_crashes_on_are_known_before_compiling(tmp_path):
     assert resources.backward_infeasible(*PTXAS_CRASH[0], 227 * 1024)
 
 
+def test_the_group_split_is_stored_only_where_it_splits_and_renders_only_there():
+    """A backward config without the group split stores and renders as before the field existed (the shipped
+    entries' kernel hashes stay current); with it, the programs of a key tile sum parts of the group into float32
+    sums by atomics."""
+    spec = KernelSpec("bfloat16", 128, causal=True)
+    plain, split = GluonBackwardConfig(), GluonBackwardConfig(group_split=4)
+    assert "group_split" not in plain.to_dict() and split.to_dict()["group_split"] == 4
+    assert GluonBackwardConfig.from_dict(split.to_dict()) == split and str(split).endswith("/g4")
+    assert GluonBackwardConfig.from_dict(plain.to_dict()) == plain and "/g" not in str(plain)
+    with pytest.raises(ValueError, match="group_split: expected one of"):
+        GluonBackwardConfig(group_split=3)
+    source, parted = (family("gluon").render("bwd", spec, default_config(spec, (9, 0)).replace(dkdv=config))
+                      for config in (plain, split))
+    assert "GROUP_PARTS" not in source and "atomic_add" not in source
+    assert "GROUP_PARTS = gl.constexpr(4)" in parted and parted.count("gl.atomic_add(") == 2
+    assert "for i in range(heads * tiles):" in parted and "for i in range(GROUP * tiles):" in source
+
+
 def test_a_gluon_backward_config_round_trips_and_names_its_kernels():
     spec = KernelSpec("bfloat16", 128, causal=True)
     config = default_config(spec, (9, 0)).replace(dkdv=GluonBackwardConfig(block_m=64, num_stages=3))
@@ -545,7 +581,7 @@ BACKWARD_SHAPES = [(2, 4, 4, 300, 300, 64), (1, 8, 2, 257, 513, 128), (2, 2, 2, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("forward", ["triton", "gluon"])
-@pytest.mark.parametrize("tiles", ["default", "128-query", "three-deep", "shared-dq", "narrow-dq"])
+@pytest.mark.parametrize("tiles", ["default", "128-query", "three-deep", "shared-dq", "narrow-dq", "group-split"])
 @pytest.mark.parametrize("causal, alignment", [(False, None), (True, "top_left"), (True, "bottom_right")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -558,7 +594,8 @@ def test_gpu_gluon_backward_matches_reference(shape, dtype, causal, alignment, t
     backward = {"default": default_backward(spec), "128-query": GluonBackwardConfig(block_m=128, dq_slice=64),
                 "three-deep": GluonBackwardConfig(num_stages=3),
                 "shared-dq": dataclasses.replace(default_backward(spec), shared_dq=1),
-                "narrow-dq": GluonBackwardConfig(num_stages=2, dq_slice=32)}[tiles]
+                "narrow-dq": GluonBackwardConfig(num_stages=2, dq_slice=32),
+                "group-split": dataclasses.replace(default_backward(spec), group_split=4)}[tiles]
     if resources.backward_infeasible(spec, backward, 232448):
         pytest.skip(resources.backward_infeasible(spec, backward, 232448))
     config = default_config(spec, (9, 0)).replace(dkdv=backward)
@@ -711,6 +748,8 @@ SANITIZED_CASES = [
     ("backward-head-split-unbanded", 256, False, None, GluonBackwardConfig(num_stages=1, dq_slice=128), 1, 2, 300),
     # grouped query heads (4 per K/V head), three stages: a program's ring wraps across the group's heads
     ("backward-gqa-three-stages", 128, False, None, GluonBackwardConfig(num_stages=3), 1, 8, 300, 4),
+    # the group split: two programs per key tile, each summing half the group, dK and dV added by atomics
+    ("backward-group-split", 128, True, None, GluonBackwardConfig(group_split=2), 1, 8, 300, 4),
 ]
 # ConSan's checks grow a kernel 25- to 50-fold, the shared-dQ backward the most (its dS slots are indexed at run
 # time): under a causal mask from 6.4k to 330k lines of PTX, which ptxas compiles in about 170 s on one CPU core,

@@ -296,6 +296,10 @@ def test_the_gluon_backward_axes_fit_the_gpu():
     assert grid and all(isinstance(config, GluonBackwardConfig) for config in grid)
     assert all(resources.backward_shared_memory_bytes(SHAPE.spec, config) <= H100_SHARED for config in grid)
     assert GluonBackwardConfig(block_m=128, num_stages=2) not in grid  # 128-row Q and dO tiles two deep at d128
+    # grouped query heads: programs that share a key tile's group, at most one per head of the group
+    grouped = dataclasses.replace(SHAPE, kv_heads=SHAPE.heads // 4)
+    assert GPU_SPACE.axes(GLUON_BACKWARD, grouped, 132)["group_split"] == (1, 2, 4)
+    assert GluonBackwardConfig(group_split=4) in GPU_SPACE.feasible(GLUON_BACKWARD, grouped, HOPPER)
     small = dataclasses.replace(SHAPE, head_dim=64, head_dim_v=64)
     assert {config.dq_slice for config in GPU_SPACE.grid(GLUON_BACKWARD, small, 132)} == {64}
     # 32-lane slices only at 256 lanes, where they let two Q/dO stages fit

@@ -385,7 +385,8 @@ def _gluon_config(name: str, data: dict, kind: type = GluonConfig) -> GluonConfi
     """The Gluon config of `kind` (the forward's or the backward's) `data` holds (the family named, every field an
     int the kernel accepts, a register split the GPU can give); InvalidEntry naming the field."""
     fields = [f.name for f in dataclasses.fields(kind)]
-    optional = ("overlap", "pingpong", "persistent") if kind is GluonConfig else ("shared_dq",)  # older entries lack them
+    # older entries lack them
+    optional = ("overlap", "pingpong", "persistent") if kind is GluonConfig else ("shared_dq", "group_split")
     required = [field for field in fields if field not in optional]
     if data.get("family") != "gluon" or not {"family", *required} <= set(data) <= {"family", *fields}:
         raise InvalidEntry(f"{name}: expected a Triton launch config or {{'family': 'gluon'}} with {required}"

@@ -398,7 +398,9 @@ class GluonBackwardConfig:
     (block_n = 64 x consumers), query tiles of block_m rows (Q and dO) streamed `num_stages` deep, dQ's products
     and bulk reductions `dq_slice` lanes wide, the consumers' register budget and the launch's register cap, as
     for GluonConfig. `shared_dq`: the consumers add up a query tile's dQ over the whole key tile, each for its
-    share of the lanes (one reduction per tile, FlashAttention-3's), instead of each over its own keys."""
+    share of the lanes (one reduction per tile, FlashAttention-3's), instead of each over its own keys.
+    `group_split`: with grouped query heads, up to that many programs share a key tile's group (each summing a
+    part of its heads, dK and dV added up in float32), where one program per key tile would leave the GPU idle."""
 
     block_m: int = 64
     num_stages: int = 2
@@ -407,10 +409,12 @@ class GluonBackwardConfig:
     maxnreg: int = 0
     dq_slice: int = 64
     shared_dq: int = 0
+    group_split: int = 1
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_m", (64, 128)), ("num_stages", (1, 2, 3, 4)), ("consumers", (2, 3)),
-                              ("dq_slice", (32, 64, 128, 256)), ("shared_dq", (0, 1))):
+                              ("dq_slice", (32, 64, 128, 256)), ("shared_dq", (0, 1)),
+                              ("group_split", (1, 2, 4, 8))):
             if getattr(self, name) not in allowed or not _is_int(getattr(self, name)):
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         _check_registers(self)
@@ -420,7 +424,12 @@ class GluonBackwardConfig:
         return GLUON_SPLIT_M * self.consumers
 
     def to_dict(self) -> dict[str, Any]:
-        return _gluon_dict(self)
+        """Its fields, group_split only where it is not 1: a config stored before that field existed reads and
+        renders as it did."""
+        data = _gluon_dict(self)
+        if self.group_split == 1:
+            del data["group_split"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GluonBackwardConfig:
@@ -428,7 +437,8 @@ class GluonBackwardConfig:
 
     def __str__(self) -> str:
         return (f"gluon {self.block_m}x{self.block_n}/s{self.num_stages}/c{self.consumers}/r{self.consumer_regs}"
-                f"/m{self.maxnreg}/dq{self.dq_slice}{'/shared' if self.shared_dq else ''}")
+                f"/m{self.maxnreg}/dq{self.dq_slice}{'/shared' if self.shared_dq else ''}"
+                f"{f'/g{self.group_split}' if self.group_split > 1 else ''}")
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,8 @@ class SearchSpace:
     gluon_bwd_stages: tuple[int, ...] = (1, 2, 3)
     dq_slice: tuple[int, ...] = (32, 64, 128)  # 32 at 256 lanes only, where two Q/dO stages fit with it
     shared_dq: tuple[int, ...] = (0, 1)
+    # GQA shapes only: programs that share a key tile's group of query heads (those that divide the group)
+    group_split: tuple[int, ...] = (1, 2, 4, 8)
     families: tuple[str, ...] = ("triton", "gluon")  # the kernel families whose studies a search runs
 
     def axes(self, kernel: str, shape: Shape, sms: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -98,8 +100,12 @@ class SearchSpace:
         if kernel == GLUON_BACKWARD:
             width = lanes(shape.spec.head_dim)
             slices = tuple(value for value in self.dq_slice if value <= max(64, width) and (value >= 64 or width > 128))
-            return {"block_m": self.gluon_block_m, "num_stages": self.gluon_bwd_stages, "consumers": self.consumers,
+            axes = {"block_m": self.gluon_block_m, "num_stages": self.gluon_bwd_stages, "consumers": self.consumers,
                     "consumer_regs": self.consumer_regs, "dq_slice": slices, "shared_dq": self.shared_dq}
+            group = shape.heads // shape.kv_heads
+            if group > 1:
+                axes["group_split"] = tuple(value for value in self.group_split if group % value == 0)
+            return axes
         axes = {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
         if kernel == "fwd":

@@ -107,10 +107,11 @@ def backward_block_n(spec: KernelSpec, config: GluonBackwardConfig) -> int:
     return GLUON_SPLIT_M * config.consumers // backward_head_split(spec)
 
 
-def backward_stores_by_pointers(spec: KernelSpec) -> bool:
-    """Whether the backward stores dK and dV from registers through pointers (a packed sequence's rows, or a
-    consumer's own lanes where the consumers split the head dim) rather than by TMA."""
-    return spec.seqlens == "varlen" or backward_head_split(spec) > 1
+def backward_stores_by_pointers(spec: KernelSpec, config: GluonBackwardConfig) -> bool:
+    """Whether the backward stores dK and dV from registers through pointers (a packed sequence's rows, a
+    consumer's own lanes where the consumers split the head dim, or float32 sums a group's parts add to) rather
+    than by TMA."""
+    return spec.seqlens == "varlen" or backward_head_split(spec) > 1 or config.group_split > 1
 
 
 def unshared_dq(spec: KernelSpec, config: GluonBackwardConfig) -> str | None:
@@ -166,10 +167,13 @@ def backward_options(spec: KernelSpec, config: GluonBackwardConfig) -> dict[str,
         "SHARED_DS": head_split > 1, "ROWS": config.block_m // head_split,
         "DS_BUFFERS": (config.consumers // head_split) * ((2 if split_ds else 1) * (2 if config.shared_dq else 1)
                                                            + (head_split > 1)),
-        # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile)
-        "COUNTED": split_ds and not spec.alibi, "ALIBI": spec.alibi, "D": spec.head_dim,
-        "STORE_BY_POINTERS": backward_stores_by_pointers(spec),
-        **backward_sequence_options(spec.seqlens, spec.alibi, backward_stores_by_pointers(spec)),
+        # without ALiBi only rows that see few keys have a large dS: split where they live (else every masked tile);
+        # and from 128 lanes a program whose rows all see more runs a loop without the split (at 64 lanes the two
+        # loops measured 10-11% slower than one)
+        "COUNTED": split_ds and not spec.alibi, "LEAN_LOOP": split_ds and not spec.alibi and lanes >= 128,
+        "ALIBI": spec.alibi, "D": spec.head_dim,
+        "STORE_BY_POINTERS": backward_stores_by_pointers(spec, config), "GROUP_PARTS": config.group_split,
+        **backward_sequence_options(spec.seqlens, spec.alibi, backward_stores_by_pointers(spec, config)),
     }
 
 

@@ -108,17 +108,18 @@ def default_backward(spec: KernelSpec) -> GluonBackwardConfig:
 @functools.lru_cache(maxsize=256)
 def _search_hash(spec: KernelSpec, grouped: bool, templates: Path) -> str:
     """The forward's sources with two and three consumer warpgroups, overlapped or not, with ping-pong or not,
-    persistent or not, and the backward's with two and three, sharing dQ's reduction or not: each source the
-    studies can render (the tiles and registers only fill in numbers), from the `templates` folder. Cached: a
-    search's progress names its studies, and rendering them all takes a few hundred ms."""
+    persistent or not, and the backward's with two and three, sharing dQ's reduction or not (`grouped`: with the
+    group split too): each source the studies can render (the tiles and registers only fill in numbers), from
+    the `templates` folder. Cached: a search's progress names its studies, and rendering them all takes a few
+    hundred ms."""
     forwards = [GluonConfig(consumers=consumers, consumer_regs=160, overlap=overlap, pingpong=pingpong,
                             persistent=persistent)
                 for consumers in (2, 3) for overlap, pingpong in ((0, 0), (1, 0), (1, 1)) for persistent in (0, 1)]
     sources = [source_hash("fwd", codegen.render(spec, config)) for config in forwards
                if codegen.unpersistent(spec, config) is None]
     if backward_untemplated(spec) is None:
-        backwards = [GluonBackwardConfig(consumers=consumers, consumer_regs=160, shared_dq=shared)
-                     for consumers in (2, 3) for shared in (0, 1)]
+        backwards = [GluonBackwardConfig(consumers=consumers, consumer_regs=160, shared_dq=shared, group_split=parts)
+                     for consumers in (2, 3) for shared in (0, 1) for parts in ((1, 2) if grouped else (1,))]
         sources += [source_hash("bwd", codegen.render_backward(spec, config)) for config in backwards
                     if config.consumers % codegen.backward_head_split(spec) == 0
                     and codegen.unshared_dq(spec, config) is None]

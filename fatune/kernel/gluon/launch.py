@@ -97,9 +97,13 @@ class GluonBackward:
         self.kernel = codegen.load_backward(problem.spec, config).attn_bwd_dkdv
         self.sequences = problem.spec.seqlens
         self.packed = self.sequences == "varlen"
+        # with the group split, each (batch, K/V head)'s key tile has group_split programs, each summing a part of
+        # the group's query heads into float32 sums of dK and dV
+        self.parts = config.group_split
         self.grid = (triton.cdiv(problem.max_seqlen_k if self.packed else problem.seqlen_k,
-                                 codegen.backward_block_n(problem.spec, config)), problem.batch * problem.kv_heads)
-        self.stores = codegen.backward_stores_by_pointers(problem.spec)
+                                 codegen.backward_block_n(problem.spec, config)),
+                     problem.batch * problem.kv_heads * self.parts)
+        self.stores = codegen.backward_stores_by_pointers(problem.spec, config)
         self.scalars = (problem.scale, problem.kv_heads, problem.group_size, problem.seqlen_q, problem.seqlen_k,
                         0 if self.packed else lse_strides[0], lse_strides[1], problem.window_left,
                         problem.window_right)
@@ -141,8 +145,11 @@ class GluonBackward:
             launch.ensure_triton_allocator()
         if self.packed:  # the consumers' sequence rows of dQ's accumulator (1, H, tokens, D)
             args += (dq_acc, dq_acc.stride(1), dq_acc.stride(2))
-        if self.stores:  # dK and dV: (batch, head, row) strides; packed (tokens, H, D), no batch
-            for grad in (dk, dv):
+        sums = ()
+        if self.parts > 1:  # the group's parts add dK and dV up in float32 (one allocation and fill for both)
+            sums = tuple(torch.zeros((2, *dk.shape), dtype=torch.float32, device=dk.device).unbind(0))
+        if self.stores:  # dK and dV (or their sums): (batch, head, row) strides; packed (tokens, H, D), no batch
+            for grad in sums or (dk, dv):
                 args += (grad, 0, grad.stride(1), grad.stride(0)) if self.packed else (grad, *grad.stride()[:3])
         if self.alibi is not None:
             args += (slots[self.alibi[0]], *self.alibi[1:])
@@ -150,6 +157,8 @@ class GluonBackward:
             self.kernel.warmup(*args, grid=self.grid, num_warps=4, maxnreg=self.config.maxnreg)
             return
         self.kernel[self.grid](*args, num_warps=4, maxnreg=self.config.maxnreg)
+        for grad, total in zip((dk, dv), sums):
+            grad.copy_(total)
 
 
 class GluonForward:
@@ -247,9 +256,9 @@ class GluonPlan:
                 failures.append(f"the Gluon forward {forward} does not run here ({reason}): the Triton forward runs")
         if backward is not None:
             reason = backward_unserved(problem.spec, device) or unreadable
-            if reason is None and problem.batch * problem.kv_heads > MAX_GRID_Y:
-                reason = (f"{problem.batch} x {problem.kv_heads} (batch x K/V heads) programs exceed a grid's "
-                          f"{MAX_GRID_Y} rows")
+            if reason is None and problem.batch * problem.kv_heads * backward.group_split > MAX_GRID_Y:
+                reason = (f"{problem.batch} x {problem.kv_heads} x {backward.group_split} (batch x K/V heads x "
+                          f"group parts) programs exceed a grid's {MAX_GRID_Y} rows")
             if reason is None and not self.triton.atomic_dq:
                 reason = "the Triton passes around it (atomic dQ) cannot be built here"
             if reason is None:

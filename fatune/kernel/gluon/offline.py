@@ -106,8 +106,9 @@ def backward_signature(spec: KernelSpec, config: GluonBackwardConfig) -> tuple[d
         types |= {"SEQLENS_K": "*i32"} if spec.seqlens == "seqlens_k" else {
             "CU_Q": "*i32", "CU_K": "*i32", "Q": f"*{name}", "DO": f"*{name}", "DQA": "*fp32",
             **{f"stride_{t}{d}": "i32" for t in ("q", "do", "dqa") for d in "hl"}}
-    if backward_stores_by_pointers(spec):
-        types |= {"DK": f"*{name}", "DV": f"*{name}",
+    if backward_stores_by_pointers(spec, config):  # the group split's float32 sums, else dK and dV
+        grads = "fp32" if config.group_split > 1 else name
+        types |= {"DK": f"*{grads}", "DV": f"*{grads}",
                   **{f"stride_{t}{d}": "i32" for t in ("dk", "dv") for d in "bhl"}}
     if spec.alibi:
         types |= {"ALIBI": "*fp32", "stride_ab": "i32", "stride_ah": "i32"}
