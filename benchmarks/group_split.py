@@ -39,9 +39,12 @@ def main() -> int:
         grad = torch.randn_like(q)
         spec = fatune.explain(q, k, v, is_causal=causal, enable_gqa=True).spec
         triton_config = default_config(spec, (9, 0), group=heads // kv_heads)
-        reference = [t.double() for t in torch.autograd.grad(
-            F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=True),
-            (q, k, v), grad.double())]
+        # float32 without the L x L matrix (float64 needs it), each K/V head repeated for its query heads
+        group = heads // kv_heads
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            reference = [t.double() for t in torch.autograd.grad(F.scaled_dot_product_attention(
+                q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
+                is_causal=causal), (q, k, v), grad.float())]
 
         def step(call):
             return lambda: torch.autograd.grad(call(), (q, k, v), grad)

@@ -113,6 +113,8 @@ BUILTIN = [
     (KernelSpec("bfloat16", 64), 4, 32, 32, 4096, 4096, (9, 0), True, False),
     (KernelSpec("bfloat16", 64), 16, 32, 32, 1024, 1024, (9, 0), False, False),
     (KernelSpec("float16", 64, causal=True), 16, 32, 32, 1024, 1024, (9, 0), False, False),
+    (KernelSpec("float16", 64, causal=True), 4, 32, 32, 4096, 4096, (9, 0), True, True),
+    (KernelSpec("bfloat16", 48, causal=True), 1, 32, 32, 16384, 16384, (9, 0), True, True),
     (KernelSpec("bfloat16", 64, causal=True, bottom_right=True), 16, 32, 32, 512, 16384, (9, 0), True, False),
     # grouped query heads: the forward as without them; the backward sums the group in a program (not measured)
     (KernelSpec("bfloat16", 256, causal=True), 4, 32, 8, 4096, 4096, (9, 0), True, False),

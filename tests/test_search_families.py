@@ -178,7 +178,7 @@ def test_warm_starts_of_the_other_family_are_not_queued_in_a_study(hopper, tmp_p
 
 @pytest.mark.parametrize("shape, forward, backward", [
     (SHAPE, True, True),
-    (dataclasses.replace(SHAPE, heads=32, head_dim=64, head_dim_v=64, causal=True), True, False),
+    (dataclasses.replace(SHAPE, heads=32, head_dim=64, head_dim_v=64), True, False),
     (dataclasses.replace(SHAPE, head_dim=256, head_dim_v=256, causal=True), True, True),
 ])
 def test_each_familys_studies_start_from_its_own_config_beside_a_mixed_builtin(hopper, tmp_path, shape, forward,

@@ -63,14 +63,17 @@ def measured_faster(problem: AttentionProblem, sms: int | None) -> tuple[bool, b
     causal or not, L 1k-16k, 8 or more waves of programs). The forward: above d64 everywhere (1.2-1.5x), at d64
     from 4k keys (at 1k the Triton forward is 1.15x faster). The backward (bf16, L 4k-16k): above d128
     (1.26-1.42x, its consumers splitting each query tile's rows), and at d128 from 4k keys: without a mask,
-    where the consumers share dQ's reduction (1.13-1.20x), and causal (0.99-1.13x); at d64 the Triton backward
-    is 1.07-1.08x faster causal and 1.17-1.21x without a mask. Under sliding windows, key lengths and packed
+    where the consumers share dQ's reduction (1.13-1.20x), and causal (0.99-1.13x); at d64 causal from 4k
+    queries and keys (1.04-1.22x, one loop over the query tiles; without a mask the Triton backward is
+    1.17-1.21x faster). Under sliding windows, key lengths and packed
     sequences (d128, L 8k) the Gluon forward is 1.07-1.29x faster and the Gluon backward mostly slower
     (0.95-1.62x the Triton backward's time): the forward takes them above d64. The Triton kernels keep what was
     not measured or measured slower: ALiBi, fewer than MIN_KEYS keys, decode, grids of fewer than MIN_WAVES
     waves on the GPU's `sms` multiprocessors (the Triton forward splits their keys, e.g. a chunked prefill), a
-    backward under any mask but causal, and a backward over grouped query heads (the Gluon one sums the group in
-    each program)."""
+    backward under any mask but causal, and a backward over grouped query heads (GQA 8:1, d128: causal, the
+    Triton backward's step is 1.10-1.18x faster than the Gluon one's best group split, which is 1.29-1.32x faster
+    than one program per key tile; without a mask, L 8k, the Gluon one's is 1.11x faster: one shape, left to the
+    search)."""
     spec = problem.spec
     if spec.alibi or problem.max_seqlen_k < MIN_KEYS:
         return False, False
@@ -83,7 +86,8 @@ def measured_faster(problem: AttentionProblem, sms: int | None) -> tuple[bool, b
     backward = (not masked and backward_untemplated(spec) is None and problem.group_size == 1
                 and problem.batch * problem.kv_heads * ceil(problem.max_seqlen_k /
                                                             codegen.backward_block_n(spec, default_backward(spec))) >= waves
-                and (lanes > 128 or (lanes == 128 and problem.max_seqlen_k >= 4096)))
+                and (lanes > 128 or (lanes == 128 and problem.max_seqlen_k >= 4096)
+                     or (lanes == 64 and spec.causal and min(problem.max_seqlen_q, problem.max_seqlen_k) >= 4096)))
     return forward, backward
 
 
