@@ -292,15 +292,20 @@ def test_a_call_routed_to_cudnn_calls_its_op_as_sdpa_would(direct_cudnn):
         assert torch.equal(got.grad, want.grad)
 
 
-def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(direct_cudnn, monkeypatch, caplog):
-    """cuDNN's attention is not deterministic: with deterministic algorithms required the call goes through SDPA,
-    which refuses it (on this CPU: no cuDNN at all), and fatune's kernels run. An op that raises hands its call
-    signature to them for good, said once; running out of memory or a failed device is the caller's to know."""
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(direct_cudnn, monkeypatch, caplog,
+                                                                               warn_only):
+    """cuDNN's attention is not deterministic: with deterministic algorithms on (warnings only too, where
+    fatune's kernels take their deterministic paths as well) fatune's kernels run. An op that raises hands its
+    call signature to them for good, said once; running out of memory or a failed device is the caller's to
+    know."""
     q, k, v = inputs()
     kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
-    monkeypatch.setattr(routes, "_deterministic", lambda: True)
-    assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and direct_cudnn == []
-    monkeypatch.setattr(routes, "_deterministic_warn_only", lambda: True)  # warnings only: cuDNN runs
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and direct_cudnn == []
+    finally:
+        torch.use_deterministic_algorithms(False)
     fatune.attention(q, k, v, is_causal=True)
     assert len(direct_cudnn) == 1
     for error in (torch.OutOfMemoryError("CUDA out of memory"), torch.AcceleratorError("illegal memory access")):
@@ -310,7 +315,7 @@ def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(di
     tries = []
     refuse = raising(RuntimeError("cuDNN Frontend error: no valid engine configs"))
     monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kwargs: tries.append(1) or refuse())
-    assert_kernels_run_said_once((q, k, v), kernels, caplog, "attention op refused a call")
+    assert_kernels_run_said_once((q, k, v), kernels, caplog, "raised on a call routed to it")
     assert len(tries) == 1 and fatune.explain(q, k, v, is_causal=True).backend != "sdpa-cudnn"
 
 
@@ -344,7 +349,8 @@ def test_a_routed_call_reaches_its_backend_the_cheapest_way_that_takes_it(monkey
     assert routes.paths("cudnn", problem, q, q, q) == expected
     with torch.no_grad():
         assert routes.paths("cudnn", problem, q, q, q) == expected
-    flash = tuple(SDPA if pick == "flash" else SWITCHED for pick in picks)  # no op of its own
+    flash = tuple(SDPA if pick == "flash" else SWITCHED for pick in picks)  # without an op of its own
+    monkeypatch.delitem(routes._OPS, "flash", raising=False)
     assert routes.paths("flash", problem, q, q, q) == flash
     # a torch that cannot say what SDPA picks, or asks otherwise: the op where it takes the call
     without_choice = tuple(OP if took is True else SWITCHED for took in takes)
@@ -394,12 +400,18 @@ def test_a_call_routed_to_the_backend_sdpa_picks_itself_calls_sdpa_as_it_is(dire
     for got, want in zip((q, k, v), expected):
         assert torch.equal(got.grad, want.grad)
     kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
-    # the caller switched cuDNN off: the route still runs it, switched to it alone (which refuses on this CPU)
+    # the caller switched cuDNN off: the route still runs it, through its op (no switch turned)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.equal(fatune.attention(q, k, v, is_causal=True), F.scaled_dot_product_attention(
+            q, k, v, is_causal=True)) and len(direct_cudnn) == 1
+    assert switches == []
+    # a torch without cuDNN's op: switched to it alone (which refuses on this CPU)
+    monkeypatch.delitem(routes._OPS, "cudnn")
     with sdpa_kernel(SDPBackend.MATH):
         assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and switches
     switches.clear()
-    monkeypatch.setattr(routes, "_deterministic", lambda: True)
-    assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and switches
+    monkeypatch.setattr(routes, "_deterministic", lambda: True)  # deterministic algorithms: no route
+    assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels) and switches == []
 
 
 def test_a_call_that_wants_gradients_cudnn_does_not_take_so_goes_through_sdpa(direct_cudnn, monkeypatch, caplog):
@@ -420,7 +432,8 @@ def test_a_call_whose_route_refuses_tries_it_once_whatever_its_alignment(direct_
     q, k, v = inputs()
     fatune.attention(q, k, v, is_causal=True)
     shifted = torch.empty(v.numel() + 1, dtype=v.dtype)[1:].view(v.shape).copy_(v)
-    monkeypatch.setattr(routes, "_deterministic", lambda: True)  # SDPA refuses cuDNN: fatune's kernels run
+    monkeypatch.setitem(routes._OPS, "cudnn", raising(RuntimeError("cuDNN Frontend error")))  # fatune's kernels run
+    monkeypatch.setattr(routes, "paths", lambda *args: (routes.OP, routes.OP))
     runs = []
     real_run = routes.run
     monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
@@ -488,3 +501,73 @@ def test_a_host_bound_call_without_gradients_runs_fatunes_kernels_and_one_with_t
         fatune.attention(q, k, v, is_causal=True)
         assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
     assert len(direct_cudnn) == 3 and direct_cudnn[2][1] is False
+
+
+def test_each_backend_has_its_op_called_as_sdpa_calls_it(monkeypatch):
+    """Each backend's op (flash's and the memory-efficient one's behind cuDNN's arguments) gets the call's
+    arguments as SDPA passes them once it has chosen that backend."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_dot_product_flash_attention",
+                        lambda *args, **kwargs: calls.append(("flash", args[3:], kwargs)) or ("out",))
+    monkeypatch.setattr(torch, "_scaled_dot_product_efficient_attention",
+                        lambda *args, **kwargs: calls.append(("efficient", args[3:], kwargs)) or ("out",))
+    flash = routes._flash_op(torch._scaled_dot_product_flash_attention)
+    efficient = routes._efficient_op(torch._scaled_dot_product_efficient_attention)
+    q = torch.zeros(1)
+    assert flash(q, q, q, None, True, 0.1, True, False, scale=0.5)[0] == "out"
+    assert efficient(q, q, q, None, False, 0.1, True, False, scale=0.5)[0] == "out"
+    assert calls == [("flash", (0.1, True, False), {"scale": 0.5}),
+                     ("efficient", (None, False, 0.1, True), {"scale": 0.5})]
+    assert {"cudnn", "flash", "efficient"} <= set(routes._OPS)  # this torch has all three
+
+
+@pytest.mark.parametrize("path", [routes.OP, routes.SDPA, routes.SWITCHED])
+@pytest.mark.parametrize("error", [RuntimeError("cuDNN Frontend error: no valid engine configs"),
+                                   TypeError("scaled_dot_product_attention(): argument 'scale' must be float")])
+def test_a_backend_that_raises_hands_its_call_signature_to_fatunes_kernels(direct_cudnn, monkeypatch, caplog, path,
+                                                                           error):
+    """Whatever path reaches the backend, an error of the backend's (not a refusal SDPA may take back, nor the
+    device's) runs fatune's kernels for that call signature from now on, said once; the backend is tried once."""
+    q, k, v = inputs()
+    kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    monkeypatch.setattr(routes, "paths", lambda *args: (path, path))
+    tries = []
+    failing = raising(error)
+    monkeypatch.setitem(routes._OPS, "cudnn", lambda *args, **kwargs: tries.append(1) or failing())
+    monkeypatch.setattr(routes.F, "scaled_dot_product_attention", lambda *args, **kwargs: tries.append(1) or failing())
+    monkeypatch.setattr(routes, "_SWITCHES", {name: (lambda: True, lambda on: None) for name in routes._SWITCHES})
+    assert_kernels_run_said_once((q, k, v), kernels, caplog, "raised on a call routed to it")
+    assert len(tries) == 1
+
+
+def test_a_routed_call_takes_any_real_scale_and_dropout_as_floats(direct_cudnn):
+    """A scale or dropout fatune takes (any real number) reaches the backend as the Python float SDPA takes."""
+    from fractions import Fraction
+
+    q, k, v = inputs()
+    with torch.no_grad():
+        fatune.attention(q, k, v, is_causal=True, scale=Fraction(1, 4), dropout_p=Fraction(0))
+    assert direct_cudnn == [(None, False, 0.0, True, False, 0.25)]
+    assert all(type(value) is float for value in direct_cudnn[0][2::3])
+
+
+def test_a_routed_calls_output_has_the_layout_fatunes_kernels_give_it(direct_cudnn):
+    """Queries viewed from (B, L, H, D) memory: the output is such a view too, as from fatune's kernels, however
+    the backend lays it out (here: contiguous), and the gradients pass through the copy."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 48, 2, 32, dtype=torch.float16, device=DEVICE).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    out = fatune.attention(q, k, v, is_causal=True)
+    assert len(direct_cudnn) == 1 and out.stride() == kernels.stride() == q.stride()
+    out.transpose(1, 2).view(1, 48, 64)  # a free view, as of fatune's kernels' output
+    out.float().sum().backward()
+    expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(*expected, is_causal=True).float().sum().backward()
+    for got, want in zip((q, k, v), expected):
+        assert torch.equal(got.grad, want.grad)
+    contiguous = [t.detach().contiguous() for t in (q, k, v)]
+    with torch.no_grad():
+        routed = fatune.attention(*contiguous, is_causal=True)
+    assert routed.is_contiguous()

@@ -7,13 +7,18 @@ replaced. A route is taken only where SDPA computes exactly what fatune would:
 
 - no mask tensor, no ALiBi, window, key lengths, packed or paged inputs, and causal (if at all) aligned
   top-left (SDPA's is_causal): the mask variants "none" and "causal", with dropout or without;
-- an eager call (torch.compile and torch.func transforms run fatune's kernels);
+- an eager call (torch.compile and torch.func transforms run fatune's kernels), not under autocast nor with
+  deterministic algorithms on (fatune's kernels then take their deterministic paths; the backends' do not all);
 - on a GPU whose torch has the backend and takes these tensors (torch.backends.cuda.can_use_*).
 
 Anywhere else fatune's kernels run, said once per reason. How a routed call reaches its backend is decided when
 its plan is built, apart for calls with gradients and without (`paths`): SDPA as it is, where SDPA picks that
-backend itself for such tensors; else the backend's own op, as SDPA calls it once it has chosen it (cuDNN's); else
-SDPA with torch's switches of the other backends turned off around the call, which costs the most host time.
+backend itself for such tensors; else the backend's own op, as SDPA calls it once it has chosen it; else (a torch
+without that op) SDPA with torch's switches of the other backends turned off around the call, which costs the most
+host time and flips switches that are the process's. The output takes the layout fatune's kernels give it (the
+query's), copied where the backend's differs. A backend that raises on a call hands its call signature to
+fatune's kernels for good, said once; running out of memory, a failed device or an error during CUDA-graph capture
+is the caller's to know.
 A call without gradients so small that its time is the host's runs fatune's kernels, whose launch costs the host
 less than any route (`host_bound`), except while a CUDA graph captures it (a replay costs no host time).
 """
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fatune.db.entry import ROUTABLE_VARIANTS
+from fatune.kernel.layout import layout_like
 from fatune.kernel.problem import AttentionProblem
 from fatune.logs import warn_once
 
@@ -70,9 +76,24 @@ def _takes(backend: str, problem: AttentionProblem, query: torch.Tensor, key: to
     return can_use(params(query, key, value, None, problem.dropout_p, problem.spec.causal, problem.group_size > 1))
 
 
-# the backends' own ops, called as SDPA calls them once it has chosen the backend (those this torch has)
-_OPS = {name: op for name, op in (("cudnn", getattr(torch, "_scaled_dot_product_cudnn_attention", None)),)
-        if op is not None}
+def _flash_op(op):
+    def call(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale):
+        return op(query, key, value, dropout_p, is_causal, False, scale=scale)  # its log-sum-exp always
+    return call
+
+
+def _efficient_op(op):
+    def call(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale):
+        return op(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale=scale)
+    return call
+
+
+# the backends' own ops, called as SDPA calls them once it has chosen the backend (those this torch has), each
+# with cuDNN's op's arguments; their outputs' first is the attention's
+_OPS = {name: wrap(op) for name, op, wrap in (
+    ("cudnn", getattr(torch, "_scaled_dot_product_cudnn_attention", None), lambda op: op),
+    ("flash", getattr(torch, "_scaled_dot_product_flash_attention", None), _flash_op),
+    ("efficient", getattr(torch, "_scaled_dot_product_efficient_attention", None), _efficient_op)) if op is not None}
 _sdpa_choice = getattr(torch, "_fused_sdp_choice", None)  # the backend SDPA picks for a call (an SDPBackend value)
 
 # whether autocast is on for any device (no route then: see `run`)
@@ -184,14 +205,15 @@ _DEVICE_ERRORS = tuple(error for error in (torch.OutOfMemoryError, getattr(torch
 # how SDPA says that no backend it may use takes a call (on CUDA tensors; on others)
 _REFUSALS = ("No available kernel", "No viable backend")
 _deterministic = torch._C._get_deterministic_algorithms
-_deterministic_warn_only = torch._C._get_deterministic_algorithms_warn_only
 _switching = threading.Lock()  # the switches are the process's: one routed call flips them at a time
 
 
 def taken(host_bound: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether a call whose plan has a route takes it: not under autocast (its routes were not measured there:
-    fatune's kernels run), nor (`host_bound`: its plan's) without gradients outside CUDA-graph capture."""
-    if autocasting():
+    fatune's kernels run), nor with deterministic algorithms on, warnings only too (fatune's kernels take their
+    deterministic paths then; cuDNN's attention has none), nor (`host_bound`: its plan's) without gradients
+    outside CUDA-graph capture."""
+    if autocasting() or _deterministic():
         return False
     if not host_bound or torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return True
@@ -205,52 +227,64 @@ def _capturing(query: torch.Tensor) -> bool:
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
         is_causal: bool, scale: float | None, enable_gqa: bool,
         how: tuple[str, str] = (SWITCHED, SWITCHED)) -> torch.Tensor | None:
-    """The whole call on SDPA's `backend` (its autograd computes the gradients); None where SDPA refuses it after
-    all (a switch torch.use_deterministic_algorithms turned since the route was chosen, say): the caller runs
-    fatune's kernels, said once. Never under autocast (routes were not measured there), nor for a
-    host-bound call: the caller does not route there (`taken`). `how` (see `paths`), without gradients and with:
-    SDPA as it is, the backend's op (Refused where it raises), or SDPA switched to the backend alone. With
-    deterministic algorithms required (not warnings only), always the last: SDPA then refuses backends that are
-    not deterministic. SDPA as it is only while the backend's switch is on (the caller's sdpa_kernel context
-    leaves the route its backend)."""
+    """The whole call on SDPA's `backend` (its autograd computes the gradients), in the layout fatune's kernels
+    give it; None where SDPA refuses it after all (its backend's switch turned off since the route was chosen,
+    say): the caller runs fatune's kernels, said once. Refused where the backend raises otherwise: the caller runs
+    fatune's kernels for this call signature from now on. Never under autocast or deterministic algorithms, nor
+    for a host-bound call: the caller does not route there (`taken`). `how` (see `paths`), without gradients and
+    with: SDPA as it is, the backend's op, or SDPA switched to the backend alone. SDPA as it is only while the
+    backend's switch is on (the caller's sdpa_kernel context leaves the route its backend)."""
     # SDPA computes the log-sum-exp the backward needs only where autograd records the call
     wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     path = how[wants_lse]
-    if path != SWITCHED and _deterministic() and not _deterministic_warn_only():
-        path = SWITCHED
-    elif path == SDPA and not _SWITCHES[backend][0]():  # the backend switched off since: the route still runs it
-        path = SWITCHED
-    if path == OP:
-        try:
-            return _OPS[backend](query, key, value, None, wants_lse, dropout_p, is_causal, False, scale=scale)[0]
-        except RuntimeError as error:
-            # out of memory, a failed device or a CUDA graph being captured: fatune's kernels would fare no better
-            if isinstance(error, _DEVICE_ERRORS) or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
-                raise
-            warn_once(f"fatune: torch's {backend} attention op refused a call routed to it ({str(error)[:120]}): "
-                      f"fatune's kernels run for this call signature")
-            raise Refused(backend) from error
+    if path == SDPA and not _SWITCHES[backend][0]():  # the backend switched off since: the route still runs it
+        path = SWITCHED if backend not in _OPS else OP
+    dropout_p, scale = float(dropout_p), None if scale is None else float(scale)  # SDPA takes Python floats only
     try:
-        if path == SDPA:  # (a switched call in another thread meanwhile: SDPA may pick another backend, or refuse)
+        out = _call(backend, path, query, key, value, wants_lse, dropout_p, is_causal, scale, enable_gqa)
+    except (RuntimeError, TypeError) as error:
+        # out of memory, a failed device or a CUDA graph being captured: fatune's kernels would fare no better
+        if isinstance(error, _DEVICE_ERRORS) or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise
+        if path != OP and any(refusal in str(error) for refusal in _REFUSALS):
+            warn_once(f"fatune: torch SDPA's {backend} backend refused a call routed to it ({str(error)[:120]}): "
+                      f"fatune's kernels run")
+            return None
+        warn_once(f"fatune: torch SDPA's {backend} backend raised on a call routed to it ({type(error).__name__}: "
+                  f"{str(error)[:120]}): fatune's kernels run for this call signature")
+        raise Refused(backend) from error
+    return in_layout(out, query, value)
+
+
+def in_layout(out: torch.Tensor, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`out` in the layout fatune's kernels give a call's output (the query's, fatune.kernel.layout.layout_like):
+    as it is where it has it, else copied (autograd passes the gradient through the copy)."""
+    shape, strides = layout_like(query.shape, query.stride(), value.shape[-1])
+    if tuple(out.shape) != shape or all(stride == want for size, stride, want in zip(shape, out.stride(), strides)
+                                        if size > 1):
+        return out
+    return torch.empty_strided(shape, strides, dtype=out.dtype, device=out.device).copy_(out)
+
+
+def _call(backend: str, path: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, wants_lse: bool,
+          dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
+    """The call on `backend` by `path` (see `run`), as the backend returns it."""
+    if path == OP:
+        return _OPS[backend](query, key, value, None, wants_lse, dropout_p, is_causal, False, scale=scale)[0]
+    if path == SDPA:  # (a switched call in another thread meanwhile: SDPA may pick another backend, or refuse)
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
+        with sdpa_kernel(BACKENDS[backend]):
             return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
                                                   scale=scale, enable_gqa=enable_gqa)
-        if not _ALL_SWITCHES or backend not in _SWITCHES:  # a torch without these switches
-            with sdpa_kernel(BACKENDS[backend]):
-                return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
-                                                      scale=scale, enable_gqa=enable_gqa)
-        with _switching:
-            before = [(setter, getter()) for getter, setter in _SWITCHES.values()]
-            try:
-                for name, (_, setter) in _SWITCHES.items():
-                    setter(name == backend)
-                return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
-                                                      scale=scale, enable_gqa=enable_gqa)
-            finally:
-                for setter, enabled in before:
-                    setter(enabled)
-    except RuntimeError as error:
-        if not any(refusal in str(error) for refusal in _REFUSALS):
-            raise
-        warn_once(f"fatune: torch SDPA's {backend} backend refused a call routed to it ({str(error)[:120]}): "
-                  f"fatune's kernels run")
-        return None
+    with _switching:
+        before = [(setter, getter()) for getter, setter in _SWITCHES.values()]
+        try:
+            for name, (_, setter) in _SWITCHES.items():
+                setter(name == backend)
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=scale, enable_gqa=enable_gqa)
+        finally:
+            for setter, enabled in before:
+                setter(enabled)
