@@ -41,10 +41,12 @@ def main() -> int:
         triton_config = default_config(spec, (9, 0), group=heads // kv_heads)
         # float32 without the L x L matrix (float64 needs it), each K/V head repeated for its query heads
         group = heads // kv_heads
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))  # float32 gradients
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             reference = [t.double() for t in torch.autograd.grad(F.scaled_dot_product_attention(
-                q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
-                is_causal=causal), (q, k, v), grad.float())]
+                q32, k32.repeat_interleave(group, 1), v32.repeat_interleave(group, 1), is_causal=causal),
+                (q32, k32, v32), grad.float())]
+        del q32, k32, v32
 
         def step(call):
             return lambda: torch.autograd.grad(call(), (q, k, v), grad)
@@ -53,8 +55,8 @@ def main() -> int:
                                                                 config=triton_config))}
         for parts in map(int, args.parts.split(",")):
             config = triton_config.replace(dkdv=dataclasses.replace(default_backward(spec), group_split=parts))
-            candidates[f"gluon-g{parts}"] = step(lambda config=config: fatune.attention(
-                q, k, v, is_causal=causal, enable_gqa=True, config=config))
+            candidates[f"gluon-g{parts}"] = step(lambda config=config: fatune.attention(  # never the Triton one
+                q, k, v, is_causal=causal, enable_gqa=True, config=config, strict=True))
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

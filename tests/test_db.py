@@ -859,3 +859,18 @@ def test_a_persistent_gluon_forward_entry_is_refused_where_it_cannot_run(mask_va
     else:
         with pytest.raises(InvalidEntry, match="fwd_config.persistent: the persistent forward takes no"):
             entry.check()
+
+
+@pytest.mark.parametrize("group_size, parts, valid", [(8, 8, True), (8, 2, True), (6, 2, True), (6, 4, False),
+                                                      (1, 2, False), (1, 8, False)])
+def test_a_group_split_entry_must_split_its_group_evenly(group_size, parts, valid):
+    """The search splits a group of query heads into parts that divide it: an untrusted entry that splits a lone
+    head or a group unevenly (programs with no heads, each still loading its key tile) is invalid, named."""
+    entry = make_entry(group_size=group_size, bwd_config={"dkdv": {**GLUON_BACKWARD, "group_split": parts},
+                                                          "dq": GOOD_CONFIG})
+    if valid:
+        assert entry.check().attention_config().dkdv.group_split == parts
+    else:
+        with pytest.raises(InvalidEntry, match=f"bwd_config.dkdv.group_split: expected 1 or a divisor of the "
+                                               f"group size {group_size}, got {parts}"):
+            entry.check()

@@ -195,6 +195,10 @@ class Entry:
                 unfit = unpersistent(self.spec(), config) if kernel == "fwd" else None
                 if unfit:
                     raise InvalidEntry(f"{name}.persistent: {unfit}")
+                parts = getattr(config, "group_split", 1)
+                if parts > 1 and self.group_size % parts:  # (the search splits a group evenly, never a lone head)
+                    raise InvalidEntry(f"{name}.group_split: expected 1 or a divisor of the group size "
+                                       f"{self.group_size}, got {parts}")
                 continue
             misplaced = misplaced_structure(kernel, _launch_config(name, data))
             if misplaced:
