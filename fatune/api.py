@@ -335,14 +335,18 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
         backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
         return Explanation(backend, spec, None, {}, prepared.reason)
     host_bound = prepared.host_bound and not _wants_grad(query, key, value)
-    if prepared.route and not host_bound:
+    unrouted = ("autocast is on" if routes.autocasting() else
+                "deterministic algorithms are on" if torch.are_deterministic_algorithms_enabled() else "")
+    if prepared.route and not host_bound and not unrouted:
         return Explanation(f"sdpa-{prepared.route}", spec, prepared.decision, {}, prepared.reason)
     plan = prepared.plan
     launched = plan.config if plan.adds_dq_atomically() else plan.deterministic_config()  # torch's mode now
     sources = {kind: str(family(launched.family).source_path(kind, plan.spec, launched)) for kind in ("fwd", "bwd")}
     backend = launched.family if query.device.type == "cuda" else "triton-interpreter"
     reason = prepared.reason + (f"; {plan.build_failure}" if plan.build_failure else "")
-    if prepared.route and host_bound:
+    if prepared.route and unrouted:
+        reason += f"; not routed to SDPA's {prepared.route} backend: {unrouted}"
+    elif prepared.route and host_bound:
         reason += (f"; not routed to SDPA's {prepared.route} backend without gradients: a call this small is "
                    f"host-bound, and fatune's launch costs the host less")
     return Explanation(backend, spec, prepared.decision, sources, reason, launched)

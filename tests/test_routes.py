@@ -571,3 +571,18 @@ def test_a_routed_calls_output_has_the_layout_fatunes_kernels_give_it(direct_cud
     with torch.no_grad():
         routed = fatune.attention(*contiguous, is_causal=True)
     assert routed.is_contiguous()
+
+
+def test_explain_says_when_a_route_is_not_taken(direct_cudnn):
+    """Under autocast and deterministic algorithms a routed key runs fatune's kernels: explain says so."""
+    q, k, v = inputs()
+    assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
+    with torch.autocast("cpu", dtype=torch.float16):
+        explained = fatune.explain(q, k, v, is_causal=True)
+    assert explained.backend != "sdpa-cudnn" and "not routed to SDPA's cudnn backend: autocast is on" in str(explained)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        explained = fatune.explain(q, k, v, is_causal=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert explained.backend != "sdpa-cudnn" and "deterministic algorithms are on" in explained.reason
