@@ -334,9 +334,12 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     if prepared.plan is None:
         backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
         return Explanation(backend, spec, None, {}, prepared.reason)
-    host_bound = prepared.host_bound and not _wants_grad(query, key, value)
+    grad = _wants_grad(query, key, value)
+    host_bound = prepared.host_bound and not grad
     unrouted = ("autocast is on" if routes.autocasting() else
-                "deterministic algorithms are on" if torch.are_deterministic_algorithms_enabled() else "")
+                "deterministic algorithms are on" if torch.are_deterministic_algorithms_enabled() else
+                f"its op does not take these tensors {'with' if grad else 'without'} gradients"
+                if prepared.paths[grad] == routes.KERNELS else "")
     if prepared.route and not host_bound and not unrouted:
         return Explanation(f"sdpa-{prepared.route}", spec, prepared.decision, {}, prepared.reason)
     plan = prepared.plan

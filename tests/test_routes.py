@@ -319,7 +319,7 @@ def test_deterministic_mode_and_a_refusing_op_leave_cudnn_for_fatunes_kernels(di
     assert len(tries) == 1 and fatune.explain(q, k, v, is_causal=True).backend != "sdpa-cudnn"
 
 
-OP, SDPA, SWITCHED = routes.OP, routes.SDPA, routes.SWITCHED
+OP, SDPA, SWITCHED, KERNELS = routes.OP, routes.SDPA, routes.SWITCHED, routes.KERNELS
 INFERENCE = RuntimeError("inference tensors cannot require grad")
 
 
@@ -328,10 +328,11 @@ INFERENCE = RuntimeError("inference tensors cannot require grad")
     (("cudnn", "cudnn"), (True, True), (SDPA, SDPA)),  # SDPA as it is, where it picks cuDNN itself
     (("flash", "flash"), (True, True), (OP, OP)),
     (("cudnn", "flash"), (True, True), (SDPA, OP)),
-    (("flash", "flash"), (True, False), (OP, SWITCHED)),  # cuDNN takes the call, not its backward: SDPA decides
-    (("cudnn", INFERENCE), (True, INFERENCE), (SDPA, SWITCHED)),  # a plan built on inference tensors
+    (("flash", "flash"), (True, False), (OP, KERNELS)),  # cuDNN takes the call, not its backward (nor would SDPA)
+    (("cudnn", INFERENCE), (True, INFERENCE), (SDPA, SWITCHED)),  # a plan built on inference tensors: SDPA decides
     (("flash", "flash"), (True, INFERENCE), (OP, SWITCHED)),
-    (("flash", "flash"), (False, True), (SWITCHED, OP)),
+    (("flash", "flash"), (False, True), (KERNELS, OP)),
+    (("flash", "flash"), (None, True), (SWITCHED, OP)),  # a torch that cannot say: SDPA decides per call
 ])
 def test_a_routed_call_reaches_its_backend_the_cheapest_way_that_takes_it(monkeypatch, picks, takes, expected):
     def answer(options, grad):
@@ -353,7 +354,7 @@ def test_a_routed_call_reaches_its_backend_the_cheapest_way_that_takes_it(monkey
     monkeypatch.delitem(routes._OPS, "flash", raising=False)
     assert routes.paths("flash", problem, q, q, q) == flash
     # a torch that cannot say what SDPA picks, or asks otherwise: the op where it takes the call
-    without_choice = tuple(OP if took is True else SWITCHED for took in takes)
+    without_choice = tuple(OP if took is True else KERNELS if took is False else SWITCHED for took in takes)
     monkeypatch.setattr(routes, "_sdpa_choice", raising(TypeError("unexpected keyword argument 'enable_gqa'")))
     assert routes.paths("cudnn", problem, q, q, q) == without_choice
     monkeypatch.setattr(routes, "_sdpa_choice", None)
@@ -424,6 +425,27 @@ def test_a_call_that_wants_gradients_cudnn_does_not_take_so_goes_through_sdpa(di
         fatune.attention(q, k, v, is_causal=True)
     assert len(direct_cudnn) == 1 and direct_cudnn[0][1] is False
     assert [r for r in caplog.records if "SDPA's cudnn backend refused a call" in r.message]
+
+
+def test_a_call_that_wants_gradients_the_op_does_not_take_runs_fatunes_kernels_untried(direct_cudnn, monkeypatch,
+                                                                                      caplog):
+    """Where the backend's op does not take such tensors with gradients (nor would SDPA), such calls run fatune's
+    kernels without trying the backend each time, and explain says so; calls without gradients take the op."""
+    monkeypatch.setattr(routes, "paths", lambda *args: (routes.OP, routes.KERNELS))
+    sdpa, tried = routes.F.scaled_dot_product_attention, []
+    monkeypatch.setattr(routes.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: tried.append(1) or sdpa(*args, **kwargs))
+    q, k, v = inputs()
+    kernels = fatune.attention(q, k, v, is_causal=True, config=fatune.explain(q, k, v, is_causal=True).decision.config)
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        assert torch.equal(fatune.attention(q, k, v, is_causal=True), kernels)
+    assert direct_cudnn == [] and tried == [] and not [r for r in caplog.records if "SDPA" in r.message]
+    explained = fatune.explain(q, k, v, is_causal=True)
+    assert explained.backend != "sdpa-cudnn" and "its op does not take these tensors with gradients" in explained.reason
+    with torch.no_grad():
+        fatune.attention(q, k, v, is_causal=True)
+        assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
+    assert len(direct_cudnn) == 1
 
 
 def test_a_call_whose_route_refuses_tries_it_once_whatever_its_alignment(direct_cudnn, monkeypatch):

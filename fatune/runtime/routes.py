@@ -104,6 +104,7 @@ autocasting = getattr(torch._C, "_is_any_autocast_enabled", None) or (
 SDPA = "sdpa"  # SDPA as it is: it picks the backend itself
 OP = "op"  # the backend's own op
 SWITCHED = "switched"  # SDPA with the other backends switched off
+KERNELS = "kernels"  # none: the backend's op does not take such tensors (nor would SDPA): fatune's kernels run
 # A call without gradients whose forward is predicted this short on the GPU, with little GPU time at stake, is
 # host-bound: its time is the host's, and a routed call costs the host more than fatune's own launch (measured on an
 # H100, B1 H8 L128 D64 causal bf16: 21.3 us a routed forward, 17.5 us fatune's kernels, 16.4 us SDPA). Calls with
@@ -136,16 +137,19 @@ def paths(backend: str, problem: AttentionProblem, query: torch.Tensor, key: tor
           value: torch.Tensor) -> tuple[str, str]:
     """How a call routed to `backend` reaches it, for a call without gradients and one with (which the call's key
     does not say): SDPA as it is where SDPA, with every backend switched on (torch's defaults), picks `backend`
-    itself for such tensors; else the backend's op where it exists and takes them; else SDPA switched (see
-    `run`). Inference tensors cannot require gradients: a call with them says nothing of one that does, which
-    takes SDPA switched."""
+    itself for such tensors; else the backend's op where it exists and takes them; else fatune's kernels where
+    the op exists (SDPA would refuse such tensors too); else SDPA switched (see `run`). Inference tensors cannot
+    require gradients: a call with them says nothing of one that does, which takes SDPA switched."""
     def path(grad: bool) -> str:
         try:
             tensors = tuple(t.detach().requires_grad_(grad) for t in (query, key, value))
             with torch.set_grad_enabled(grad):  # SDPA asks both: a plan may be built under no_grad
                 if _default_choice(problem, *tensors) == int(BACKENDS[backend]):
                     return SDPA
-                return OP if backend in _OPS and _takes(backend, problem, *tensors) else SWITCHED
+                if backend not in _OPS:
+                    return SWITCHED
+                takes = _takes(backend, problem, *tensors)
+                return OP if takes else KERNELS if takes is False else SWITCHED  # (None: SDPA decides per call)
         except (RuntimeError, TypeError):
             return SWITCHED
 
@@ -237,6 +241,8 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     # SDPA computes the log-sum-exp the backward needs only where autograd records the call
     wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     path = how[wants_lse]
+    if path == KERNELS:
+        return None
     if path == SDPA and not _SWITCHES[backend][0]():  # the backend switched off since: the route still runs it
         path = SWITCHED if backend not in _OPS else OP
     dropout_p, scale = float(dropout_p), None if scale is None else float(scale)  # SDPA takes Python floats only
