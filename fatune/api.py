@@ -23,7 +23,7 @@ from fatune.kernel.triton import dropout
 from fatune.kernel.triton.launch import NO_EXTRAS, Plan
 from fatune.runtime.dispatch import Decision
 from fatune.runtime import routes
-from fatune.runtime.plans import dense_gradients, prepare, prepare_plain, run_without_kernels
+from fatune.runtime.plans import dense_gradients, forget, prepare, prepare_plain, run_without_kernels
 from fatune.tuning import first_use
 
 DOUBLE_BACKWARD = "fatune.attention: double backward (create_graph=True) is not supported"
@@ -223,7 +223,8 @@ def attention(
         prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                  causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         if not prepared.settled and \
-                first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention):
+                first_use.tune_call(prepared, query, key, value, _wants_grad(query, key, value), attention) or \
+                prepared.route_deferred and _decidable(prepared):
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         if prepared.route and routes.taken(prepared.host_bound, query, key, value):
@@ -248,6 +249,8 @@ def attention(
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if prepared is None:
         prepared = prepare(query, key, value, call, config, strict)
+        if prepared.route_deferred and _decidable(prepared):
+            prepared = prepare(query, key, value, call, config, strict)
         if routed_already and prepared.plan is not None and len(plain_prepared.aligned_otherwise) < 8:
             plain_prepared.aligned_otherwise[alignment] = prepared
     if prepared.route and not routed_already and routes.taken(prepared.host_bound, query, key, value):
@@ -257,6 +260,15 @@ def attention(
     if prepared.plan is None:
         return run_without_kernels(prepared, query, key, value, call)
     return _run(prepared.plan, query, key, value, call.extras)
+
+
+def _decidable(prepared) -> bool:
+    """Whether the route `prepared` left undecided (built under deterministic algorithms) can be decided now: its
+    plan is then forgotten, to be built again."""
+    if routes.deferred(prepared.route_deferred):
+        return False
+    forget(prepared)
+    return True
 
 
 def _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor | None:
@@ -331,6 +343,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     call = Call(*args, **kwargs)
     spec = call.check(query, key, value).spec
     prepared = prepare(query, key, value, call, config, strict)
+    if prepared.route_deferred and _decidable(prepared):
+        prepared = prepare(query, key, value, call, config, strict)
     if prepared.plan is None:
         backend = "torch-fallback" if prepared.mode == "fallback" else prepared.mode
         return Explanation(backend, spec, None, {}, prepared.reason)
@@ -349,6 +363,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
     reason = prepared.reason + (f"; {plan.build_failure}" if plan.build_failure else "")
     if prepared.route and unrouted:
         reason += f"; not routed to SDPA's {prepared.route} backend: {unrouted}"
+    elif prepared.route_deferred:
+        reason += f"; not routed to SDPA's {prepared.route_deferred} backend: deterministic algorithms are on"
     elif prepared.route and host_bound:
         reason += (f"; not routed to SDPA's {prepared.route} backend without gradients: a call this small is "
                    f"host-bound, and fatune's launch costs the host less")

@@ -608,3 +608,34 @@ def test_explain_says_when_a_route_is_not_taken(direct_cudnn):
     finally:
         torch.use_deterministic_algorithms(False)
     assert explained.backend != "sdpa-cudnn" and "deterministic algorithms are on" in explained.reason
+
+
+def test_a_plan_built_under_deterministic_algorithms_takes_its_route_once_they_are_off(direct_cudnn, monkeypatch):
+    """The first call of a key under deterministic algorithms runs fatune's kernels and leaves the route
+    undecided (torch's can_use_* refuse cuDNN then): once they are off, the key's calls take the route."""
+    refused = lambda *args, **kwargs: torch.are_deterministic_algorithms_enabled()  # noqa: E731
+    monkeypatch.setattr(routes, "unroutable", lambda *args: "does not take these tensors here" if refused() else None)
+    monkeypatch.setattr(routes, "_takes", lambda *args, **kwargs: not refused())
+    q, k, v = inputs()
+    torch.use_deterministic_algorithms(True)
+    try:
+        fatune.attention(q, k, v, is_causal=True)
+        explained = fatune.explain(q, k, v, is_causal=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert direct_cudnn == [] and "not routed to SDPA's cudnn backend: deterministic algorithms" in explained.reason
+    fatune.attention(q, k, v, is_causal=True)
+    assert len(direct_cudnn) == 1 and fatune.explain(q, k, v, is_causal=True).backend == "sdpa-cudnn"
+
+
+def test_whether_a_backend_takes_a_call_is_asked_with_every_backend_switched_on(monkeypatch):
+    """A plan built inside the caller's sdpa_kernel context (which switches the route's backend off, and torch's
+    can_use_* with it) still learns whether the backend takes the call; the context's switches stay as they
+    were."""
+    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention",
+                        lambda params, debug=False: torch.backends.cuda.cudnn_sdp_enabled())
+    problem, q = _problem(is_causal=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert routes._takes("cudnn", problem, q, q, q) is True
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -59,6 +59,8 @@ class Prepared:
     host_bound: bool = False
     # whether tuning on first use has had its say (fatune.tuning.first_use), or has none: a tuned entry decided
     settled: bool = True
+    # the backend a route was left undecided for (fatune.runtime.routes.deferred): built again once it can decide
+    route_deferred: str = ""
     # a plain key's Prepared: those of its calls whose data is aligned otherwise than `alignment` (api.attention)
     aligned_otherwise: dict[tuple[int, int, int], Prepared] = field(default_factory=dict)
 
@@ -73,6 +75,13 @@ def clear() -> None:
     with _lock:
         _plans.clear()
     dispatcher().clear()
+
+
+def forget(prepared: Prepared) -> None:
+    """Forget `prepared` under every key it is cached by (its next call builds its plan again)."""
+    with _lock:
+        for cache_key in [cache_key for cache_key, cached in _plans.items() if cached is prepared]:
+            del _plans[cache_key]
 
 
 def prepare(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> Prepared:
@@ -190,12 +199,13 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     # strict mode promises the tuned entry or an error: no quiet fallback past it
     plan = family(decision.config.family).plan(problem, decision.config, device, query, key, value,
                                                None if strict else decision.fallback, decision.sources, strict)
-    route = routes.choose(decision.route, problem, query, key, value)
+    deferred = decision.route if routes.deferred(decision.route) else ""
+    route = "" if deferred else routes.choose(decision.route, problem, query, key, value)
     paths = routes.paths(route, problem, query, key, value) if route else (routes.SWITCHED, routes.SWITCHED)
     # the entry's forward says nothing of a fallback config's kernels
     host_bound = bool(route) and not plan.build_failure and routes.host_bound(decision.entry, decision.margin, problem)
     return Prepared("kernels", plan, decision, decision.reason, lengths, route, paths, alignment_key(query, key, value),
-                    settled=decision.layer != "heuristic", host_bound=host_bound)
+                    settled=decision.layer != "heuristic", host_bound=host_bound, route_deferred=deferred)
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:

@@ -25,6 +25,7 @@ less than any route (`host_bound`), except while a CUDA graph captures it (a rep
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -73,7 +74,8 @@ def _takes(backend: str, problem: AttentionProblem, query: torch.Tensor, key: to
         return None
     if grad is not None:
         query, key, value = (t.detach().requires_grad_(grad) for t in (query, key, value))
-    return can_use(params(query, key, value, None, problem.dropout_p, problem.spec.causal, problem.group_size > 1))
+    with _all_switched_on():  # (torch's can_use_* refuse a backend switched off: a plan built in sdpa_kernel, say)
+        return can_use(params(query, key, value, None, problem.dropout_p, problem.spec.causal, problem.group_size > 1))
 
 
 def _flash_op(op):
@@ -163,15 +165,24 @@ def _default_choice(problem: AttentionProblem, query: torch.Tensor, key: torch.T
     cannot say."""
     if _sdpa_choice is None or not _ALL_SWITCHES:
         return None
+    with _all_switched_on():
+        try:
+            return _sdpa_choice(query, key, value, None, problem.dropout_p, problem.spec.causal,
+                                scale=problem.scale, enable_gqa=problem.group_size > 1)
+        except TypeError:  # another signature: the backend's op may still serve
+            return None
+
+
+@contextlib.contextmanager
+def _all_switched_on():
+    """torch's SDPA backends all switched on (its defaults) for a plan's questions to SDPA, as they were after.
+    The switches are the process's: another thread's SDPA call meanwhile sees them on (once per new plan)."""
     with _switching:
         before = [(setter, getter()) for getter, setter in _SWITCHES.values()]
         try:
             for _, setter in _SWITCHES.values():
                 setter(True)
-            return _sdpa_choice(query, key, value, None, problem.dropout_p, problem.spec.causal,
-                                scale=problem.scale, enable_gqa=problem.group_size > 1)
-        except TypeError:  # another signature: the backend's op may still serve
-            return None
+            yield
         finally:
             for setter, enabled in before:
                 setter(enabled)
@@ -209,7 +220,14 @@ _DEVICE_ERRORS = tuple(error for error in (torch.OutOfMemoryError, getattr(torch
 # how SDPA says that no backend it may use takes a call (on CUDA tensors; on others)
 _REFUSALS = ("No available kernel", "No viable backend")
 _deterministic = torch._C._get_deterministic_algorithms
-_switching = threading.Lock()  # the switches are the process's: one routed call flips them at a time
+_switching = threading.RLock()  # the switches are the process's: one routed call flips them at a time
+
+
+def deferred(backend: str) -> bool:
+    """Whether a plan built now leaves its route to `backend` undecided: with deterministic algorithms on, where
+    torch's can_use_* refuse cuDNN's attention and no route is taken anyway (`taken`); a plan built then is built
+    again once they are off (fatune.api), instead of losing its route for good."""
+    return bool(backend) and _deterministic()
 
 
 def taken(host_bound: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
