@@ -275,7 +275,8 @@ def _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
     """The call on the torch SDPA backend its plan routes it to (fatune.runtime.routes.run); None: fatune's kernels
     run (where the backend's op raised, for this call signature from now on)."""
     try:
-        return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa, prepared.paths)
+        return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa, prepared.paths,
+                          prepared.out_layout)
     except routes.Refused:
         prepared.route = ""
         return None

@@ -61,6 +61,8 @@ class Prepared:
     settled: bool = True
     # the backend a route was left undecided for (fatune.runtime.routes.deferred): built again once it can decide
     route_deferred: str = ""
+    # the routed output's layout (fatune.runtime.routes.output_layout), where there is a route
+    out_layout: tuple = ()
     # a plain key's Prepared: those of its calls whose data is aligned otherwise than `alignment` (api.attention)
     aligned_otherwise: dict[tuple[int, int, int], Prepared] = field(default_factory=dict)
 
@@ -205,7 +207,8 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     # the entry's forward says nothing of a fallback config's kernels
     host_bound = bool(route) and not plan.build_failure and routes.host_bound(decision.entry, decision.margin, problem)
     return Prepared("kernels", plan, decision, decision.reason, lengths, route, paths, alignment_key(query, key, value),
-                    settled=decision.layer != "heuristic", host_bound=host_bound, route_deferred=deferred)
+                    settled=decision.layer != "heuristic", host_bound=host_bound, route_deferred=deferred,
+                    out_layout=routes.output_layout(query, value) if route else ())
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:

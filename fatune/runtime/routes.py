@@ -248,13 +248,14 @@ def _capturing(query: torch.Tensor) -> bool:
 
 def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
         is_causal: bool, scale: float | None, enable_gqa: bool,
-        how: tuple[str, str] = (SWITCHED, SWITCHED)) -> torch.Tensor | None:
+        how: tuple[str, str] = (SWITCHED, SWITCHED), layout: tuple = ()) -> torch.Tensor | None:
     """The whole call on SDPA's `backend` (its autograd computes the gradients), in the layout fatune's kernels
     give it; None where SDPA refuses it after all (its backend's switch turned off since the route was chosen,
     say): the caller runs fatune's kernels, said once. Refused where the backend raises otherwise: the caller runs
     fatune's kernels for this call signature from now on. Never under autocast or deterministic algorithms, nor
     for a host-bound call: the caller does not route there (`taken`). `how` (see `paths`), without gradients and
-    with: SDPA as it is, the backend's op, or SDPA switched to the backend alone. SDPA as it is only while the
+    with: SDPA as it is, the backend's op, or SDPA switched to the backend alone. `layout`: the output's
+    (`output_layout`, computed once per plan; else here). SDPA as it is only while the
     backend's switch is on (the caller's sdpa_kernel context leaves the route its backend)."""
     # SDPA computes the log-sum-exp the backward needs only where autograd records the call
     wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
@@ -277,15 +278,21 @@ def run(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         warn_once(f"fatune: torch SDPA's {backend} backend raised on a call routed to it ({type(error).__name__}: "
                   f"{str(error)[:120]}): fatune's kernels run for this call signature")
         raise Refused(backend) from error
-    return in_layout(out, query, value)
+    return in_layout(out, layout or output_layout(query, value))
 
 
-def in_layout(out: torch.Tensor, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`out` in the layout fatune's kernels give a call's output (the query's, fatune.kernel.layout.layout_like):
-    as it is where it has it, else copied (autograd passes the gradient through the copy)."""
-    shape, strides = layout_like(query.shape, query.stride(), value.shape[-1])
-    if tuple(out.shape) != shape or all(stride == want for size, stride, want in zip(shape, out.stride(), strides)
-                                        if size > 1):
+def output_layout(query: torch.Tensor, value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) of the output fatune's kernels give a call (the query's layout,
+    fatune.kernel.layout.layout_like)."""
+    return layout_like(query.shape, query.stride(), value.shape[-1])
+
+
+def in_layout(out: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+    """`out` in `layout` (output_layout): as it is where it has it, else copied (autograd passes the gradient
+    through the copy)."""
+    shape, strides = layout
+    if out.stride() == strides or tuple(out.shape) != shape or all(
+            stride == want for size, stride, want in zip(shape, out.stride(), strides) if size > 1):
         return out
     return torch.empty_strided(shape, strides, dtype=out.dtype, device=out.device).copy_(out)
 
