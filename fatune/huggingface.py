@@ -19,8 +19,11 @@ changes the mask on its way (adds a bias to it, say) passes on a new tensor, whi
 - everything else (padding with holes, a KV cache's offsets, a model's own mask functions, a model that asks for
   the mask as a tensor): the (B, 1, L_q, L_k) boolean mask.
 
-What fatune cannot express (attention-logit soft-capping, attention sinks, T5's relative position bias) raises
-an error naming the model feature; it never runs a call it would get wrong.
+What fatune cannot express (attention-logit soft-capping, attention sinks, T5's relative position bias, a sparse
+indexer's selected keys, a head mask, any tensor argument the attention function does not know) raises an error
+naming it; it never runs a call it would get wrong. A model whose class does not declare SDPA support (its layers
+may run its own attention on the mask) gets eager's additive mask. The output is contiguous, as SDPA's path
+gives it; `output_attentions=True` gets no weights, said once.
 """
 
 from __future__ import annotations
@@ -194,6 +197,8 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
                      attention_mask=attention_mask, local_size=local_size,
                      allow_is_causal_skip=allow_is_causal_skip, **kwargs)
     tracing = torch.compiler.is_compiling()
+    if not _declares_sdpa(kwargs.get("config")):  # its layers may run their own attention, adding the mask to scores
+        return masking_utils.eager_mask(**arguments)
     if not tracing and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
         compact = _compact(arguments["mask_function"], attention_mask, local_size, allow_is_causal_skip, kv_length,
                            batch_size, kwargs.get("device", "cpu"))
@@ -211,6 +216,43 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
         except (TypeError, ValueError):
             pass  # a mask it does not take is scanned per call, as any mask
     return dense
+
+
+def _declares_sdpa(config: Any) -> bool:
+    """Whether the model class of `config` declares SDPA support, or cannot be found: its layers then take SDPA's
+    masks (boolean, or none for a causal layer). A class without it (GIT, say) may run its own attention on the
+    mask it gets, added to the scores: it gets eager's additive mask, which fatune's attention runs as well."""
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str):
+        return True
+    supported = _sdpa_support.get(model_type)
+    if supported is None:
+        supported = True
+        try:
+            from transformers.models.auto import modeling_auto
+
+            for mapping in (modeling_auto.MODEL_MAPPING_NAMES, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+                name = mapping.get(model_type)
+                model_class = _transformers_class(name) if isinstance(name, str) else None
+                if model_class is not None:
+                    supported = bool(getattr(model_class, "_supports_sdpa", True))
+                    break
+        except Exception:  # noqa: BLE001 - a transformers without these mappings: as before
+            supported = True
+        _sdpa_support[model_type] = supported
+    return supported
+
+
+_sdpa_support: dict[str, bool] = {}
+
+
+def _transformers_class(name: str) -> Any:
+    import transformers
+
+    try:
+        return getattr(transformers, name)
+    except (AttributeError, ImportError):
+        return None
 
 
 def _compact(mask_function: Callable, padding: torch.Tensor | None, window: int | None, skip: bool, length: int,
@@ -299,7 +341,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             return _unpadded(query, key, value, attention_mask, form, window_size, common), None
         seqlens = attention_mask.sum(-1, dtype=torch.int32) if form.kind == "lengths" else None
         out = attention(query, key, value, is_causal=True, window_size=window_size, seqlens_k=seqlens, **common)
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dim() != 4:
         raise NotImplementedError(f"attn_implementation='fatune' takes the masks its mask function makes and 4-d "
                                   f"masks; {type(module).__name__} passed a {attention_mask.dim()}-d one")
@@ -314,22 +356,38 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if causal and kv_length > q_length:  # an empty static cache's prefill: the keys past the queries are unwritten
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     out = attention(query, key, value, attention_mask, is_causal=causal, **common)
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 _UNSUPPORTED = {
     "softcap": "attention-logit soft-capping (config.attn_logit_softcapping)",
     "s_aux": "attention sinks (the model's `sinks` parameter)",
+    "sinks": "attention sinks (the model's `sinks` parameter)",
     "position_bias": "a relative position bias added to the scores (position_bias, T5-style models)",
+    "indices": "a sparse indexer's selected keys (indices=, passed to backends other than eager and sdpa)",
+    "block_indices": "a sparse indexer's selected key blocks (block_indices=)",
+    "head_mask": "a head mask",
 }
+# arguments transformers' models pass that change nothing fatune computes (or that it reads itself), whatever their
+# value; any other tensor argument may carry a feature fatune would ignore, and is refused
+_KNOWN = {"sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+          "seq_idx", "num_items_in_batch", "output_hidden_states", "output_attentions", "output_router_logits",
+          "deterministic", "cache_position", "position_embeddings", "use_cache", "layer_idx", "past_key_values",
+          "past_key_value", "token_type_ids", "return_dict"}
 
 
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    for name, feature in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
+    for name, value in kwargs.items():
+        feature = _UNSUPPORTED.get(name)
+        if feature is None and name not in _KNOWN and isinstance(value, torch.Tensor):
+            feature = f"the tensor argument {name}= (not one fatune knows: it would be ignored)"
+        if feature is not None and value is not None:
             raise NotImplementedError(
                 f"attn_implementation='fatune' does not support {feature}, which {type(module).__name__} uses; "
-                f"load the model with attn_implementation='eager'")
+                f"load the model with attn_implementation='eager' or 'sdpa'")
+    if kwargs.get("output_attentions"):
+        warn_once(f"fatune: attn_implementation='fatune' computes no attention weights: output_attentions=True "
+                  f"returns none for {type(module).__name__} (attn_implementation='eager' returns them)")
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -385,3 +385,66 @@ def test_a_lookup_of_transformers_modeling_code_does_not_use_up_the_registration
               REGISTRATION.split("import fatune\n", 1)[1].replace(
                   'assert "transformers" not in sys.modules, "import fatune imported transformers"\n', ""))
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=300)
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("name, value, refused", [
+    ("indices", torch.zeros(1, 1, 8, 4, dtype=torch.long), "sparse indexer"),
+    ("block_indices", torch.zeros(1, 1, 2, dtype=torch.long), "sparse indexer"),
+    ("sinks", torch.zeros(4), "attention sinks"),
+    ("head_mask", torch.ones(4), "head mask"),
+    ("some_new_bias", torch.zeros(1, 4, 8, 8), "some_new_bias="),
+    ("position_ids", torch.arange(8)[None], None),
+    ("sliding_window", 4, None),
+    ("some_flag", True, None),
+    ("indices", None, None),
+])
+def test_an_argument_that_may_change_the_scores_is_refused_by_name(name, value, refused):
+    """A sparse indexer's keys (passed to backends other than eager and sdpa), sinks, a head mask or any tensor
+    argument fatune does not know would be ignored: an error naming it, never a silent result."""
+    q, k, v = (torch.randn(1, 4, 8, 16, device=DEVICE) for _ in range(3))
+    call = lambda: huggingface.attention_forward(_Layer(), q, k, v, None, **{name: value})  # noqa: E731
+    if refused is None:
+        out, weights = call()
+        assert out.shape == (1, 8, 4, 16) and weights is None
+    else:
+        with pytest.raises(NotImplementedError, match=refused):
+            call()
+
+
+def test_the_output_is_contiguous_and_asking_for_weights_is_said(caplog):
+    """As SDPA's path: the (B, L, H, D) output is contiguous (models .view() it) whatever the query's layout; a
+    model asking for attention weights gets none, said once."""
+    import logging
+
+    from fatune import logs
+
+    logs._warned.discard(next((m for m in logs._warned if "output_attentions" in m), None))
+    q, k, v = (torch.randn(1, 4, 8, 16, device=DEVICE) for _ in range(3))  # (B, H, L, D) contiguous
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        out, weights = huggingface.attention_forward(_Layer(), q, k, v, None, output_attentions=True)
+    assert out.is_contiguous() and weights is None
+    assert [r for r in caplog.records if "output_attentions=True returns none" in r.message]
+
+
+def test_a_model_without_sdpa_support_gets_eagers_additive_mask():
+    """GIT's text layers add the mask they get to their scores (it declares no SDPA support): fatune's mask function
+    gives it eager's additive mask, and its logits are eager's, causal (the last token changes no earlier logit)."""
+    config = transformers.GitConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=16, patch_size=8),
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=97,
+        max_position_embeddings=64, num_image_with_embedding=None, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    eager, model = _pair_of(transformers.GitForCausalLM(config), "eager")
+    ids = tokens(2, 13)
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 97
+    with torch.no_grad():
+        expected, got, got_changed = eager(input_ids=ids).logits, model(input_ids=ids).logits, \
+            model(input_ids=changed).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert torch.equal(got[:, :-1], got_changed[:, :-1])
