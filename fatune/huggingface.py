@@ -332,8 +332,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     common = dict(dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
                   causal_alignment="top_left")
     form = form_of(attention_mask)
+    offsets = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    # a packed batch whose collator gave the sequences' offsets (return_flash_attn_kwargs=True) and no position_ids:
+    # a causal layer runs the sequences flash-attn's path would run, with its window if it has one
+    collated = query.shape[0] == 1 and q_length == kv_length and all(isinstance(t, torch.Tensor) for t in offsets)
     if form is not None:
         window_size = (form.window - 1, 0) if form.window else (-1, -1)
+        if form.kind == "plain" and collated:
+            return _collated(query, key, value, offsets, window_size, kwargs, common), None
         if form.kind == "packed":
             cu_seqlens, longest = form.offsets()
             return _varlen(query, key, value, cu_seqlens, cu_seqlens, longest, longest, window_size, common), None
@@ -347,12 +353,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                   f"masks; {type(module).__name__} passed a {attention_mask.dim()}-d one")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_length > 1 and attention_mask is None and causal)
-    offsets = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if causal and query.shape[0] == 1 and q_length == kv_length and all(isinstance(t, torch.Tensor) for t in offsets):
-        # a packed batch whose collator gave the sequences' offsets (return_flash_attn_kwargs=True) and no
-        # position_ids: the sequences flash-attn's path would run
-        return _varlen(query, key, value, offsets[0].to(torch.int32), offsets[1].to(torch.int32),
-                       kwargs.get("max_length_q"), kwargs.get("max_length_k"), (-1, -1), common), None
+    if causal and collated:
+        return _collated(query, key, value, offsets, (-1, -1), kwargs, common), None
     if causal and kv_length > q_length:  # an empty static cache's prefill: the keys past the queries are unwritten
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     out = attention(query, key, value, attention_mask, is_causal=causal, **common)
@@ -388,6 +390,13 @@ def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None
     if kwargs.get("output_attentions"):
         warn_once(f"fatune: attn_implementation='fatune' computes no attention weights: output_attentions=True "
                   f"returns none for {type(module).__name__} (attn_implementation='eager' returns them)")
+
+
+def _collated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: tuple, window_size: tuple[int, int],
+              kwargs: dict[str, Any], common: dict[str, Any]) -> torch.Tensor:
+    """A packed batch's causal call on the sequences its collator's offsets (cu_seq_lens_q/k) give; (B, L, H, D_v)."""
+    return _varlen(query, key, value, offsets[0].to(torch.int32), offsets[1].to(torch.int32),
+                   kwargs.get("max_length_q"), kwargs.get("max_length_k"), window_size, common)
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,

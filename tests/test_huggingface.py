@@ -153,6 +153,22 @@ def test_sequence_offsets_from_the_collator_run_as_those_sequences(calls):
     assert calls and all(call["packed"] for call in calls), calls
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])
+def test_sequence_offsets_from_the_collator_hold_in_sliding_window_layers_too(name):
+    """Every layer runs the collator's sequences, its window within each (a model of full and sliding layers
+    too): each document's logits are those of the document run alone (its positions relative under RoPE)."""
+    reference, model = pair(name)
+    lengths = (5, 9, 6)  # the second longer than the window
+    ids = tokens(1, sum(lengths))
+    offsets = torch.tensor([0, 5, 14, 20], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        expected = torch.cat([reference(ids[:, a:b], use_cache=False).logits
+                              for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())], 1)
+        got = model(ids, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=9, max_length_k=9,
+                    use_cache=False).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_gradients_match_sdpa(name, side):
