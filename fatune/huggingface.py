@@ -22,7 +22,9 @@ changes the mask on its way (adds a bias to it, say) passes on a new tensor, whi
 What fatune cannot express (attention-logit soft-capping, attention sinks, T5's relative position bias, a sparse
 indexer's selected keys, a head mask, any tensor argument the attention function does not know) raises an error
 naming it; it never runs a call it would get wrong. A model whose class does not declare SDPA support (its layers
-may run its own attention on the mask) gets eager's additive mask. The output is contiguous, as SDPA's path
+may run its own attention on the mask) gets eager's additive mask; one that slices its masks' query rows
+(Gemma-4's KV-shared layers) gets them as tensors, and its layers' fewer queries than keys without a mask align
+the last query with the last key, as transformers assumes of backends other than sdpa. The output is contiguous, as SDPA's path
 gives it; `output_attentions=True` gets no weights, said once.
 """
 
@@ -202,6 +204,8 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
     if not tracing and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
         compact = _compact(arguments["mask_function"], attention_mask, local_size, allow_is_causal_skip, kv_length,
                            batch_size, kwargs.get("device", "cpu"))
+        if compact is not None and compact[0] is not None and _slices_masks(kwargs.get("config")):
+            compact = None  # the model slices the masks' query rows: it gets them as (B, 1, L_q, L_k) tensors
         if compact is not None:
             tensor, form = compact
             if form.kind != "packed":
@@ -216,6 +220,11 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
         except (TypeError, ValueError):
             pass  # a mask it does not take is scanned per call, as any mask
     return dense
+
+
+def _slices_masks(config: Any) -> bool:
+    """Whether a model of `config` slices its masks' query rows on its way (Gemma-4 before its KV-shared layers)."""
+    return bool(getattr(config, "num_kv_shared_layers", 0))
 
 
 def _declares_sdpa(config: Any) -> bool:
@@ -355,8 +364,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = bool(q_length > 1 and attention_mask is None and causal)
     if causal and collated:
         return _collated(query, key, value, offsets, (-1, -1), kwargs, common), None
-    if causal and kv_length > q_length:  # an empty static cache's prefill: the keys past the queries are unwritten
-        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    if causal and kv_length > q_length:
+        # queries a model kept of more (Gemma-4's KV-shared layers keep the last logits_to_keep), with no mask: as
+        # under flash-attn, which transformers assumes for backends other than sdpa, the last query sees every key
+        common["causal_alignment"] = "bottom_right"
     out = attention(query, key, value, attention_mask, is_causal=causal, **common)
     return out.transpose(1, 2).contiguous(), None
 

@@ -464,3 +464,25 @@ def test_a_model_without_sdpa_support_gets_eagers_additive_mask():
             model(input_ids=changed).logits
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     assert torch.equal(got[:, :-1], got_changed[:, :-1])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"logits_to_keep": 3}, {"right_padding": True}])
+def test_gemma4s_kv_shared_layers_match_eager(kwargs):
+    """Gemma-4 slices its masks' query rows before its KV-shared layers (to the last logits_to_keep, its masks then
+    4-d tensors or none): fatune's logits are eager's, the last queries seeing every key before them."""
+    config = transformers.Gemma4TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=16, vocab_size=97, vocab_size_per_layer_input=97, hidden_size_per_layer_input=8,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        max_position_embeddings=256)
+    torch.manual_seed(0)
+    eager, model = _pair_of(transformers.Gemma4ForCausalLM(config), "eager")
+    ids = tokens(2, 19)
+    if kwargs.pop("right_padding", False):
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        kwargs["attention_mask"][1, -4:] = 0
+    with torch.no_grad():
+        expected, got = eager(ids, **kwargs).logits, model(ids, **kwargs).logits
+    real = kwargs["attention_mask"].bool()[:, -got.shape[1]:, None] if "attention_mask" in kwargs else \
+        torch.ones((), dtype=torch.bool)
+    torch.testing.assert_close(torch.where(real, got, 0), torch.where(real, expected, 0), atol=ATOL, rtol=0)
