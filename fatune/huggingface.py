@@ -228,9 +228,10 @@ def _slices_masks(config: Any) -> bool:
 
 
 def _declares_sdpa(config: Any) -> bool:
-    """Whether the model class of `config` declares SDPA support, or cannot be found: its layers then take SDPA's
-    masks (boolean, or none for a causal layer). A class without it (GIT, say) may run its own attention on the
-    mask it gets, added to the scores: it gets eager's additive mask, which fatune's attention runs as well."""
+    """Whether the model class of `config` declares SDPA, flash-attn or attention-interface support, or cannot be
+    found: its layers then take SDPA's masks (boolean, or none for a causal layer). A class without any (GIT, say)
+    may run its own attention on the mask it gets, added to the scores: it gets eager's additive mask, which
+    fatune's attention runs as well."""
     model_type = getattr(config, "model_type", None)
     if not isinstance(model_type, str):
         return True
@@ -243,8 +244,9 @@ def _declares_sdpa(config: Any) -> bool:
             for mapping in (modeling_auto.MODEL_MAPPING_NAMES, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
                 name = mapping.get(model_type)
                 model_class = _transformers_class(name) if isinstance(name, str) else None
-                if model_class is not None:
-                    supported = bool(getattr(model_class, "_supports_sdpa", True))
+                if model_class is not None:  # (Gemma2 declares flash-attn and the attention interface, not SDPA)
+                    supported = any(getattr(model_class, flag, True) for flag in (
+                        "_supports_sdpa", "_supports_flash_attn", "_supports_attention_backend"))
                     break
         except Exception:  # noqa: BLE001 - a transformers without these mappings: as before
             supported = True
@@ -365,9 +367,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if causal and collated:
         return _collated(query, key, value, offsets, (-1, -1), kwargs, common), None
     if causal and kv_length > q_length:
-        # queries a model kept of more (Gemma-4's KV-shared layers keep the last logits_to_keep), with no mask: as
-        # under flash-attn, which transformers assumes for backends other than sdpa, the last query sees every key
-        common["causal_alignment"] = "bottom_right"
+        if _slices_masks(getattr(module, "config", None)):
+            # queries the model kept of more (Gemma-4's KV-shared layers keep the last logits_to_keep): as under
+            # flash-attn, which transformers assumes there for backends other than sdpa, the last query sees every key
+            common["causal_alignment"] = "bottom_right"
+        else:  # an empty static cache's prefill (sdpa_mask gives no mask): the keys past the queries are unwritten
+            key, value = key[:, :, :q_length], value[:, :, :q_length]
     out = attention(query, key, value, attention_mask, is_causal=causal, **common)
     return out.transpose(1, 2).contiguous(), None
 
@@ -386,7 +391,8 @@ _UNSUPPORTED = {
 _KNOWN = {"sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
           "seq_idx", "num_items_in_batch", "output_hidden_states", "output_attentions", "output_router_logits",
           "deterministic", "cache_position", "position_embeddings", "use_cache", "layer_idx", "past_key_values",
-          "past_key_value", "token_type_ids", "return_dict"}
+          "past_key_value", "token_type_ids", "return_dict", "cache", "mm_token_type_ids", "encoder_hidden_states",
+          "encoder_attention_mask", "labels", "shift_labels", "ignore_index", "logits_to_keep"}  # (the loss's too)
 
 
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

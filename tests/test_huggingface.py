@@ -245,6 +245,34 @@ def test_greedy_generation_with_a_kv_cache_matches_sdpa(name, cache):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_a_prefill_into_an_empty_static_cache_matches_sdpa(name):
+    """Unpadded prompts into an empty StaticCache: transformers gives no mask (SDPA's top-left causal alignment keeps
+    each query off the unwritten keys past the prompt), and fatune's logits are SDPA's; and the first generated
+    tokens too."""
+    reference, model = pair(name)
+    ids = tokens(2, 9)
+    config = reference.config
+    with torch.no_grad():
+        expected = reference(ids, past_key_values=transformers.StaticCache(config=config, max_cache_len=16)).logits
+        got = model(ids, past_key_values=transformers.StaticCache(config=config, max_cache_len=16)).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **options), reference.generate(ids, **options))
+
+
+def test_the_losss_arguments_pass_through_the_attention_unrefused():
+    """A causal LM passes its loss's arguments (shift_labels, under context parallelism or a padding-free collator)
+    on to its layers: they change nothing fatune computes."""
+    reference, model = pair("llama-gqa")
+    ids = tokens(1, 9)
+    with torch.no_grad():
+        expected = reference(ids, labels=ids, shift_labels=ids).loss
+        got = model(ids, labels=ids, shift_labels=ids).loss
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 def test_from_pretrained_and_from_config_take_fatune(tmp_path):
     reference, _ = pair("llama-gqa")
     reference.save_pretrained(tmp_path)
