@@ -121,6 +121,7 @@ class _TransformedAttention(torch.autograd.Function):
 # wrappers among the tensor arguments. attention() does that itself and calls the C apply.
 _apply = super(torch.autograd.Function, _FlashAttention).apply
 _functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 _dispatch_mode, _FAKE, _PROXY = (torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE,
                                  torch._C._TorchDispatchModeKey.PROXY)
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -146,13 +147,12 @@ def _autocast(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     return cast(query), cast(key), cast(value), mask
 
 
-def _without_data(query: torch.Tensor) -> bool:
-    """Whether the call is traced on tensors that hold no data: under FakeTensorMode or make_fx, or on meta or
-    fake tensors. fatune's custom op takes such calls, as under torch.compile: its fake implementation gives the
-    outputs' sizes and strides, its autograd formula their gradients. (Other dispatch modes, such as a FLOP
-    counter, see the call run as it runs.)"""
-    return (_dispatch_mode(_FAKE) is not None or _dispatch_mode(_PROXY) is not None or isinstance(query, FakeTensor)
-            or (isinstance(query, torch.Tensor) and query.is_meta))
+def _without_data(query: torch.Tensor, observed: bool) -> bool:
+    """Whether the call is traced on tensors that hold no data: under FakeTensorMode or make_fx (`observed`: some
+    dispatch mode is on), or on meta or fake tensors. fatune's custom op takes such calls, as under torch.compile:
+    its fake implementation gives the outputs' sizes and strides, its autograd formula their gradients."""
+    return isinstance(query, FakeTensor) or (isinstance(query, torch.Tensor) and query.is_meta) or \
+        observed and (_dispatch_mode(_FAKE) is not None or _dispatch_mode(_PROXY) is not None)
 
 
 def attention(
@@ -215,7 +215,11 @@ def attention(
     if _any_autocast() and block_table is None:
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     transformed = _functorch_active()
-    compiling = torch.compiler.is_compiling() or (not transformed and _without_data(query))
+    # under another dispatch mode (a FLOP counter, selective activation checkpointing) fatune's kernels run as its
+    # custom ops, which the mode sees as one op with its FLOP formula (fatune.ops); a route's SDPA op it sees anyway
+    compiling = torch.compiler.is_compiling()
+    observed = not compiling and _dispatch_depth() > 0
+    compiling = compiling or (not transformed and _without_data(query, observed))
     plain = attn_mask is None and alibi_slopes is None and seqlens_k is None and cu_seqlens_q is None and \
         cu_seqlens_k is None and block_table is None
     prepared, plain_prepared, routed_already = None, None, False
@@ -231,7 +235,7 @@ def attention(
             routed = _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
             if routed is not None:
                 return routed
-        if prepared.plan is not None:
+        if prepared.plan is not None and not observed:
             alignment = alignment_key(query, key, value)
             if prepared.alignment == alignment:
                 return _run(prepared.plan, query, key, value, NO_EXTRAS)
@@ -257,6 +261,8 @@ def attention(
         routed = _route(prepared, query, key, value, call.dropout_p, call.is_causal, call.scale, call.enable_gqa)
         if routed is not None:
             return routed
+    if observed and prepared.plan is not None:  # (without kernels the mode sees torch's ops as they run)
+        return ops.attention(query, key, value, call, config)
     if prepared.plan is None:
         return run_without_kernels(prepared, query, key, value, call)
     return _run(prepared.plan, query, key, value, call.extras)

@@ -15,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils.flop_counter import register_flop_formula
 
 from fatune.call import ARGUMENTS, PAGED_GRADIENTS, Call, check_options
 from fatune.kernel.layout import layout_like
@@ -138,6 +141,35 @@ def _backward(ctx, grad_out, grad_lse, grad_key_spans):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _sequence_pairs(q: Tensor, k: Tensor, call: Call) -> int:
+    """Σ L_q·L_k over the call's sequences, per query head: every (query, key) pair of the tensors' sequences, as
+    torch's FLOP counter counts SDPA (masks, windows, causality and key lengths not subtracted); packed sequences
+    each on their own, a paged cache at its table's width."""
+    if call.cu_seqlens_q is not None:
+        lengths_q, lengths_k = (cu[1:] - cu[:-1] for cu in (call.cu_seqlens_q, call.cu_seqlens_k))
+        if isinstance(lengths_q, (FakeTensor, FunctionalTensor)) or lengths_q.is_meta:  # no lengths: their maxima
+            return (lengths_q.shape[0] * (call.max_seqlen_q or q.shape[0]) * (call.max_seqlen_k or k.shape[0]))
+        return int((lengths_q.long() * lengths_k.long()).sum())
+    keys = call.block_table.shape[1] * k.shape[2] if call.block_table is not None else k.shape[2]
+    return q.shape[0] * q.shape[2] * keys
+
+
+def _forward_flops(q, k, v, *rest, out_val=None, **kwargs) -> int:
+    """The forward's FLOPs for torch's FlopCounterMode: Q·Kᵀ and P·V, 2·pairs·(D + D_v) per query head."""
+    heads = q.shape[-2] if q.dim() == 3 else q.shape[1]
+    return 2 * heads * _sequence_pairs(q, k, _call(rest[:-2])) * (q.shape[-1] + v.shape[-1])
+
+
+def _backward_flops(grad_out, q, k, v, out, lse, key_spans, *rest, out_val=None, **kwargs) -> int:
+    """The backward's: S recomputed, dP, dV, dQ and dK, 2·pairs·(3·D + 2·D_v) per query head (2.5 forwards)."""
+    heads = q.shape[-2] if q.dim() == 3 else q.shape[1]
+    return 2 * heads * _sequence_pairs(q, k, _call(rest[:-2])) * (3 * q.shape[-1] + 2 * v.shape[-1])
+
+
+register_flop_formula(torch.ops.fatune.attention_forward, get_raw=True)(_forward_flops)
+register_flop_formula(torch.ops.fatune.attention_backward, get_raw=True)(_backward_flops)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConfig | None) -> Tensor:

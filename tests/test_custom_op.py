@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import fatune
 from fatune.call import ARGUMENTS, Call
@@ -172,6 +173,95 @@ def test_module_and_function_agree():
     module = fatune.FlashAttention(is_causal=True)
     assert torch.equal(module(q, k, v), fatune.attention(q, k, v, is_causal=True))
     assert torch.equal(module(q, k, v, is_causal=False), fatune.attention(q, k, v))
+
+
+def _flops(call) -> tuple[int, torch.Tensor]:
+    with FlopCounterMode(display=False) as counter:
+        out = call()
+    return counter.get_total_flops(), out
+
+
+def _counted(b, h, lq, lk, d, dv) -> tuple[int, int]:
+    """The forward's and a training step's FLOPs as torch counts SDPA's: every (query, key) pair, no mask
+    subtracted; the backward recomputes S and computes dP, dV, dQ and dK."""
+    pairs = b * h * lq * lk
+    return 2 * pairs * (d + dv), 2 * pairs * (d + dv) + 2 * pairs * (3 * d + 2 * dv)
+
+
+@pytest.mark.parametrize("b, h, h_kv, lq, lk, d, dv, options", [
+    (2, 2, 2, 33, 47, 16, 16, {"is_causal": True}),
+    (1, 4, 2, 40, 40, 32, 16, {"enable_gqa": True, "window_size": (8, 0)}),
+    (1, 2, 2, 24, 24, 16, 16, {"attn_mask": "bool"}),
+])
+def test_a_flop_counter_counts_the_call_and_sees_the_same_results(b, h, h_kv, lq, lk, d, dv, options):
+    """Under torch's FlopCounterMode a call runs as fatune's custom ops, counted as torch counts SDPA (they counted
+    nothing), with the results and gradients of an eager call."""
+    q = torch.randn(b, h, lq, d, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    k = torch.randn(b, h_kv, lk, d, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    v = torch.randn(b, h_kv, lk, dv, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    if options.get("attn_mask") == "bool":
+        options = {**options, "attn_mask": torch.rand(lq, lk, device=DEVICE) < 0.8}
+    grad = torch.randn(b, h, lq, dv, dtype=torch.float16, device=DEVICE)
+
+    forward, step = _counted(b, h, lq, lk, d, dv)
+    routed = fatune.explain(q, k, v, **options).backend.startswith("sdpa-")
+    if routed:  # a call routed to torch's SDPA: the mode sees SDPA's op, counted by torch's formula
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        forward = _flops(lambda: sdpa(q, k, v, **options))[0]
+        step = _flops(lambda: torch.autograd.grad(sdpa(q, k, v, **options), (q, k, v), grad))[0]
+
+    expected = fatune.attention(q, k, v, **options)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    flops, out = _flops(lambda: fatune.attention(q, k, v, **options))
+    assert flops == forward > 0
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    flops, grads = _flops(lambda: torch.autograd.grad(fatune.attention(q, k, v, **options), (q, k, v), grad))
+    assert flops == step
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    if not routed:
+        with torch.no_grad():
+            assert _flops(lambda: fatune.attention(q, k, v, **options))[0] == forward
+
+
+def test_a_flop_counter_counts_packed_sequences_each_on_its_own():
+    lengths = [10, 1, 19]
+    cu = torch.tensor([0, 10, 11, 30], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(30, 4, 16, dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(30, 2, 16, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    flops, out = _flops(lambda: fatune.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=19,
+                                                  max_seqlen_k=19, enable_gqa=True, is_causal=True))
+    assert flops == sum(_counted(1, 4, n, n, 16, 16)[0] for n in lengths)
+    torch.testing.assert_close(out, fatune.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=19,
+                                                     max_seqlen_k=19, enable_gqa=True, is_causal=True), atol=0, rtol=0)
+
+
+def test_selective_activation_checkpointing_recomputes_or_saves_the_call():
+    """Selective activation checkpointing (a dispatch mode) sees the call as one op: a policy can save its output or
+    let it be recomputed, with the gradients of an eager call either way."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append(op)
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.fatune.attention_forward.default and save \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(q, k, v):
+        return fatune.attention(q * 1.5, k, v, is_causal=True).square()
+
+    expected = torch.autograd.grad(block(q, k, v).sum(), (q, k, v))
+    routed = fatune.explain(q, k, v, is_causal=True).backend.startswith("sdpa-")  # the mode sees SDPA's op
+    for save in (True, False):
+        seen.clear()
+        out = checkpoint(block, q, k, v, use_reentrant=False,
+                         context_fn=lambda: create_selective_checkpoint_contexts(policy))
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert routed or torch.ops.fatune.attention_forward.default in seen
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- GPU (pytest -m gpu)
