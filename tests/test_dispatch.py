@@ -7,7 +7,9 @@ import dataclasses
 import logging
 import math
 import re
+import sqlite3
 import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 import fatune
 from fatune import hardware, logs
 from fatune.call import check_inputs
-from fatune.db import TunedDB, shipped_dbs
+from fatune.db import TunedDB, shipped_dbs, store
 from fatune.kernel.spec import AttentionConfig, LaunchConfig
 from fatune.kernel.triton.heuristics import default_config
 from fatune.kernel.triton.resolve import resolve
@@ -194,6 +196,27 @@ def test_stale_entries_are_skipped_and_the_next_answers(tmp_path, caplog):
         db.upsert(farther)
     nearer = Dispatcher(user_db=user, shipped=[shipped]).lookup(problem(), GPU, CAPABILITY, None)
     assert nearer.layer == "user-db" and nearer.config.fwd.block_m == 16
+
+
+def test_a_db_of_many_stale_rows_for_one_key_costs_one_line_and_little_time(tmp_path):
+    """A DB holding thousands of rows of one key whose kernels have all changed (crafted, or shipped as is) is read
+    in about linear time, one line saying how many of the nearest were skipped (it took quadratic time, a minute
+    at 16,000 rows, with a line per row); a current entry farther than the first 16 is not looked for."""
+    user = write(tmp_path / "u.sqlite", entry(template_hash=STALE_KERNELS, seqlen_q_bucket=64, seqlen_k_bucket=64))
+    connection = sqlite3.connect(user)  # copies of that row past fatune's checks, each with its own kernel hashes
+    connection.row_factory = sqlite3.Row
+    row = dict(connection.execute("select * from entries").fetchone())
+    columns = [name for name in (c[1] for c in connection.execute("pragma table_info(entries)")) if name != "id"]
+    connection.executemany(f"insert into entries ({', '.join(columns)}) values ({', '.join('?' * len(columns))})",
+                           [[f"fwd:{n:016x}" if name == "template_hash" else row[name] for name in columns]
+                            for n in range(5000)])
+    connection.commit()
+    connection.close()
+    start = time.perf_counter()
+    decision = Dispatcher(user_db=user, shipped=[]).lookup(problem(), GPU, CAPABILITY, None)
+    assert time.perf_counter() - start < 10
+    assert decision.layer == "heuristic" and len(decision.skipped) == 1, decision.skipped
+    assert f"{store.MAX_CANDIDATES} entries measured with kernels that have changed" in decision.skipped[0]
 
 
 def test_stale_kernels_are_caught_where_they_launch_too(tmp_path, caplog, monkeypatch):

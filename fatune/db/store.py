@@ -383,13 +383,20 @@ class TunedDB:
                        f"re-times them on this GPU, `fatune search` searches again (`fatune db list` shows them)")
                 continue
             usable.append(entry)
-        while (found := nearest(usable, key)) is not None:
-            if not is_stale(found[0]):
-                return found
-            report(f"{self.label}: entries measured with kernels that have changed since are not used; `fatune db "
-                   f"refresh` re-times them on this GPU (`fatune db list` shows them)")
-            usable.remove(found[0])
+        changed = 0
+        for entry in ranked(usable, key)[:MAX_CANDIDATES]:
+            if not is_stale(entry):
+                if changed:
+                    report(self._changed_kernels(changed))
+                return entry, _nearness(entry, key)
+            changed += 1
+        if changed:
+            report(self._changed_kernels(changed))
         return None
+
+    def _changed_kernels(self, count: int) -> str:
+        return (f"{self.label}: {count} entr{'y' if count == 1 else 'ies'} measured with kernels that have changed "
+                f"since not used; `fatune db refresh` re-times them on this GPU (`fatune db list` shows them)")
 
     def invalid_rows(self, **filters: Any) -> list[int]:
         """The ids of the rows matching `filters` that hold no valid entry (no fatune can use them)."""
@@ -529,25 +536,35 @@ def bucket_distance(entry: Entry, key: CallKey) -> float:
             + abs(math.log2(entry.seqlen_k_bucket / key.seqlen_k_bucket)))
 
 
-def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
-    """The entry whose buckets are nearest `key`, and a reason saying how near. On a tie: an entry with a tuned
-    backward, then one that routes to a torch SDPA backend (measured faster than fatune's kernels at its lengths:
-    a call between two lengths that disagree runs as fast as SDPA where the route can be taken), then the
-    smaller problem (Lq x Lk buckets, then Lq; entries of other buckets timed other problems, so their times do
-    not compare), then the faster. Only entries of the call's regime compete: a prefill entry's tiles (up to 128
-    query rows) would leave a decode call's tile nearly empty, and a decode entry's untuned backward would serve
-    training calls."""
+# the nearest entries of a key whose kernels the dispatcher renders to tell whether they have changed (after a
+# template change a whole DB's have; a DB holding many rows of one key costs no more than this)
+MAX_CANDIDATES = 16
+
+
+def ranked(entries: Iterable[Entry], key: CallKey) -> list[Entry]:
+    """The entries of the call's regime, nearest `key` first. On a tie: an entry with a tuned backward, then one
+    that routes to a torch SDPA backend (measured faster than fatune's kernels at its lengths: a call between two
+    lengths that disagree runs as fast as SDPA where the route can be taken), then the smaller problem (Lq x Lk
+    buckets, then Lq; entries of other buckets timed other problems, so their times do not compare), then the
+    faster. Only entries of the call's regime compete: a prefill entry's tiles (up to 128 query rows) would leave a
+    decode call's tile nearly empty, and a decode entry's untuned backward would serve training calls."""
     decode = is_decode(key.seqlen_q_bucket)
-    entries = [e for e in entries if is_decode(e.seqlen_q_bucket) == decode]
-    best = min(entries, key=lambda e: (bucket_distance(e, key), e.forward_only, not e.route(),
-                                       e.seqlen_q_bucket * e.seqlen_k_bucket, e.seqlen_q_bucket, e.time_ms),
-               default=None)
-    if best is None:
-        return None
-    if bucket_distance(best, key) == 0:
-        return best, f"tuned entry, exact bucket Lq<={key.seqlen_q_bucket}, Lk<={key.seqlen_k_bucket}"
-    return best, (f"tuned entry, nearest bucket Lq<={best.seqlen_q_bucket}, Lk<={best.seqlen_k_bucket} "
-                  f"(call: Lq<={key.seqlen_q_bucket}, Lk<={key.seqlen_k_bucket})")
+    return sorted((e for e in entries if is_decode(e.seqlen_q_bucket) == decode),
+                  key=lambda e: (bucket_distance(e, key), e.forward_only, not e.route(),
+                                 e.seqlen_q_bucket * e.seqlen_k_bucket, e.seqlen_q_bucket, e.time_ms))
+
+
+def nearest(entries: Iterable[Entry], key: CallKey) -> tuple[Entry, str] | None:
+    """The entry nearest `key` (ranked) and a reason saying how near."""
+    best = next(iter(ranked(entries, key)), None)
+    return None if best is None else (best, _nearness(best, key))
+
+
+def _nearness(entry: Entry, key: CallKey) -> str:
+    if bucket_distance(entry, key) == 0:
+        return f"tuned entry, exact bucket Lq<={key.seqlen_q_bucket}, Lk<={key.seqlen_k_bucket}"
+    return (f"tuned entry, nearest bucket Lq<={entry.seqlen_q_bucket}, Lk<={entry.seqlen_k_bucket} "
+            f"(call: Lq<={key.seqlen_q_bucket}, Lk<={key.seqlen_k_bucket})")
 
 
 def shipped_dbs() -> list[Path]:
