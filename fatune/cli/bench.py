@@ -11,7 +11,9 @@ import click
 from fatune.bench import SUITES
 from fatune.cli.options import (
     ARGV,
+    MAX_SIZE,
     apply_mask,
+    check_shapes,
     int_list,
     mask_variant_options,
     name_list,
@@ -92,9 +94,9 @@ def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None)
                    "--documents documents (cu_seqlens; Flex gets a document mask, SDPA cannot take it); competitors "
                    "get the same mask.")
 @mask_variant_options
-@click.option("--tokens", type=click.IntRange(1), default=None,
+@click.option("--tokens", type=click.IntRange(1, MAX_SIZE), default=None,
               help="dense, masked: B * L per shape (default 16384; 64 with --interpret).")
-@click.option("--model-dim", type=click.IntRange(1), default=None,
+@click.option("--model-dim", type=click.IntRange(1, MAX_SIZE), default=None,
               help="dense, masked: H * D per shape (default 2048; 64 with --interpret).")
 @click.option("--only", default="", help="masked: the cases whose name contains one of these comma-separated texts.")
 @click.option("--warmup-ms", default=25.0, show_default=True, callback=lambda ctx, param, value: _milliseconds(value))
@@ -183,6 +185,7 @@ def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, v
     model_dim = model_dim or (64 if interpret else 2048)
     planned = _plan(suite, head_dims, lengths, causal, dtypes, gqa, mask, window, valid_keys, documents, tokens,
                     model_dim, only)
+    check_shapes([getattr(item, "shape", item) for item in planned])  # masked cases hold theirs
     if dry_run:
         click.echo("\n".join(_listing(suite, planned, part, shape_indices, interpret or interpreting())))
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -18,6 +19,26 @@ from fatune.kernel.spec import (
 from fatune.settings import INTERPRET_ENV, interpreting
 
 ARGV = "fatune.argv"  # the key of the command line's arguments in click's ctx.meta (FatuneGroup records them)
+# a batch, head count, token count or model dim past int32 sizes no call fatune takes (its kernels' grids and
+# offsets are int32); larger ones are usage errors, not overflows inside torch
+MAX_SIZE = 2**31 - 1
+
+
+def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """An option's number, NaN and infinities refused (click's FloatRange lets NaN by)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"expected a finite number, got {value}")
+    return value
+
+
+def check_shapes(shapes: list) -> None:
+    """A usage error naming the first shape fatune.attention would refuse (int32 offsets, say) or torch could not
+    size, before any trial or timing allocates its inputs."""
+    for shape in shapes:
+        try:
+            shape.problem
+        except (ValueError, RuntimeError, TypeError, OverflowError) as error:
+            raise click.UsageError(f"shape {shape.label()}: {error}") from None
 
 
 def reexec_interpreted(ctx: click.Context) -> None:
@@ -133,7 +154,8 @@ def mask_variant_options(fn: Callable) -> Callable:
                       help="Documents of unequal lengths per shape for --mask packed (query and key lengths "
                            "equal).")(fn)
     fn = click.option("--valid-keys", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.25,
-                      show_default=True, help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")(fn)
+                      callback=finite, show_default=True,
+                      help="Fraction of keys kept per sequence for --mask padding (0 < f < 1).")(fn)
     fn = click.option("--window", type=click.IntRange(0), default=256, show_default=True,
                       help="Left window size for --mask window.")(fn)
     return fn

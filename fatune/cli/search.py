@@ -14,7 +14,10 @@ from typing import Callable, Iterator
 import click
 
 from fatune.cli.options import (
+    MAX_SIZE,
     apply_mask,
+    check_shapes,
+    finite,
     int_list,
     mask_variant_options,
     optional_int_list,
@@ -79,11 +82,11 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
               help="Comma-separated query lengths, the same as --lengths-q (key lengths too unless --lengths-k).")
 @click.option("--lengths-k", callback=optional_int_list, default="",
               help="Key lengths (default: same as --lengths-q).")
-@click.option("--batch", type=click.IntRange(0), default=0,
+@click.option("--batch", type=click.IntRange(0, MAX_SIZE), default=0,
               help="Batch size (default: 16384 tokens / L_q; for decode shapes, L_q <= "
                    f"{DECODE_QUERIES}, max(1, 16384 / L_k): a KV cache of 16384 tokens).")
-@click.option("--heads", type=click.IntRange(0), default=0, help="Query heads (default: 2048 / head dim).")
-@click.option("--kv-heads", type=click.IntRange(0), default=0,
+@click.option("--heads", type=click.IntRange(0, MAX_SIZE), default=0, help="Query heads (default: 2048 / head dim).")
+@click.option("--kv-heads", type=click.IntRange(0, MAX_SIZE), default=0,
               help="Key/value heads for GQA (default, or 0: same as --heads).")
 @click.option("--mask", type=click.Choice(["both", "none", "causal", "window", "padding", "packed"]), default="both",
               show_default=True, help="Mask variant(s): both = none and causal; packed = the batch's tokens packed "
@@ -92,6 +95,7 @@ def _given_int_list(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--trials", type=click.IntRange(1), default=30, show_default=True,
               help="Optuna trials per kernel per shape, in all (every worker and host together).")
 @click.option("--time-budget", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
+              callback=finite,
               help="Seconds per shape.")
 @click.option("--seed", type=click.IntRange(-(2**63), 2**63 - 1), default=0, show_default=True,
               help="Sampler seed (same seed, same trial sequence).")
@@ -165,11 +169,7 @@ def search(head_dim, dtype, lengths_q, lengths_old, lengths_k, batch, heads, kv_
                     head_dim=head_dim, dtype=dtype, causal=c, kv_heads=kv_heads or heads)
               for c in causal_values for lq, lk in zip(lengths, lengths_k)]
     shapes = apply_mask(shapes, mask, window, valid_keys, documents)
-    for shape in shapes:  # a call fatune.attention would refuse (int32 offsets, say) is refused here, before any trial
-        try:
-            shape.problem
-        except ValueError as error:
-            raise click.UsageError(f"shape {shape.label()}: {error}") from None
+    check_shapes(shapes)
 
     # everything that can fail for a reason other than the search itself fails here, before any trial
     try:
