@@ -314,6 +314,24 @@ def test_the_check_rejects_wrong_and_unwritten_outputs():
     assert checker.error("fwd", runner) == float("inf")
 
 
+@pytest.mark.parametrize("sizes", [{"window": 0}, {"valid_keys": 1 / 64}])
+def test_the_check_takes_exact_gradients_that_vanish_where_torch_leaves_rounding_noise(sizes):
+    """Where every query sees one key (a window of none, one kept key) dQ = dK = 0: torch's own reference leaves
+    rounding noise there (1e-6 beside a dV of 4), against which an exact kernel failed every config (the search
+    stored nothing). A kernel off by a ten-thousandth of dV's scale still fails."""
+    from types import SimpleNamespace
+
+    shape = dataclasses.replace(TINY, causal=True).with_(**sizes)
+    checker = targets.Checker(shape, make_inputs(shape, "cpu"))
+    grads = {name: checker.reference[name].clone() for name in ("q", "k", "v")}
+    assert grads["q"].abs().max() < 1e-3 * grads["v"].abs().max()
+    exact = {**{name: torch.zeros_like(grads[name]) for name in ("q", "k")}, "v": grads["v"]}
+    runner = SimpleNamespace(args=SimpleNamespace(grad_q=exact["q"], grad_k=exact["k"], grad_v=exact["v"]))
+    assert checker.error("dkdv", runner) < targets.TOLERANCE[shape.dtype]
+    runner.args.grad_q = exact["q"] + 1e-4 * grads["v"].abs().max()
+    assert checker.error("dkdv", runner) > targets.TOLERANCE[shape.dtype]
+
+
 def test_search_without_gpu_or_interpreter_says_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="--interpret"):
