@@ -347,6 +347,10 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, 
             args = (mask, *args[1:])
         elif "attn_mask" in kwargs:
             kwargs["attn_mask"] = mask
+    unknown = sorted(set(kwargs) - set(Call._fields))
+    if unknown or len(args) > len(Call._fields):
+        raise TypeError(f"explain: takes fatune.attention's arguments, got {unknown[0] if unknown else 'more'!r:.80}"
+                        + (f" (expected one of {', '.join(Call._fields)})" if unknown else " positional arguments"))
     call = Call(*args, **kwargs)
     spec = call.check(query, key, value).spec
     prepared = prepare(query, key, value, call, config, strict)

@@ -23,6 +23,7 @@ from fatune.kernel.spec import DTYPES, MAX_HEAD_DIM, AttentionConfig, KernelSpec
 from fatune.kernel.triton.launch import NO_EXTRAS
 
 ALIGNMENTS = ("top_left", "bottom_right")
+MAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)  # its product with log2(e) stays a float32
 
 
 def _check_tensor(name: str, tensor: object, dims: int) -> torch.Tensor:
@@ -109,14 +110,15 @@ def contents_readable() -> bool:
 
 def _longest_packed(name: str, cu: torch.Tensor, total: int, given_max: int | None) -> int:
     """The longest sequence the grid must cover: `given_max` when given (as flash-attn sizes its grid;
-    checked to be >= the longest sequence of `cu` whenever `cu` can be read), else the longest
-    sequence of `cu`, whose offsets are checked against the `total` tokens."""
+    checked to be >= the longest sequence of `cu` whenever `cu` can be read), at most the `total` tokens (no
+    sequence is longer: a model's maximum length passed for a short batch sizes no idle programs), else the
+    longest sequence of `cu`, whose offsets are checked against the `total` tokens."""
     if cu.device.type == "meta" or not contents_readable():
         if given_max is None:
             raise ValueError(f"max_seqlen_{name[-1]}: pass max_seqlen_q and max_seqlen_k as ints under "
                              f"torch.compile and CUDA-graph capture, and with meta or fake tensors ({name} cannot "
                              f"be read there)")
-        return given_max
+        return min(given_max, total)
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name}: expected to start at 0 and end at the {total} packed tokens, got {values[0]}..{values[-1]}")
@@ -127,7 +129,7 @@ def _longest_packed(name: str, cu: torch.Tensor, total: int, given_max: int | No
     given_name = f"max_seqlen_{name[-1]}"
     if given_max is not None and given_max < actual:
         raise ValueError(f"{given_name}: expected an int >= the longest sequence ({actual}), got {given_max!r}")
-    return actual if given_max is None else given_max
+    return actual if given_max is None else min(given_max, total)
 
 
 def check_contents(seqlens_k: torch.Tensor | None, seqlen_k: int, cu_seqlens_q: torch.Tensor | None,
@@ -173,6 +175,9 @@ def check_options(dropout_p: object, is_causal: object, scale: object, enable_gq
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise TypeError(f"scale: expected a finite float or None, got {scale!r:.80}")
+    if scale is not None and abs(scale) > MAX_SCALE:
+        raise ValueError(f"scale: expected a magnitude up to {MAX_SCALE:.4g} (the kernels scale the scores by it "
+                         f"times log2(e) in float32), got {scale!r:.80}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r:.80}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
@@ -299,7 +304,7 @@ def check_call(query, key, value, call: Call, check_index_values: bool = True) -
         attn_mask=mask_kind,
         seqlens="varlen" if packed else ("seqlens_k" if call.seqlens_k is not None else "fixed"),
         alibi=call.alibi_slopes is not None,
-        dropout=call.dropout_p > 0.0,
+        dropout=bool(call.dropout_p > 0.0),  # (a numpy float's comparison is numpy's bool)
         paged=call.block_table is not None,
     )
     return AttentionProblem(
@@ -351,8 +356,10 @@ def _packed_sizes(query, key, value, call: Call, device: torch.device) -> tuple:
                          ("block_table", "not used with packed inputs (a paged cache takes (B, H, L_q, D) queries)")):
         if getattr(call, name) is not None:
             raise ValueError(f"{name}: {reason}")
-    return (call.cu_seqlens_q.shape[0] - 1, heads, kv_heads, total_q, total_k, head_dim, call.max_seqlen_q,
-            call.max_seqlen_k)
+    # no sequence is longer than the packed tokens (see _longest_packed)
+    max_q, max_k = (None if given is None else min(given, total) for given, total in
+                    ((call.max_seqlen_q, total_q), (call.max_seqlen_k, total_k)))
+    return call.cu_seqlens_q.shape[0] - 1, heads, kv_heads, total_q, total_k, head_dim, max_q, max_k
 
 
 def _padded_sizes(query, key, value, call: Call, device: torch.device) -> tuple:

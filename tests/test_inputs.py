@@ -13,7 +13,7 @@ import torch
 import fatune
 import fatune.runtime.plans as plans
 from fatune import logs, settings
-from fatune.call import check_contents
+from fatune.call import check_contents, check_inputs
 from fatune.kernel import codegen as loader
 from fatune.runtime.plans import FallbackError
 from tests.conftest import DEVICE
@@ -56,6 +56,7 @@ BAD_INPUTS = [
     ("alignment", lambda: qkv(), {"is_causal": True, "causal_alignment": "middle"}, ValueError, "causal_alignment"),
     ("dropout-1", lambda: qkv(), {"dropout_p": 1.0}, ValueError, "dropout_p"),
     ("scale-nan", lambda: qkv(), {"scale": float("nan")}, TypeError, "scale"),
+    ("scale-past-float32", lambda: qkv(), {"scale": 2.4e38}, ValueError, "scale: expected a magnitude"),
     ("alibi-shape", lambda: qkv(), {"alibi_slopes": torch.ones(3)}, ValueError, "alibi_slopes"),
     ("alibi-dtype", lambda: qkv(), {"alibi_slopes": torch.ones(4, dtype=torch.float16)}, TypeError, "alibi_slopes"),
     ("seqlens-int64", lambda: qkv(), {"seqlens_k": torch.tensor([3, 4])}, TypeError, "seqlens_k"),
@@ -96,7 +97,7 @@ def test_bad_input_names_the_argument(make, kwargs, error, text):
 # the options torch.compile's path checks before they become the custom op's typed arguments
 COMPILED_OPTIONS = [case for case in BAD_INPUTS if case[0] in (
     "is-causal-str", "is-causal-int", "enable-gqa-str", "window-float", "window-below-minus-1", "window-not-pair",
-    "alignment", "dropout-1", "scale-nan")]
+    "alignment", "dropout-1", "scale-nan", "scale-past-float32")]
 
 
 @pytest.mark.parametrize("make, kwargs, error, text", [case[1:] for case in COMPILED_OPTIONS],
@@ -174,6 +175,37 @@ def test_odd_but_valid_arguments_mean_what_they_say(kwargs, same_as):
                                rtol=0, atol=0)
 
 
+def test_a_numpy_dropout_rate_drops_out_as_a_float_does():
+    """A rate out of numpy (a float subclass SDPA takes) crashed generating the kernels (numpy's bool in the spec)."""
+    q, k, v = qkv(lq=20, lk=24)
+    outs = []
+    for rate in (np.float64(0.0), np.float64(0.25), np.float32(0.25), 0.25):
+        plans.clear()  # each rate's plan built from it
+        torch.manual_seed(3)
+        outs.append(fatune.attention(q, k, v, dropout_p=rate))
+    torch.testing.assert_close(outs[0], fatune.attention(q, k, v), rtol=0, atol=0)
+    for out in outs[1:3]:
+        torch.testing.assert_close(out, outs[3], rtol=0, atol=0)
+
+
+def test_a_packed_calls_given_maximum_length_past_its_tokens_sizes_no_idle_programs():
+    """max_seqlen_q/k past the packed tokens (a model's maximum length for a short batch) give the result of the
+    true maximum, as fast: no sequence is longer than the tokens (2**40 sized a grid that never finished)."""
+    q, k, v = _packed_qkv()
+    cu = {"cu_seqlens_q": i32([0, 4, 10]), "cu_seqlens_k": i32([0, 5, 12])}
+    for check_values in (True, False):
+        problem = check_inputs(q, k, v, **cu, max_seqlen_q=2**40, max_seqlen_k=2**40,
+                               check_index_values=check_values)
+        assert (problem.max_seqlen_q, problem.max_seqlen_k) == (10, 12)  # the tokens
+    out = fatune.attention(q, k, v, **cu, max_seqlen_q=2**40, max_seqlen_k=2**40)
+    torch.testing.assert_close(out, fatune.attention(q, k, v, **cu), rtol=0, atol=0)
+
+
+def test_explain_names_an_argument_attention_does_not_take():
+    with pytest.raises(TypeError, match="explain: takes fatune.attention's arguments, got 'causal'"):
+        fatune.explain(*qkv(), causal=True)
+
+
 def test_zero_heads_give_an_empty_result():
     q, k, v = qkv(h=0, hkv=0)
     out = fatune.attention(q, k, v)
@@ -242,7 +274,9 @@ def test_unread_index_values_are_clamped_in_the_kernels(case, monkeypatch):
 
 
 def _counting_index_reads(monkeypatch) -> list:
-
+    """The index-value checks from now on, plans built afresh (an earlier test's plan of the same call would
+    spare the first call's read)."""
+    plans.clear()
     reads = []
     check = check_contents
 
