@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fatune import ops
-from fatune.call import PAGED_GRADIENTS, Call, alignment_key, check_flag
+from fatune.call import DOUBLE_BACKWARD, PAGED_GRADIENTS, Call, alignment_key, check_flag
 from fatune.kernel.family import family
 from fatune.kernel.spec import AttentionConfig, KernelSpec
 from fatune.kernel.triton import dropout
@@ -26,7 +26,6 @@ from fatune.runtime import routes
 from fatune.runtime.plans import dense_gradients, forget, prepare, prepare_plain, run_without_kernels
 from fatune.tuning import first_use
 
-DOUBLE_BACKWARD = "fatune.attention: double backward (create_graph=True) is not supported"
 VMAP = ("fatune.attention does not support torch.func.vmap (nor jacrev/jacfwd, which vmap): fold the vmapped dim "
         "into the batch dim (B) of one call, or loop over it; torch.func.grad and vjp are supported")
 
@@ -248,7 +247,7 @@ def attention(
                 seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if compiling:
         check_flag("strict", strict, optional=True)
-        return ops.attention(query, key, value, call, config)
+        return ops.attention(query, key, value, call, config, strict)
     if transformed:
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if prepared is None:
@@ -262,7 +261,7 @@ def attention(
         if routed is not None:
             return routed
     if observed and prepared.plan is not None:  # (without kernels the mode sees torch's ops as they run)
-        return ops.attention(query, key, value, call, config)
+        return ops.attention(query, key, value, call, config, strict)
     if prepared.plan is None:
         return run_without_kernels(prepared, query, key, value, call)
     return _run(prepared.plan, query, key, value, call.extras)

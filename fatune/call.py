@@ -217,6 +217,7 @@ ARGUMENTS = (
     Argument("max_seqlen_k", None, "int?"),
     Argument("block_table", None, "Tensor?"),
 )
+DOUBLE_BACKWARD = "fatune.attention: double backward (create_graph=True) is not supported"
 PAGED_GRADIENTS = ("block_table: a paged K/V cache is read for inference only (no gradients); call under "
                    "torch.no_grad() or pass detached tensors")
 

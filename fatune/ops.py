@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils.flop_counter import register_flop_formula
 
-from fatune.call import ARGUMENTS, PAGED_GRADIENTS, Call, check_options
+from fatune.call import ARGUMENTS, DOUBLE_BACKWARD, PAGED_GRADIENTS, Call, check_options
 from fatune.kernel.layout import layout_like
 from fatune.kernel.mask_spans import SPAN, compact, is_prepared
 from fatune.kernel.spec import KERNELS, AttentionConfig, LaunchConfig, lse_dtype
@@ -30,11 +30,13 @@ Tensor = torch.Tensor
 _CONFIG_FIELDS = len(dataclasses.fields(LaunchConfig))
 # the forward op's inputs: q, k, v, the call's arguments (ARGUMENTS, in order), the dropout seed, a config
 _CALL = tuple(argument.name for argument in ARGUMENTS)
-_INPUTS = ("q", "k", "v", *_CALL, "seed", "config")
+_INPUTS = ("q", "k", "v", *_CALL, "seed", "config", "strict")
 _ARGUMENT_SCHEMA = ", ".join(f"{argument.op_type} {argument.name}" for argument in ARGUMENTS)
-FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_ARGUMENT_SCHEMA}, Tensor? seed, int[] config) -> (Tensor, Tensor, Tensor)"
+_TAIL_SCHEMA = "Tensor? seed, int[] config, bool? strict) -> (Tensor, Tensor, Tensor)"
+FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_ARGUMENT_SCHEMA}, {_TAIL_SCHEMA}"
 BACKWARD_SCHEMA = (f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor key_spans, "
-                   f"{_ARGUMENT_SCHEMA}, Tensor? seed, int[] config) -> (Tensor, Tensor, Tensor)")
+                   f"{_ARGUMENT_SCHEMA}, {_TAIL_SCHEMA}")
+_TAIL = 3  # the ops' arguments after the call's: seed, config, strict
 
 
 def config_to_list(config: AttentionConfig | None) -> list[int]:
@@ -74,9 +76,9 @@ def _no_key_spans(q: Tensor, attn_mask: Tensor | None) -> Tensor:
 
 
 def _forward(q, k, v, *rest):
-    *arguments, seed, config = rest
+    *arguments, seed, config, strict = rest
     call = _call(arguments)
-    prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
+    prepared = plans.prepare(q, k, v, call, config_from_list(config), strict)
     if prepared.plan is None:
         out = plans.run_without_kernels(prepared, q, k, v, call)
         lse = q.new_zeros(_lse_rows(q, call.cu_seqlens_q is not None), dtype=_lse_dtype(q, call.attn_mask))
@@ -88,18 +90,18 @@ def _forward(q, k, v, *rest):
 
 
 def _forward_fake(q, k, v, *rest):
-    call = _call(rest[:-2])
+    call = _call(rest[:-_TAIL])
     out = torch.empty_strided(*layout_like(q.shape, q.stride(), v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = q.new_empty(_lse_rows(q, call.cu_seqlens_q is not None), dtype=_lse_dtype(q, call.attn_mask))
     return out, lse, torch.empty_like(_no_key_spans(q, call.attn_mask))
 
 
 def _backward_op(grad_out, q, k, v, out, lse, key_spans, *rest):
-    *arguments, seed, config = rest
+    *arguments, seed, config, strict = rest
     call = _call(arguments)
     if call.block_table is not None:
         raise ValueError(PAGED_GRADIENTS)
-    prepared = plans.prepare(q, k, v, call, config_from_list(config), None)
+    prepared = plans.prepare(q, k, v, call, config_from_list(config), strict)
     if prepared.plan is None:
         return plans.dense_gradients(prepared, q, k, v, call, grad_out)
     spans = key_spans if call.attn_mask is not None and key_spans.numel() else None  # none made: made again
@@ -119,6 +121,11 @@ attention_backward = torch.library.custom_op("fatune::attention_backward", _back
 attention_backward.register_fake(_backward_fake)
 
 
+def _traced(tensor: Tensor) -> bool:
+    """Whether `tensor` holds no data: torch.compile's tracing, where the formula is recorded, not run."""
+    return isinstance(tensor, (FakeTensor, FunctionalTensor)) or tensor.is_meta
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
     if rest[_CALL.index("block_table")] is not None and any(t.requires_grad for t in (q, k, v)):
@@ -132,6 +139,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse, grad_key_spans):
     q, k, v, out, lse, key_spans, *saved = ctx.saved_tensors
+    if torch.is_grad_enabled() and not _traced(grad_out) and any(t.requires_grad for t in (grad_out, q, k, v)):
+        raise RuntimeError(DOUBLE_BACKWARD)  # (an eager call under a dispatch mode; torch.compile traces on)
     rest = list(ctx.rest)
     for index, tensor in zip(ctx.tensors, saved):
         rest[index] = tensor
@@ -150,7 +159,9 @@ def _sequence_pairs(q: Tensor, k: Tensor, call: Call) -> int:
     if call.cu_seqlens_q is not None:
         lengths_q, lengths_k = (cu[1:] - cu[:-1] for cu in (call.cu_seqlens_q, call.cu_seqlens_k))
         if isinstance(lengths_q, (FakeTensor, FunctionalTensor)) or lengths_q.is_meta:  # no lengths: their maxima
-            return (lengths_q.shape[0] * (call.max_seqlen_q or q.shape[0]) * (call.max_seqlen_k or k.shape[0]))
+            longest_q, longest_k = (min(given or total, total) for given, total in
+                                    ((call.max_seqlen_q, q.shape[0]), (call.max_seqlen_k, k.shape[0])))
+            return min(lengths_q.shape[0] * longest_q * longest_k, q.shape[0] * k.shape[0])
         return int((lengths_q.long() * lengths_k.long()).sum())
     keys = call.block_table.shape[1] * k.shape[2] if call.block_table is not None else k.shape[2]
     return q.shape[0] * q.shape[2] * keys
@@ -159,20 +170,21 @@ def _sequence_pairs(q: Tensor, k: Tensor, call: Call) -> int:
 def _forward_flops(q, k, v, *rest, out_val=None, **kwargs) -> int:
     """The forward's FLOPs for torch's FlopCounterMode: Q·Kᵀ and P·V, 2·pairs·(D + D_v) per query head."""
     heads = q.shape[-2] if q.dim() == 3 else q.shape[1]
-    return 2 * heads * _sequence_pairs(q, k, _call(rest[:-2])) * (q.shape[-1] + v.shape[-1])
+    return 2 * heads * _sequence_pairs(q, k, _call(rest[:-_TAIL])) * (q.shape[-1] + v.shape[-1])
 
 
 def _backward_flops(grad_out, q, k, v, out, lse, key_spans, *rest, out_val=None, **kwargs) -> int:
     """The backward's: S recomputed, dP, dV, dQ and dK, 2·pairs·(3·D + 2·D_v) per query head (2.5 forwards)."""
     heads = q.shape[-2] if q.dim() == 3 else q.shape[1]
-    return 2 * heads * _sequence_pairs(q, k, _call(rest[:-2])) * (3 * q.shape[-1] + 2 * v.shape[-1])
+    return 2 * heads * _sequence_pairs(q, k, _call(rest[:-_TAIL])) * (3 * q.shape[-1] + 2 * v.shape[-1])
 
 
 register_flop_formula(torch.ops.fatune.attention_forward, get_raw=True)(_forward_flops)
 register_flop_formula(torch.ops.fatune.attention_backward, get_raw=True)(_backward_flops)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConfig | None) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConfig | None,
+              strict: bool | None = None) -> Tensor:
     """fatune.attention through the custom ops (what torch.compile traces). The options are checked here, before
     they become the ops' typed arguments (where is_causal="False" would read as True and a window of 1.5 as 1)."""
     check_options(call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.window_size,
@@ -181,5 +193,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConf
     window = [min(int(size), 2**62) for size in call.window_size]  # beyond any sequence
     arguments = call._replace(dropout_p=float(call.dropout_p), scale=None if call.scale is None else float(call.scale),
                               window_size=window)
-    out, _, _ = attention_forward(q, k, v, *arguments, seed, config_to_list(config))
+    out, _, _ = attention_forward(q, k, v, *arguments, seed, config_to_list(config), strict)
     return out

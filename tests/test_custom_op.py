@@ -134,7 +134,7 @@ def test_config_list_round_trip():
 def _op_args(q, k, v, config=(), **arguments) -> tuple:
     """fatune::attention_forward's arguments for a call (its schema follows fatune.call.ARGUMENTS)."""
     call = Call(**arguments)
-    return (q, k, v, *call._replace(window_size=list(call.window_size)), None, list(config))
+    return (q, k, v, *call._replace(window_size=list(call.window_size)), None, list(config), None)
 
 
 def test_custom_op_passes_torch_library_checks():
@@ -165,7 +165,8 @@ def test_the_ops_schema_and_the_public_signature_follow_the_argument_table():
         assert parameter.default == argument.default, argument.name
         assert (parameter.kind == parameter.KEYWORD_ONLY) == argument.keyword_only, argument.name
     schema = torch.ops.fatune.attention_forward.default._schema
-    assert [a.name for a in schema.arguments] == ["q", "k", "v", *(a.name for a in ARGUMENTS), "seed", "config"]
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", *(a.name for a in ARGUMENTS), "seed", "config",
+                                                  "strict"]
 
 
 def test_module_and_function_agree():
@@ -234,6 +235,42 @@ def test_a_flop_counter_counts_packed_sequences_each_on_its_own():
     assert flops == sum(_counted(1, 4, n, n, 16, 16)[0] for n in lengths)
     torch.testing.assert_close(out, fatune.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=19,
                                                      max_seqlen_k=19, enable_gqa=True, is_causal=True), atol=0, rtol=0)
+
+
+def test_a_flop_counter_on_tensors_without_data_counts_packed_sequences_at_most_all_pairs():
+    """Packed lengths cannot be read from fake tensors: each sequence counts at its given maximum, clamped to the
+    tokens, and all of them at most every (query, key) pair of the tokens."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(30, 2, 16, dtype=torch.float16) for _ in range(3))
+        cu = torch.tensor([0, 10, 11, 30], dtype=torch.int32)
+        for longest in (19, 4096):
+            flops, _ = _flops(lambda: fatune.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                       max_seqlen_q=longest, max_seqlen_k=longest))
+            assert flops == _counted(1, 2, 30, 30, 16, 16)[0] if longest > 19 else 3 * _counted(1, 2, 19, 19, 16, 16)[0]
+
+
+def test_under_a_dispatch_mode_the_strict_argument_still_decides(monkeypatch):
+    """strict=False beats $FATUNE_STRICT=1 (and strict=True $FATUNE_STRICT=0) under a FLOP counter as in an eager
+    call; a tuned-entry miss raises only in strict mode."""
+    from fatune.runtime.dispatch import DispatchError
+
+    q, k, v = (torch.randn(1, 2, 24, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    monkeypatch.setenv("FATUNE_STRICT", "1")
+    expected = fatune.attention(q, k, v, is_causal=True, strict=False)
+    torch.testing.assert_close(_flops(lambda: fatune.attention(q, k, v, is_causal=True, strict=False))[1], expected,
+                               atol=0, rtol=0)
+    if fatune.explain(q, k, v, is_causal=True, strict=False).reason.startswith("no tuned entry"):
+        monkeypatch.setenv("FATUNE_STRICT", "0")
+        with pytest.raises(DispatchError):
+            _flops(lambda: fatune.attention(q, k, v, is_causal=True, strict=True))
+
+
+def test_double_backward_under_a_dispatch_mode_is_refused_as_in_an_eager_call():
+    q, k, v = (torch.randn(1, 2, 24, 16, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(fatune.attention(q, k, v).sum(), q, create_graph=True)
 
 
 def test_selective_activation_checkpointing_recomputes_or_saves_the_call():

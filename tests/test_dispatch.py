@@ -4,6 +4,7 @@ and bad DBs: logged once, the next layer answers, strict mode raises."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import re
@@ -17,7 +18,7 @@ import torch
 import fatune
 from fatune import hardware, logs
 from fatune.call import check_inputs
-from fatune.db import TunedDB, shipped_dbs, store
+from fatune.db import TunedDB, shipped_dbs
 from fatune.kernel.spec import AttentionConfig, LaunchConfig
 from fatune.kernel.triton.heuristics import default_config
 from fatune.kernel.triton.resolve import resolve
@@ -198,25 +199,49 @@ def test_stale_entries_are_skipped_and_the_next_answers(tmp_path, caplog):
     assert nearer.layer == "user-db" and nearer.config.fwd.block_m == 16
 
 
-def test_a_db_of_many_stale_rows_for_one_key_costs_one_line_and_little_time(tmp_path):
-    """A DB holding thousands of rows of one key whose kernels have all changed (crafted, or shipped as is) is read
-    in about linear time, one line saying how many of the nearest were skipped (it took quadratic time, a minute
-    at 16,000 rows, with a line per row); a current entry farther than the first 16 is not looked for."""
-    user = write(tmp_path / "u.sqlite", entry(template_hash=STALE_KERNELS, seqlen_q_bucket=64, seqlen_k_bucket=64))
-    connection = sqlite3.connect(user)  # copies of that row past fatune's checks, each with its own kernel hashes
+def _copies(path, row_changes: list[dict]) -> None:
+    """Copies of the DB's one row past fatune's checks, each with its changes."""
+    connection = sqlite3.connect(path)
     connection.row_factory = sqlite3.Row
     row = dict(connection.execute("select * from entries").fetchone())
-    columns = [name for name in (c[1] for c in connection.execute("pragma table_info(entries)")) if name != "id"]
+    columns = [name for name in row if name != "id"]
     connection.executemany(f"insert into entries ({', '.join(columns)}) values ({', '.join('?' * len(columns))})",
-                           [[f"fwd:{n:016x}" if name == "template_hash" else row[name] for name in columns]
-                            for n in range(5000)])
+                           [[changes.get(name, row[name]) for name in columns] for changes in row_changes])
     connection.commit()
     connection.close()
+
+
+def test_a_db_of_many_stale_rows_for_one_key_costs_one_line_and_little_time(tmp_path):
+    """A DB holding thousands of rows of one key whose kernels have all changed (crafted, or shipped as is) is read
+    in about linear time, one line saying how many were skipped (it took quadratic time, a minute at 16,000 rows,
+    with a line per row); a current entry behind them still answers. Only the first 16 configs are rendered."""
+    user = write(tmp_path / "u.sqlite", entry(template_hash=STALE_KERNELS, seqlen_q_bucket=64, seqlen_k_bucket=64))
+    _copies(user, [{"template_hash": f"fwd:{n:016x}"} for n in range(5000)])
     start = time.perf_counter()
     decision = Dispatcher(user_db=user, shipped=[]).lookup(problem(), GPU, CAPABILITY, None)
     assert time.perf_counter() - start < 10
-    assert decision.layer == "heuristic" and len(decision.skipped) == 1, decision.skipped
-    assert f"{store.MAX_CANDIDATES} entries measured with kernels that have changed" in decision.skipped[0]
+    assert decision.layer == "heuristic" and list(decision.skipped) == [
+        f"{user}: 5001 entries measured with kernels that have changed since are not used; `fatune db refresh` "
+        f"re-times them on this GPU (`fatune db list` shows them)"], decision.skipped
+
+    with TunedDB(user) as db:
+        db.upsert(entry(fwd_config={**make_entry().fwd_config, "block_m": 16}, seqlen_q_bucket=512,
+                        seqlen_k_bucket=512))
+    decision = Dispatcher(user_db=user, shipped=[]).lookup(problem(), GPU, CAPABILITY, None)
+    assert decision.layer == "user-db" and decision.config.fwd.block_m == 16
+
+
+def test_a_key_of_many_stale_configs_renders_sixteen(tmp_path):
+    """Each config's kernels are rendered once to tell whether they changed: past 16 stale configs of one key the
+    next layer answers, said so."""
+    user = write(tmp_path / "u.sqlite", entry(template_hash=STALE_KERNELS, seqlen_q_bucket=64, seqlen_k_bucket=64))
+    configs = [{**make_entry().fwd_config, "block_m": block_m, "num_stages": stages} for block_m in (16, 32, 64)
+               for stages in (1, 2, 3, 4, 5, 6, 7)]
+    _copies(user, [{"fwd_config": json.dumps(config), "template_hash": f"fwd:{n:016x}"}
+                   for n, config in enumerate(configs)])
+    decision = Dispatcher(user_db=user, shipped=[]).lookup(problem(), GPU, CAPABILITY, None)
+    assert decision.layer == "heuristic" and "16 or more entries measured with kernels that have changed" in \
+        decision.skipped[0], decision.skipped
 
 
 def test_stale_kernels_are_caught_where_they_launch_too(tmp_path, caplog, monkeypatch):

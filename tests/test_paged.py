@@ -216,7 +216,7 @@ def test_gradients_are_refused_through_the_custom_op_too():
     q = case.q.clone().requires_grad_()
     with pytest.raises(ValueError, match="block_table: a paged K/V cache is read for inference"):
         torch.ops.fatune.attention_forward(q, case.k_cache, case.v_cache, None, 0.0, False, None, False, [-1, -1],
-                                           None, None, None, None, None, None, None, case.block_table, None, [])
+                                           None, None, None, None, None, None, None, case.block_table, None, [], None)
     compiled = torch.compile(lambda q: fatune.attention(q, case.k_cache, case.v_cache, block_table=case.block_table),
                              fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="block_table: a paged K/V cache is read for inference"):

@@ -383,20 +383,21 @@ class TunedDB:
                        f"re-times them on this GPU, `fatune search` searches again (`fatune db list` shows them)")
                 continue
             usable.append(entry)
-        changed = 0
-        for entry in ranked(usable, key)[:MAX_CANDIDATES]:
+        changed, rendered, found = 0, set(), None
+        for entry in ranked(usable, key):
+            configs = (entry.attention_config(), entry.group_size > 1)  # what its kernels are rendered from
+            if configs not in rendered and len(rendered) == MAX_RENDERED:
+                changed = f"{changed} or more"
+                break
+            rendered.add(configs)
             if not is_stale(entry):
-                if changed:
-                    report(self._changed_kernels(changed))
-                return entry, _nearness(entry, key)
+                found = entry, _nearness(entry, key)
+                break
             changed += 1
         if changed:
-            report(self._changed_kernels(changed))
-        return None
-
-    def _changed_kernels(self, count: int) -> str:
-        return (f"{self.label}: {count} entr{'y' if count == 1 else 'ies'} measured with kernels that have changed "
-                f"since not used; `fatune db refresh` re-times them on this GPU (`fatune db list` shows them)")
+            report(f"{self.label}: {changed} entries measured with kernels that have changed since are not used; "
+                   f"`fatune db refresh` re-times them on this GPU (`fatune db list` shows them)")
+        return found
 
     def invalid_rows(self, **filters: Any) -> list[int]:
         """The ids of the rows matching `filters` that hold no valid entry (no fatune can use them)."""
@@ -536,9 +537,9 @@ def bucket_distance(entry: Entry, key: CallKey) -> float:
             + abs(math.log2(entry.seqlen_k_bucket / key.seqlen_k_bucket)))
 
 
-# the nearest entries of a key whose kernels the dispatcher renders to tell whether they have changed (after a
-# template change a whole DB's have; a DB holding many rows of one key costs no more than this)
-MAX_CANDIDATES = 16
+# the configs of a key's entries whose kernels the dispatcher renders, nearest first, to tell whether they have
+# changed (after a template change a whole DB's have): a DB holding many configs of one key costs no more than this
+MAX_RENDERED = 16
 
 
 def ranked(entries: Iterable[Entry], key: CallKey) -> list[Entry]:
