@@ -175,17 +175,7 @@ class GluonFamily:
                               dkdv=passes_config(spec) if config.gluon_backward else config.dkdv)
 
     def kernel_hashes(self, spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
-        """The Gluon kernels' code hashes and those of the Triton kernels that run beside them (as the Triton family
-        hashes them): the Triton forward where no Gluon forward runs, the Triton backward's (with a Gluon backward,
-        its atomic-dQ passes')."""
-        triton_hashes = resolve.kernel_hashes(spec, self.triton_part(spec, config), grouped).split(",")
-        hashes = {entry for entry in triton_hashes if entry.startswith("bwd:") or
-                  (entry.startswith("fwd:") and not config.gluon_forward)}
-        if config.gluon_forward:
-            hashes.add(source_hash("fwd", codegen.render(spec, config.fwd)))
-        if config.gluon_backward:
-            hashes.add(source_hash("bwd", codegen.render_backward(spec, config.dkdv)))
-        return ",".join(sorted(hashes))
+        return _kernel_hashes(self, spec, config, grouped)
 
     def search_hash(self, spec: KernelSpec, grouped: bool) -> str:
         """Hash of every source a search of `spec` can render (_search_hash)."""
@@ -199,3 +189,18 @@ class GluonFamily:
 
 
 GLUON = GluonFamily()
+
+
+@functools.lru_cache(maxsize=4096)  # (rendering a Gluon kernel takes tens of ms: the dispatcher asks per entry)
+def _kernel_hashes(gluon: GluonFamily, spec: KernelSpec, config: AttentionConfig, grouped: bool) -> str:
+    """The Gluon kernels' code hashes and those of the Triton kernels that run beside them (as the Triton family
+    hashes them): the Triton forward where no Gluon forward runs, the Triton backward's (with a Gluon backward, its
+    atomic-dQ passes')."""
+    triton_hashes = resolve.kernel_hashes(spec, gluon.triton_part(spec, config), grouped).split(",")
+    hashes = {entry for entry in triton_hashes if entry.startswith("bwd:") or
+              (entry.startswith("fwd:") and not config.gluon_forward)}
+    if config.gluon_forward:
+        hashes.add(source_hash("fwd", codegen.render(spec, config.fwd)))
+    if config.gluon_backward:
+        hashes.add(source_hash("bwd", codegen.render_backward(spec, config.dkdv)))
+    return ",".join(sorted(hashes))
