@@ -283,6 +283,36 @@ def test_the_dense_fallback_reads_the_pages_too(monkeypatch):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_dense_fallback_never_reads_keys_past_seqlens_k(monkeypatch):
+    """A cache's unwritten slots may hold NaN: past seqlens_k they are never read (the kernels do not load them).
+    The dense fallback multiplied their values by zero weights: NaN in every row, paged or contiguous."""
+    from fatune.runtime import plans
+
+    monkeypatch.setattr(plans, "interpreting", lambda: False)
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.delenv(settings.STRICT_ENV, raising=False)
+    case = make_paged(2, 4, 2, 3, 4, 16, 32, dtype=torch.float32, seed=5)
+    fill = lengths(40, 17)
+    past = torch.arange(case.k.shape[2], device=case.k.device)[None, None, :, None] >= fill[:, None, None, None]
+    k, v = case.k.masked_fill(past, float("nan")), case.v.masked_fill(past, float("nan"))
+    k_cache, v_cache = (cache.clone() for cache in (case.k_cache, case.v_cache))
+    for cache, dense in ((k_cache, k), (v_cache, v)):  # the same NaN through the block table
+        for b, pages in enumerate(case.block_table.tolist()):
+            for slot, page in enumerate(pages):
+                cache[page] = dense[b, :, slot * cache.shape[2]:(slot + 1) * cache.shape[2]]
+    problem = check_inputs(case.q, case.k, case.v, seqlens_k=fill, enable_gqa=True)
+    expected = reference.attention(case.q.double(), case.k.double(), case.v.double(), problem, "float64")
+    with torch.no_grad():
+        paged = fatune.attention(case.q, k_cache, v_cache, block_table=case.block_table, seqlens_k=fill,
+                                 enable_gqa=True)
+    q, k, v = (t.clone().requires_grad_() for t in (case.q, k, v))
+    out = fatune.attention(q, k, v, seqlens_k=fill, enable_gqa=True)
+    out.sum().backward()
+    for got in (paged, out):
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert all(bool(t.grad.isfinite().all()) for t in (q, k, v))
+
+
 def test_the_paged_decode_forward_keeps_as_many_key_tiles_in_flight(tmp_path):
     """Compiled for sm_90, the paged decode forward's software pipeline holds as many K/V tiles in shared memory
     as the contiguous one's (3 at 4 stages): its page lookups run a tile ahead, so no key load waits on a

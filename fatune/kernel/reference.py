@@ -69,6 +69,9 @@ def _attend(q, k, v, problem: AttentionProblem, keep, bias, dropout_keep, precis
 def _attend_fixed(q, k, v, problem: AttentionProblem, dropout_keep, precision: str) -> torch.Tensor:
     key_limit = problem.seqlens_k if problem.seqlens_k is not None else q.new_tensor([problem.seqlen_k]).long()
     keep = visible(problem, q.shape[2], k.shape[2], key_limit, q.device)
+    if problem.seqlens_k is not None:  # keys past them are never read (a cache's unwritten slots may hold NaN)
+        unread = (torch.arange(k.shape[2], device=q.device) >= key_limit.reshape(-1, 1, 1, 1).to(q.device))
+        k, v = k.masked_fill(unread.transpose(-2, -1), 0), v.masked_fill(unread.transpose(-2, -1), 0)
     bias = None
     if problem.attn_mask is not None:
         if problem.spec.attn_mask == "bool":
