@@ -376,8 +376,9 @@ def _padded_sizes(query, key, value, call: Call, device: torch.device) -> tuple:
     if value.shape[1] != kv_heads or value.shape[2] != key.shape[2]:
         raise ValueError(f"value: expected ({value.shape[0]}, {kv_heads}, {key.shape[2]}, Dv) to match key's "
                          f"heads and length, got {tuple(value.shape)}")
-    if call.max_seqlen_q is not None or call.max_seqlen_k is not None:
-        raise ValueError("max_seqlen_q: only used with packed inputs (cu_seqlens_q / cu_seqlens_k)")
+    for name in ("max_seqlen_q", "max_seqlen_k"):
+        if getattr(call, name) is not None:
+            raise ValueError(f"{name}: only used with packed inputs (cu_seqlens_q / cu_seqlens_k)")
     return batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, seqlen_q, seqlen_k
 
 

@@ -78,6 +78,7 @@ BAD_INPUTS = [
     ("window-float", lambda: qkv(), {"window_size": (1.5, 0)}, TypeError, "window_size"),
     ("alibi-requires-grad", lambda: qkv(), {"alibi_slopes": torch.ones(4, requires_grad=True)}, ValueError,
      "alibi_slopes"),
+    ("max-seqlen-k-unpacked", lambda: qkv(), {"max_seqlen_k": 16}, ValueError, "max_seqlen_k: only used with packed"),
     ("max-seqlen-too-small", _packed_qkv, {"cu_seqlens_q": i32([0, 4, 10]), "cu_seqlens_k": i32([0, 5, 12]),
                                            "max_seqlen_q": 3}, ValueError, "max_seqlen_q"),
     # the type is what is wrong, and the message says so (not "too small")
