@@ -383,11 +383,11 @@ class TunedDB:
                        f"re-times them on this GPU, `fatune search` searches again (`fatune db list` shows them)")
                 continue
             usable.append(entry)
-        changed, rendered, found = 0, set(), None
+        changed, rendered, found, more = 0, set(), None, ""
         for entry in ranked(usable, key):
             configs = (entry.attention_config(), entry.group_size > 1)  # what its kernels are rendered from
             if configs not in rendered and len(rendered) == MAX_RENDERED:
-                changed = f"{changed} or more"
+                more = " or more"
                 break
             rendered.add(configs)
             if not is_stale(entry):
@@ -395,8 +395,8 @@ class TunedDB:
                 break
             changed += 1
         if changed:
-            report(f"{self.label}: {changed} entries measured with kernels that have changed since are not used; "
-                   f"`fatune db refresh` re-times them on this GPU (`fatune db list` shows them)")
+            report(f"{self.label}: {changed}{more} entries measured with kernels that have changed since are not "
+                   f"used; `fatune db refresh` re-times them on this GPU (`fatune db list` shows them)")
         return found
 
     def invalid_rows(self, **filters: Any) -> list[int]:
