@@ -45,9 +45,10 @@ from fatune.logs import warn_once
 
 NAME = "fatune"
 _HOOKED_MODULE = "transformers.modeling_utils"  # AttentionInterface's home: loaded before any model is built
-# what the mask function reads of transformers' masking code (transformers >= 5)
+# what the mask function reads of transformers' masking code (transformers >= 5); a packed batch's mask remaps
+# the base mask's positions to each sequence's where transformers has remap_positions_for_packed_sequence
 _MASKING_NAMES = ("AttentionMaskInterface", "sdpa_mask", "causal_mask_function", "sliding_window_causal_mask_function",
-                  "and_masks", "remap_positions_for_packed_sequence", "packed_sequence_mask_function")
+                  "and_masks", "packed_sequence_mask_function")
 _registered = False
 _lock = threading.Lock()
 
@@ -295,12 +296,15 @@ def _compact(mask_function: Callable, padding: torch.Tensor | None, window: int 
         return None
     if padding is not None:
         return None
-    tensors: list[torch.Tensor] = []  # a packed batch's position ids, then its sequence ids
+    tensors: list[torch.Tensor] = []  # a packed batch's position ids (where remapped), then its sequence ids
     placeholder = torch.zeros((1, 1), dtype=torch.long)
-    packed = masking_utils.and_masks(masking_utils.remap_positions_for_packed_sequence(base, placeholder),
+    remap = getattr(masking_utils, "remap_positions_for_packed_sequence", None)
+    # (the base mask on positions within each sequence or on the batch's: the same mask, causal or windowed)
+    packed = masking_utils.and_masks(remap(base, placeholder) if remap else base,
                                      masking_utils.packed_sequence_mask_function(placeholder))
-    if _same_function(mask_function, packed, tensors) and len(tensors) == 2 and tensors[1].shape[-1] == length:
-        return None, Form("packed", window, tensors[1])
+    if _same_function(mask_function, packed, tensors) and len(tensors) == 1 + bool(remap) and \
+            tensors[-1].shape[-1] == length:
+        return None, Form("packed", window, tensors[-1])
     return None
 
 

@@ -418,6 +418,9 @@ def test_a_relative_position_bias_is_refused_by_name():
     model = transformers.T5Model(transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=1,
                                                        vocab_size=97)).to(DEVICE).eval()
     model.set_attn_implementation("fatune")
+    layer = model.encoder.block[0].layer[0].SelfAttention.config._attn_implementation
+    if layer != "fatune":
+        pytest.skip(f"transformers {transformers.__version__} leaves T5's layers on {layer!r}")
     ids = tokens(1, 6)
     with pytest.raises(NotImplementedError, match="relative position bias"), torch.no_grad():
         model(input_ids=ids, decoder_input_ids=ids)
