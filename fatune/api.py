@@ -23,7 +23,7 @@ from fatune.kernel.triton import dropout
 from fatune.kernel.triton.launch import NO_EXTRAS, Plan
 from fatune.runtime.dispatch import Decision
 from fatune.runtime import routes
-from fatune.runtime.plans import dense_gradients, forget, prepare, prepare_plain, run_without_kernels
+from fatune.runtime.plans import dense_gradients, forget, prepare, prepare_plain, run_route, run_without_kernels
 from fatune.tuning import first_use
 
 VMAP = ("fatune.attention does not support torch.func.vmap (nor jacrev/jacfwd, which vmap): fold the vmapped dim "
@@ -231,7 +231,7 @@ def attention(
             prepared = prepare_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      causal_alignment, max_seqlen_q, max_seqlen_k, config, strict)
         if prepared.route and routes.taken(prepared.host_bound, query, key, value):
-            routed = _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
+            routed = run_route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa)
             if routed is not None:
                 return routed
         if prepared.plan is not None and not observed:
@@ -247,7 +247,7 @@ def attention(
                 seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if compiling:
         check_flag("strict", strict, optional=True)
-        return ops.attention(query, key, value, call, config, strict)
+        return ops.attention(query, key, value, call, config, strict, traced=True)
     if transformed:
         return _TransformedAttention.apply(query, key, value, call, config, strict)[0]
     if prepared is None:
@@ -257,7 +257,8 @@ def attention(
         if routed_already and prepared.plan is not None and len(plain_prepared.aligned_otherwise) < 8:
             plain_prepared.aligned_otherwise[alignment] = prepared
     if prepared.route and not routed_already and routes.taken(prepared.host_bound, query, key, value):
-        routed = _route(prepared, query, key, value, call.dropout_p, call.is_causal, call.scale, call.enable_gqa)
+        routed = run_route(prepared, query, key, value, call.dropout_p, call.is_causal, call.scale,
+                           call.enable_gqa)
         if routed is not None:
             return routed
     if observed and prepared.plan is not None:  # (without kernels the mode sees torch's ops as they run)
@@ -274,17 +275,6 @@ def _decidable(prepared) -> bool:
         return False
     forget(prepared)
     return True
-
-
-def _route(prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor | None:
-    """The call on the torch SDPA backend its plan routes it to (fatune.runtime.routes.run); None: fatune's kernels
-    run (where the backend's op raised, for this call signature from now on)."""
-    try:
-        return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa, prepared.paths,
-                          prepared.out_layout)
-    except routes.Refused:
-        prepared.route = ""
-        return None
 
 
 def _wants_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

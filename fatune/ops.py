@@ -4,10 +4,14 @@
 one, handed to the backward so that it does not scan the mask for them again) and
 `fatune::attention_backward` the three gradients; both have fake (meta) implementations, and
 the backward is registered as the forward's autograd formula. The ops' schemas are made from the call's
-argument table (fatune.call.ARGUMENTS). Nothing is decided while tracing: the ops' real implementations
-prepare their plan (checks, dispatch, kernel arguments; fatune.runtime.plans) when they run, so a compiled
-graph picks its configs per call shape, and `dynamic=True` does not recompile for a new sequence length.
-Eager calls do not come here: their autograd.Function costs less on the host (fatune.api).
+argument table (fatune.call.ARGUMENTS). The ops' real implementations prepare their plan (checks, dispatch,
+kernel arguments; fatune.runtime.plans) when they run, so a compiled graph picks its configs per call shape,
+and `dynamic=True` does not recompile for a new sequence length.
+
+torch.compile traces `fatune::attention`, a composite of the two: the one thing decided while tracing is
+whether a tuned entry routes the call to a torch SDPA backend (fatune.runtime.plans.traced_route, for sizes the
+trace holds fixed); the graph then calls that backend, whose autograd formula is torch's, as an eager routed
+call would. Eager calls do not come here: their autograd.Function costs less on the host (fatune.api).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from torch.utils.flop_counter import register_flop_formula
 from fatune.call import ARGUMENTS, DOUBLE_BACKWARD, PAGED_GRADIENTS, Call, check_options
 from fatune.kernel.layout import layout_like
 from fatune.kernel.mask_spans import SPAN, compact, is_prepared
-from fatune.kernel.spec import KERNELS, AttentionConfig, LaunchConfig, lse_dtype
+from fatune.kernel.spec import KERNELS, AttentionConfig, GluonBackwardConfig, GluonConfig, LaunchConfig, lse_dtype
 from fatune.kernel.triton import dropout
-from fatune.runtime import plans
+from fatune.runtime import plans, routes
+from fatune.runtime.dispatch import dispatcher
 
 Tensor = torch.Tensor
-_CONFIG_FIELDS = len(dataclasses.fields(LaunchConfig))
+_CONFIG_KINDS = (LaunchConfig, GluonConfig, GluonBackwardConfig)  # a kernel's config, by its index in the op's list
 # the forward op's inputs: q, k, v, the call's arguments (ARGUMENTS, in order), the dropout seed, a config
 _CALL = tuple(argument.name for argument in ARGUMENTS)
 _INPUTS = ("q", "k", "v", *_CALL, "seed", "config", "strict")
@@ -40,17 +45,27 @@ _TAIL = 3  # the ops' arguments after the call's: seed, config, strict
 
 
 def config_to_list(config: AttentionConfig | None) -> list[int]:
-    """The op's flat form of a config ([] for none: the op dispatches when it runs)."""
+    """The op's flat form of a config ([] for none: the op dispatches when it runs): per kernel, the index of its
+    config's class in _CONFIG_KINDS, then the config's fields."""
     if config is None:
         return []
-    return [value for name in KERNELS for value in dataclasses.astuple(getattr(config, name))]
+    values = []
+    for name in KERNELS:
+        launch = getattr(config, name)
+        values += [_CONFIG_KINDS.index(type(launch)), *dataclasses.astuple(launch)]
+    return values
 
 
 def config_from_list(values: list[int]) -> AttentionConfig | None:
     if not values:
         return None
-    step = _CONFIG_FIELDS
-    return AttentionConfig(*(LaunchConfig(*values[i:i + step]) for i in range(0, len(values), step)))
+    launches, at = [], 0
+    for _ in KERNELS:
+        kind = _CONFIG_KINDS[values[at]]
+        size = len(dataclasses.fields(kind))
+        launches.append(kind(*values[at + 1:at + 1 + size]))
+        at += 1 + size
+    return AttentionConfig(*launches)
 
 
 def _call(arguments: tuple) -> Call:
@@ -152,6 +167,47 @@ def _backward(ctx, grad_out, grad_lse, grad_key_spans):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _attention(q, k, v, *rest):
+    """fatune::attention, composed of the ops or of an SDPA backend's: the output. Traced, the route is decided
+    for the trace (fatune.runtime.plans.traced_route); on tensors with data (an exported program's call), as an
+    eager call's: by its plan."""
+    *arguments, seed, config, strict, _ = rest
+    call = _call(arguments)
+    if _traced(q):
+        routed = plans.traced_route(q, k, v, call, config_from_list(config), strict)
+        if routed is not None:
+            backend, how, layout = routed
+            try:
+                out = routes.run(backend, q, k, v, call.dropout_p, call.is_causal, call.scale, call.enable_gqa, how,
+                                 layout)
+            except routes.Refused:  # said once: fatune's ops run
+                out = None
+            if out is not None:
+                return out
+    else:
+        prepared = plans.prepare(q, k, v, call, config_from_list(config), strict)
+        if prepared.route and routes.taken(prepared.host_bound, q, k, v):
+            out = plans.run_route(prepared, q, k, v, call.dropout_p, call.is_causal, call.scale, call.enable_gqa)
+            if out is not None:
+                return out
+    return attention_forward(q, k, v, *rest[:-1])[0]
+
+
+# `tuned`: the tuned DBs' state when the call was traced (Dispatcher.state), an argument so that it is part of the
+# traced graph, and so of the key under which torch.compile caches the graph on disk: a process whose DBs differ
+# traces the call again instead of loading another's route
+_LIBRARY = torch.library.Library("fatune", "FRAGMENT")
+_LIBRARY.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGUMENT_SCHEMA}, Tensor? seed, int[] config, "
+                f"bool? strict, str tuned) -> Tensor")
+_LIBRARY.impl("attention", _attention, "CompositeImplicitAutograd")
+
+
+@torch.compiler.assume_constant_result
+def _tuned_state() -> str:
+    """The tuned DBs' state, read once while torch.compile traces a call (a constant of the graph)."""
+    return dispatcher().state()
+
+
 def _sequence_pairs(q: Tensor, k: Tensor, call: Call) -> int:
     """Σ L_q·L_k over the call's sequences, per query head: every (query, key) pair of the tensors' sequences, as
     torch's FLOP counter counts SDPA (masks, windows, causality and key lengths not subtracted); packed sequences
@@ -184,14 +240,17 @@ register_flop_formula(torch.ops.fatune.attention_backward, get_raw=True)(_backwa
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConfig | None,
-              strict: bool | None = None) -> Tensor:
-    """fatune.attention through the custom ops (what torch.compile traces). The options are checked here, before
-    they become the ops' typed arguments (where is_causal="False" would read as True and a window of 1.5 as 1)."""
+              strict: bool | None = None, traced: bool = False) -> Tensor:
+    """fatune.attention through the custom ops: `traced` (torch.compile, torch.export) through fatune::attention,
+    which may route it to an SDPA backend. The options are checked here, before they become the ops' typed
+    arguments (where is_causal="False" would read as True and a window of 1.5 as 1)."""
     check_options(call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.window_size,
                   call.causal_alignment)
     seed = dropout.draw_seed(q.device) if call.dropout_p > 0 else None
     window = [min(int(size), 2**62) for size in call.window_size]  # beyond any sequence
     arguments = call._replace(dropout_p=float(call.dropout_p), scale=None if call.scale is None else float(call.scale),
                               window_size=window)
+    if traced:
+        return torch.ops.fatune.attention(q, k, v, *arguments, seed, config_to_list(config), strict, _tuned_state())
     out, _, _ = attention_forward(q, k, v, *arguments, seed, config_to_list(config), strict)
     return out

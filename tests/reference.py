@@ -158,14 +158,15 @@ def random_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v,
 
 
 def run_and_compare(q, k, v, *, grad_layout: str = "dense", dropout_keep: torch.Tensor | None = None,
-                    **kwargs) -> list[Comparison]:
+                    attention: Callable | None = None, **kwargs) -> list[Comparison]:
     """fatune.attention(q, k, v, **kwargs) forward and backward against the golden and baselines.
 
     dropout_keep: the kernels' keep-mask (fatune.kernel.triton.dropout.keep_mask) when kwargs has dropout_p.
+    attention: what is called in fatune.attention's place (compiled, say).
     """
     import fatune
 
-    out = fatune.attention(q, k, v, **kwargs)
+    out = (attention or fatune.attention)(q, k, v, **kwargs)
     grad_out = torch.randn_like(out)
     if grad_layout == "transposed":
         grad_out = grad_out.transpose(-2, -3).contiguous().transpose(-2, -3)

@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fatune
 from fatune.call import ARGUMENTS, Call
+from fatune.kernel.spec import AttentionConfig, GluonBackwardConfig, GluonConfig
 from fatune.kernel.triton.heuristics import INTERPRETER_CONFIG
 from fatune.ops import config_from_list, config_to_list
 from tests.conftest import DEVICE, UNCHECKED_PRELUDE
@@ -126,9 +127,16 @@ def test_prepare_mask_inside_a_compiled_function_on_cpu():
     run_script(UNCHECKED_PRELUDE + PREPARED_MASK_SCRIPT, "cpu", "aot_eager")
 
 
-def test_config_list_round_trip():
-    assert config_from_list(config_to_list(INTERPRETER_CONFIG)) == INTERPRETER_CONFIG
-    assert config_from_list(config_to_list(None)) is None
+@pytest.mark.parametrize("config", [
+    None,
+    INTERPRETER_CONFIG,
+    # the Gluon family's kernels (whose configs have other fields), alone and beside the Triton family's
+    AttentionConfig(GluonConfig(block_n=128, num_stages=2), INTERPRETER_CONFIG.dkdv, INTERPRETER_CONFIG.dq),
+    AttentionConfig(GluonConfig(block_n=64, num_stages=3, consumers=3, consumer_regs=160),
+                    GluonBackwardConfig(block_m=64, num_stages=2, group_split=2), INTERPRETER_CONFIG.dq),
+])
+def test_a_config_passes_through_the_ops_argument_list_unchanged(config):
+    assert config_from_list(config_to_list(config)) == config
 
 
 def _op_args(q, k, v, config=(), **arguments) -> tuple:

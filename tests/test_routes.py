@@ -152,6 +152,150 @@ def test_a_routed_call_runs_forward_and_backward_on_the_backend(routed_db, monke
     assert runs == ["math"]  # neither was routed
 
 
+def compiled_graphs(fn, **options):
+    """torch.compile(fn) and the code of the forward and backward graphs it runs (AOTAutograd's, as compiled)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    codes = []
+
+    def capture(graph, example_inputs):
+        codes.append(graph.code)
+        return boxed_nop(graph, example_inputs)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture),
+                         **options), codes
+
+
+@pytest.fixture
+def math_route(routed_db, monkeypatch):
+    """Calls of routed_db's key routed to SDPA's math backend (the one this CPU has), fatune's plans counted."""
+    from fatune.runtime import plans
+
+    monkeypatch.setattr(routes, "unroutable", lambda *args: None)
+    monkeypatch.setitem(routes.BACKENDS, "math", SDPBackend.MATH)
+    routed_db("math")
+    built = []
+    real_build = plans._build
+    monkeypatch.setattr(plans, "_build", lambda *args: built.append(args[3]) or real_build(*args))
+    return built
+
+
+@pytest.mark.parametrize("case, routed", [("fixed sizes", True), ("dynamic sizes", False), ("config", False),
+                                           ("deterministic", False)])
+def test_torch_compile_traces_a_routed_call_as_its_backend_where_its_sizes_are_fixed(math_route, monkeypatch, case,
+                                                                                     routed):
+    """torch.compile decides the route while tracing: with sizes the trace holds fixed the graphs call SDPA (here
+    its CPU kernels, for the math backend's route), whose autograd computes the gradients, and fatune's plans are
+    never built. With symbolic sizes, a config argument or deterministic algorithms on, the graphs call fatune's
+    ops, which decide per call when they run."""
+    if case == "deterministic":
+        monkeypatch.setattr(routes, "_deterministic", lambda: True)
+    config = fatune.explain(*inputs(), is_causal=True).decision.config if case == "config" else None
+    math_route.clear()
+    step, graphs = compiled_graphs(lambda q, k, v: fatune.attention(q, k, v, is_causal=True, config=config),
+                                   dynamic=case == "dynamic sizes")
+    q, k, v = inputs()
+    out = step(q, k, v)
+    out.float().square().sum().backward()
+    assert len(graphs) == 2
+    for code in graphs:
+        assert ("fatune" not in code and "scaled_dot_product" in code) == routed, code
+    assert bool(math_route) != routed
+    expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*expected, is_causal=True)
+    reference.float().square().sum().backward()
+    for got, want in zip((out, *(t.grad for t in (q, k, v))), (reference, *(t.grad for t in expected))):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_a_compiled_graph_holds_the_tuned_dbs_state_it_was_traced_with(routed_db, monkeypatch):
+    """The tuned DBs' state is an argument of the traced call: torch.compile's on-disk caches, keyed by the graph,
+    do not hand a process the route another decided with other DBs."""
+    from fatune.runtime.dispatch import dispatcher
+
+    monkeypatch.setattr(routes, "unroutable", lambda *args: None)
+    monkeypatch.setitem(routes.BACKENDS, "math", SDPBackend.MATH)
+    routed_db("math")
+    before = dispatcher().state()
+    graphs = []
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: fatune.attention(q, k, v, is_causal=True), fullgraph=True,
+                         backend=lambda graph, example_inputs: graphs.append(graph.code) or graph.forward)
+    step(*inputs())
+    assert before and repr(before) in graphs[0]
+    routed_db("math")  # another DB
+    assert dispatcher().state() != before
+
+
+def test_strict_mode_is_kept_where_a_compiled_call_could_take_a_route(routed_db, monkeypatch, tmp_path):
+    """A strict call whose tuned DB cannot be read raises under torch.compile as eagerly, even where a later layer
+    routes it."""
+    from fatune.runtime.dispatch import DispatchError
+
+    monkeypatch.setattr(routes, "unroutable", lambda *args: None)
+    monkeypatch.setitem(routes.BACKENDS, "math", SDPBackend.MATH)
+    routed_db("math")
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database" * 100)
+    shipped = fatune.runtime.dispatch.dispatcher().user_db
+    use_dispatcher(monkeypatch, Dispatcher(user_db=garbage, shipped=[shipped]))
+    q, k, v = inputs()
+    assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-math"  # not strict: routed
+    with pytest.raises(DispatchError):
+        fatune.attention(q, k, v, is_causal=True, strict=True)
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: fatune.attention(q, k, v, is_causal=True, strict=True), fullgraph=True,
+                         backend="aot_eager")
+    with pytest.raises(DispatchError):
+        step(q, k, v)
+
+
+def test_a_compiled_call_without_keys_is_not_routed(math_route, monkeypatch):
+    """Rows that see no key return 0 under torch.compile as eagerly (SDPA returns NaN): no route is tried there."""
+    monkeypatch.setattr(routes, "run", lambda *args: pytest.fail("routed"))
+    q = torch.randn(1, 2, 48, 32, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(1, 2, 0, 32, dtype=torch.float16, device=DEVICE)
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k: fatune.attention(q, k, k, is_causal=True), fullgraph=True, backend="aot_eager")
+    assert torch.equal(step(q, k), torch.zeros_like(q))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without a GPU")
+def test_fake_gpu_tensors_on_a_host_without_one_give_the_outputs_sizes(routed_db):
+    """Tracing for a GPU on a machine without one (FakeTensorMode): the dispatcher cannot ask the GPU, and the call
+    gives the output's sizes as before."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    routed_db("cudnn")
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 48, 32, dtype=torch.float16, device="cuda")
+        out = fatune.attention(q, q, q, is_causal=True)
+    assert out.shape == q.shape and out.device.type == "cuda"
+
+
+def test_an_exported_program_routes_each_call_by_its_plan(math_route, monkeypatch):
+    """torch.export keeps fatune::attention whole: an exported program's calls (tensors with data) take their route
+    as eager calls do, through the plan built on the first."""
+    runs = []
+    real_run = routes.run
+    monkeypatch.setattr(routes, "run", lambda *args: runs.append(args[0]) or real_run(*args))
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return fatune.attention(q, k, v, is_causal=True)
+
+    q, k, v = (t.detach() for t in inputs())
+    exported = torch.export.export(Attend(), (q, k, v)).module()
+    runs.clear()
+    math_route.clear()
+    for _ in range(3):
+        out = exported(q, k, v)
+    assert runs == ["math"] * 3 and len(math_route) == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", sorted(routes.BACKENDS))
 @pytest.mark.parametrize("causal, kv_heads", [(False, 8), (True, 8), (True, 2)])
@@ -173,6 +317,32 @@ def test_gpu_a_routed_call_meets_the_accuracy_rule(tmp_path, monkeypatch, backen
     if explained.backend != f"sdpa-{backend}":
         pytest.skip(f"this GPU's torch does not run {backend} here: {explained.reason}")
     record_gpu_errors(run_and_compare(q, k, v, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", sorted(routes.BACKENDS))
+def test_gpu_torch_compile_runs_a_routed_call_on_its_backend(tmp_path, monkeypatch, backend, record_gpu_errors):
+    """Compiled with inductor, a call a tuned entry routes runs on the backend (fatune's plans never built), its
+    output and gradients within the accuracy rule."""
+    from fatune.runtime import plans
+    from tests.reference import random_qkv, run_and_compare
+
+    path = write(tmp_path / "u.sqlite", make_entry(
+        gpu=GPU, capability=CAPABILITY, dtype="bfloat16", head_dim=128, head_dim_v=128, mask_variant="causal",
+        group_size=4, seqlen_q_bucket=1024, seqlen_k_bucket=1024, sdpa_backend=backend, sdpa_ms=1.0))
+    use_dispatcher(monkeypatch, Dispatcher(user_db=path, shipped=[]))
+    q, k, v = random_qkv(2, 8, 2, 999, 999, 128, 128, dtype=torch.bfloat16, device="cuda")
+    kwargs = {"is_causal": True, "enable_gqa": True}
+    explained = fatune.explain(q, k, v, **kwargs)
+    if explained.backend != f"sdpa-{backend}":
+        pytest.skip(f"this GPU's torch does not run {backend} here: {explained.reason}")
+    plans.clear()
+    built = []
+    real_prepare = plans.prepare
+    monkeypatch.setattr(plans, "prepare", lambda *args: built.append(1) or real_prepare(*args))
+    torch._dynamo.reset()
+    record_gpu_errors(run_and_compare(q, k, v, attention=torch.compile(fatune.attention, fullgraph=True), **kwargs))
+    assert not built, "fatune's plans were built for a routed compiled call"
 
 
 @pytest.mark.gpu

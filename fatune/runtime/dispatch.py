@@ -159,6 +159,20 @@ class Dispatcher:
         return [("user-db", [user] if user is not None else []),
                 ("shipped-db", self.shipped if self.shipped is not None else shipped_dbs())]
 
+    def state(self) -> str:
+        """The tuned DBs this dispatcher reads, as they are on disk now (each file's size and modification time,
+        its write-ahead log's too): what a decision taken now depends on besides the call."""
+        files = []
+        for _, paths in self._layers(lambda message: None):
+            for path in paths:
+                for name in (str(path), f"{path}-wal"):
+                    try:
+                        stat = os.stat(name)
+                        files.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}")
+                    except (OSError, ValueError):
+                        files.append(f"{name}:-")
+        return "|".join(files)
+
     @staticmethod
     def _search_file(path: Path, gpu: str, capability: str, key: CallKey, report) -> tuple[Entry, str] | None:
         if not os.path.lexists(path):

@@ -16,11 +16,13 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fatune.call import Call, alignment_key, check_contents, check_flag, contents_readable, plan_key
 from fatune.kernel import reference
 from fatune.kernel.family import family
 from fatune.kernel.layout import layout_like
+from fatune.kernel.problem import NO_EXTRAS
 from fatune.kernel.spec import AttentionConfig
 from fatune.kernel.triton.launch import Plan, new_buffer
 from fatune.logs import warn_once
@@ -209,6 +211,41 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
     return Prepared("kernels", plan, decision, decision.reason, lengths, route, paths, alignment_key(query, key, value),
                     settled=decision.layer != "heuristic", host_bound=host_bound, route_deferred=deferred,
                     out_layout=routes.output_layout(query, value) if route else ())
+
+
+def traced_route(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> tuple | None:
+    """(backend, paths, output layout) of the SDPA backend a call traced by torch.compile or torch.export runs on
+    instead of fatune's ops (fatune.runtime.routes), decided while tracing: the traced graph calls the backend as
+    an eager routed call would. Only for sizes and strides the trace holds fixed: with symbolic ones (dynamic
+    shapes) the decision would hold for every size, and fatune's ops decide per call when they run. None: no route
+    (a config argument, a call with optional tensors, autocast or deterministic algorithms on, no queries or keys,
+    no tuned entry that routes, a backend that does not take these tensors; anything amiss, such as arguments the
+    ops will refuse or a strict call without its tuned entry: the ops say so when the graph runs, as before)."""
+    if config is not None or call.extras != NO_EXTRAS or not routes.taken(False, query, key, value) or \
+            not all(is_concrete_int(size) for t in (query, key, value) for size in (*t.shape, *t.stride())):
+        return None
+    try:
+        problem = call.check(query, key, value)
+        if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
+            return None
+        decision = dispatcher().decide(problem, query.device, None, strict_mode(strict))
+        backend = routes.choose(decision.route, problem, query, key, value)
+        if not backend:
+            return None
+        return backend, routes.paths(backend, problem, query, key, value), routes.output_layout(query, value)
+    except Exception:  # noqa: BLE001 - (a fake tensor on a GPU this host lacks, say) fatune's ops run, as before
+        return None
+
+
+def run_route(prepared: Prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor | None:
+    """The call on the torch SDPA backend its plan routes it to (fatune.runtime.routes.run); None: fatune's kernels
+    run (where the backend's op raised, for this call signature from now on)."""
+    try:
+        return routes.run(prepared.route, query, key, value, dropout_p, is_causal, scale, enable_gqa, prepared.paths,
+                          prepared.out_layout)
+    except routes.Refused:
+        prepared.route = ""
+        return None
 
 
 def dense_gradients(prepared: Prepared, query, key, value, call: Call, grad_out: torch.Tensor) -> tuple:

@@ -7,7 +7,8 @@ replaced. A route is taken only where SDPA computes exactly what fatune would:
 
 - no mask tensor, no ALiBi, window, key lengths, packed or paged inputs, and causal (if at all) aligned
   top-left (SDPA's is_causal): the mask variants "none" and "causal", with dropout or without;
-- an eager call (torch.compile and torch.func transforms run fatune's kernels), not under autocast nor with
+- an eager call, or one traced by torch.compile or torch.export with fixed sizes (decided while tracing:
+  fatune.runtime.plans.traced_route; torch.func transforms run fatune's kernels), not under autocast nor with
   deterministic algorithms on (fatune's kernels then take their deterministic paths; the backends' do not all);
 - on a GPU whose torch has the backend and takes these tensors (torch.backends.cuda.can_use_*).
 
