@@ -35,6 +35,8 @@
 #   tuning-gain      fatune bench --suite tuning-gain, resumable: TG_ARGS (default --part gain; --part nearest|tie),
 #                    TG_FROM (an earlier run's output folder to extend)
 #   group-split      benchmarks/group_split.py: the Gluon backward's group split on GQA shapes (GS_ARGS)
+#   compiled-step    benchmarks/compiled_step.py: a compiled training step, fatune (routes) / SDPA / fatune's
+#                    kernels (CS_ARGS)
 #   db-refresh       the shipped DB of this GPU (REFRESH_DB; default tuned_db/nvidia-h100.sqlite on an H100, else
 #                    tuned_db/nvidia-h200.sqlite): its stale entries re-timed beside the heuristic (fatune db
 #                    refresh; REFRESH_ARGS, REFRESH_TIMEOUT s, default 480); the DB comes back in $OUT: commit it
@@ -131,6 +133,9 @@ for stage in "$@"; do
     group-split)
       python3 benchmarks/group_split.py --out "$RUN/group-split.csv" ${GS_ARGS:-} > "$RUN/group-split.log" 2>&1
       tail -n 40 "$RUN/group-split.log" ;;
+    compiled-step)
+      python3 benchmarks/compiled_step.py --out "$RUN/compiled-step.csv" ${CS_ARGS:-} > "$RUN/compiled-step.log" 2>&1
+      tail -n 40 "$RUN/compiled-step.log" ;;
     db-refresh)  # it writes each entry as it finishes: cut at REFRESH_TIMEOUT it keeps what it wrote, and the DB
       # still comes back; run it again to go on (refreshed entries are current: not timed twice)
       case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" in
