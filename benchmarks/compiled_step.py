@@ -9,14 +9,15 @@ B·L = 16384, H·D = 2048, random inputs, one process; compile time excluded.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
 import fatune
+from fatune.bench.results import write_csv
 
 
 def main() -> int:
@@ -52,10 +53,7 @@ def main() -> int:
                                  "impl": name, "step_ms": round(ms, 3), "step_tflops": round(flops / ms / 1e9, 1)})
                     print(rows[-1], flush=True)
     if args.out:
-        with open(args.out, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(Path(args.out), rows)
     return 0
 
 

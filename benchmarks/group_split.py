@@ -7,9 +7,9 @@ step (forward + backward through autograd) of GQA shapes, bf16, H·D = 2048, ran
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fatune
+from fatune.bench.results import write_csv
 from fatune.kernel.gluon.family import default_backward
 from fatune.kernel.triton.heuristics import default_config
 
@@ -69,10 +70,7 @@ def main() -> int:
                          "impl": name, "step_ms": round(ms, 3), "max_grad_error": f"{max(errors):.2e}"})
             print(rows[-1], flush=True)
     if args.out:
-        with open(args.out, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(Path(args.out), rows)
     return 0
 
 
