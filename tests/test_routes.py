@@ -210,6 +210,15 @@ def test_torch_compile_traces_a_routed_call_as_its_backend_where_its_sizes_are_f
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
+def test_a_call_traced_with_dynamic_sizes_says_once_that_it_loses_its_route(math_route, caplog):
+    step, _ = compiled_graphs(lambda q, k, v: fatune.attention(q, k, v, is_causal=True), dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="fatune"):
+        for _ in range(2):
+            step(*inputs())
+    said = [r.message for r in caplog.records if "dynamic sizes" in r.message]
+    assert len(said) == 1 and "SDPA's math backend" in said[0] and "dynamic=False" in said[0], said
+
+
 def test_a_compiled_graph_holds_the_tuned_dbs_state_it_was_traced_with(routed_db, monkeypatch):
     """The tuned DBs' state is an argument of the traced call: torch.compile's on-disk caches, keyed by the graph,
     do not hand a process the route another decided with other DBs."""

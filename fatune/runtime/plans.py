@@ -221,8 +221,10 @@ def traced_route(query, key, value, call: Call, config: AttentionConfig | None, 
     (a config argument, a call with optional tensors, autocast or deterministic algorithms on, no queries or keys,
     no tuned entry that routes, a backend that does not take these tensors; anything amiss, such as arguments the
     ops will refuse or a strict call without its tuned entry: the ops say so when the graph runs, as before)."""
-    if config is not None or call.extras != NO_EXTRAS or not routes.taken(False, query, key, value) or \
-            not all(is_concrete_int(size) for t in (query, key, value) for size in (*t.shape, *t.stride())):
+    if config is not None or call.extras != NO_EXTRAS or not routes.taken(False, query, key, value):
+        return None
+    if not all(is_concrete_int(size) for t in (query, key, value) for size in (*t.shape, *t.stride())):
+        _say_if_dynamic_sizes_lose_a_route(query, key, value, call)
         return None
     try:
         problem = call.check(query, key, value)
@@ -235,6 +237,25 @@ def traced_route(query, key, value, call: Call, config: AttentionConfig | None, 
         return backend, routes.paths(backend, problem, query, key, value), routes.output_layout(query, value)
     except Exception:  # noqa: BLE001 - (a fake tensor on a GPU this host lacks, say) fatune's ops run, as before
         return None
+
+
+def _say_if_dynamic_sizes_lose_a_route(query, key, value, call: Call) -> None:
+    """One log line where a call traced with symbolic sizes would have been routed at the sizes of the example it
+    was traced with: fatune's kernels run it at every size."""
+    try:
+        def hint(size):
+            return size if is_concrete_int(size) else size.node.hint  # (None for a size no example gave)
+
+        examples = [torch.empty_strided([hint(n) for n in t.shape], [hint(n) for n in t.stride()], dtype=t.dtype,
+                                        device="meta") for t in (query, key, value)]
+        decision = dispatcher().decide(call.check(*examples), query.device)
+    except Exception:  # noqa: BLE001 - a hint is all this is
+        return
+    if decision.route:
+        warn_once(f"fatune: torch.compile traced a call with dynamic sizes, which runs fatune's kernels at every "
+                  f"size; a tuned entry routes calls of the sizes it was traced with to torch SDPA's "
+                  f"{decision.route} backend, measured {decision.margin:.2f}x faster. torch.compile(dynamic=False) "
+                  f"keeps the routes")
 
 
 def run_route(prepared: Prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor | None:
