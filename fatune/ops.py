@@ -29,7 +29,6 @@ from fatune.kernel.mask_spans import SPAN, compact, is_prepared
 from fatune.kernel.spec import KERNELS, AttentionConfig, GluonBackwardConfig, GluonConfig, LaunchConfig, lse_dtype
 from fatune.kernel.triton import dropout
 from fatune.runtime import plans, routes
-from fatune.runtime.dispatch import dispatcher
 
 Tensor = torch.Tensor
 _CONFIG_KINDS = (LaunchConfig, GluonConfig, GluonBackwardConfig)  # a kernel's config, by its index in the op's list
@@ -37,35 +36,52 @@ _CONFIG_KINDS = (LaunchConfig, GluonConfig, GluonBackwardConfig)  # a kernel's c
 _CALL = tuple(argument.name for argument in ARGUMENTS)
 _INPUTS = ("q", "k", "v", *_CALL, "seed", "config", "strict")
 _ARGUMENT_SCHEMA = ", ".join(f"{argument.op_type} {argument.name}" for argument in ARGUMENTS)
-_TAIL_SCHEMA = "Tensor? seed, int[] config, bool? strict) -> (Tensor, Tensor, Tensor)"
+_TAIL_SCHEMA = "Tensor? seed, int[]? config, bool? strict) -> (Tensor, Tensor, Tensor)"
 FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_ARGUMENT_SCHEMA}, {_TAIL_SCHEMA}"
 BACKWARD_SCHEMA = (f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor key_spans, "
                    f"{_ARGUMENT_SCHEMA}, {_TAIL_SCHEMA}")
 _TAIL = 3  # the ops' arguments after the call's: seed, config, strict
 
 
-def config_to_list(config: AttentionConfig | None) -> list[int]:
-    """The op's flat form of a config ([] for none: the op dispatches when it runs): per kernel, the index of its
+def config_to_list(config: AttentionConfig | None) -> list[int] | None:
+    """The op's flat form of a config (None for none: the op dispatches when it runs): per kernel, the index of its
     config's class in _CONFIG_KINDS, then the config's fields."""
     if config is None:
-        return []
+        return None
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(f"config: expected a fatune.AttentionConfig or None, got {type(config).__name__}")
     values = []
     for name in KERNELS:
         launch = getattr(config, name)
-        values += [_CONFIG_KINDS.index(type(launch)), *dataclasses.astuple(launch)]
+        kind = next(i for i, kind in enumerate(_CONFIG_KINDS) if isinstance(launch, kind))
+        values += [kind, *dataclasses.astuple(launch)]
     return values
 
 
-def config_from_list(values: list[int]) -> AttentionConfig | None:
+def config_from_list(values: list[int] | None) -> AttentionConfig | None:
+    """The config of an op's flat form (config_to_list; an op's argument: untrusted, checked as config_to_list
+    writes it). Three LaunchConfigs' fields without their classes (what the op took before configs named their
+    class: a saved exported program's, say) are read as such."""
     if not values:
         return None
     launches, at = [], 0
     for _ in KERNELS:
-        kind = _CONFIG_KINDS[values[at]]
-        size = len(dataclasses.fields(kind))
-        launches.append(kind(*values[at + 1:at + 1 + size]))
+        kind = values[at] if at < len(values) else None
+        if type(kind) is not int or not 0 <= kind < len(_CONFIG_KINDS):
+            break
+        size = len(dataclasses.fields(_CONFIG_KINDS[kind]))
+        if at + 1 + size > len(values):
+            break
+        launches.append(_CONFIG_KINDS[kind](*values[at + 1:at + 1 + size]))
         at += 1 + size
-    return AttentionConfig(*launches)
+    else:
+        if at == len(values):
+            return AttentionConfig(*launches)
+    size = len(dataclasses.fields(LaunchConfig))
+    if len(values) == len(KERNELS) * size:  # the untagged form
+        return AttentionConfig(*(LaunchConfig(*values[i:i + size]) for i in range(0, len(values), size)))
+    raise ValueError(f"config: expected a launch config list as fatune.ops.config_to_list writes it, got "
+                     f"{len(values)} values starting {list(values[:4])}")
 
 
 def _call(arguments: tuple) -> Call:
@@ -171,10 +187,10 @@ def _attention(q, k, v, *rest):
     """fatune::attention, composed of the ops or of an SDPA backend's: the output. Traced, the route is decided
     for the trace (fatune.runtime.plans.traced_route); on tensors with data (an exported program's call), as an
     eager call's: by its plan."""
-    *arguments, seed, config, strict, _ = rest
+    *arguments, seed, config, strict, state = rest
     call = _call(arguments)
     if _traced(q):
-        routed = plans.traced_route(q, k, v, call, config_from_list(config), strict)
+        routed = plans.traced_route(q, k, v, call, config_from_list(config), strict, state)
         if routed is not None:
             backend, how, layout = routed
             try:
@@ -193,19 +209,19 @@ def _attention(q, k, v, *rest):
     return attention_forward(q, k, v, *rest[:-1])[0]
 
 
-# `tuned`: the tuned DBs' state when the call was traced (Dispatcher.state), an argument so that it is part of the
-# traced graph, and so of the key under which torch.compile caches the graph on disk: a process whose DBs differ
-# traces the call again instead of loading another's route
+# `state`: what the route depends on besides the call when it was traced (plans.traced_state), an argument so
+# that it is part of the traced graph, and so of the key under which torch.compile caches the graph on disk: a
+# process whose tuned DBs differ traces the call again instead of loading another's route
 _LIBRARY = torch.library.Library("fatune", "FRAGMENT")
-_LIBRARY.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGUMENT_SCHEMA}, Tensor? seed, int[] config, "
-                f"bool? strict, str tuned) -> Tensor")
+_LIBRARY.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGUMENT_SCHEMA}, Tensor? seed, int[]? config, "
+                f"bool? strict, str state) -> Tensor")
 _LIBRARY.impl("attention", _attention, "CompositeImplicitAutograd")
 
 
 @torch.compiler.assume_constant_result
-def _tuned_state() -> str:
-    """The tuned DBs' state, read once while torch.compile traces a call (a constant of the graph)."""
-    return dispatcher().state()
+def _traced_state() -> str:
+    """plans.traced_state, read once while torch.compile traces a call (a constant of the graph)."""
+    return plans.traced_state()
 
 
 def _sequence_pairs(q: Tensor, k: Tensor, call: Call) -> int:
@@ -251,6 +267,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: Call, config: AttentionConf
     arguments = call._replace(dropout_p=float(call.dropout_p), scale=None if call.scale is None else float(call.scale),
                               window_size=window)
     if traced:
-        return torch.ops.fatune.attention(q, k, v, *arguments, seed, config_to_list(config), strict, _tuned_state())
+        return torch.ops.fatune.attention(q, k, v, *arguments, seed, config_to_list(config), strict, _traced_state())
     out, _, _ = attention_forward(q, k, v, *arguments, seed, config_to_list(config), strict)
     return out

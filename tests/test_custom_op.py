@@ -6,6 +6,7 @@ nothing may rely on caches an eager call would have filled.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -137,6 +138,31 @@ def test_prepare_mask_inside_a_compiled_function_on_cpu():
 ])
 def test_a_config_passes_through_the_ops_argument_list_unchanged(config):
     assert config_from_list(config_to_list(config)) == config
+
+
+def test_a_config_list_without_classes_is_read_as_three_triton_configs():
+    """The form the op took before configs named their class (a saved exported program's)."""
+    untagged = [value for launch in (INTERPRETER_CONFIG.fwd, INTERPRETER_CONFIG.dkdv, INTERPRETER_CONFIG.dq)
+                for value in dataclasses.astuple(launch)]
+    assert config_from_list(untagged) == INTERPRETER_CONFIG
+
+
+@pytest.mark.parametrize("values", [[7], [2**62] * 3, [0], [-1, 1, 2], [True] + [16] * 11,
+                                    config_to_list(INTERPRETER_CONFIG)[:-1], config_to_list(INTERPRETER_CONFIG) + [1]])
+def test_a_crafted_config_list_is_refused_by_name(values):
+    """The op's config argument is untrusted: a list config_to_list would not write raises a ValueError naming it."""
+    with pytest.raises(ValueError, match="config"):
+        config_from_list(values)
+
+
+def test_a_config_of_a_subclass_passes_and_anything_else_is_refused_by_name():
+    class Tuned(type(INTERPRETER_CONFIG.fwd)):
+        pass
+
+    config = INTERPRETER_CONFIG.replace(fwd=Tuned(*dataclasses.astuple(INTERPRETER_CONFIG.fwd)))
+    assert config_from_list(config_to_list(config)) == INTERPRETER_CONFIG
+    with pytest.raises(TypeError, match="config: expected a fatune.AttentionConfig"):
+        config_to_list({"fwd": 1})
 
 
 def _op_args(q, k, v, config=(), **arguments) -> tuple:

@@ -219,23 +219,61 @@ def test_a_call_traced_with_dynamic_sizes_says_once_that_it_loses_its_route(math
     assert len(said) == 1 and "SDPA's math backend" in said[0] and "dynamic=False" in said[0], said
 
 
-def test_a_compiled_graph_holds_the_tuned_dbs_state_it_was_traced_with(routed_db, monkeypatch):
-    """The tuned DBs' state is an argument of the traced call: torch.compile's on-disk caches, keyed by the graph,
-    do not hand a process the route another decided with other DBs."""
-    from fatune.runtime.dispatch import dispatcher
+def test_a_compiled_graph_holds_the_state_it_was_traced_with(routed_db, monkeypatch):
+    """What a route depends on besides the call (the tuned DBs on disk, $FATUNE_STRICT) is an argument of the traced
+    call: torch.compile's on-disk caches, keyed by the graph, do not hand a process a route decided elsewhere."""
+    from fatune.runtime import plans
 
     monkeypatch.setattr(routes, "unroutable", lambda *args: None)
     monkeypatch.setitem(routes.BACKENDS, "math", SDPBackend.MATH)
     routed_db("math")
-    before = dispatcher().state()
+    before = plans.traced_state()
     graphs = []
     torch._dynamo.reset()
     step = torch.compile(lambda q, k, v: fatune.attention(q, k, v, is_causal=True), fullgraph=True,
                          backend=lambda graph, example_inputs: graphs.append(graph.code) or graph.forward)
     step(*inputs())
-    assert before and repr(before) in graphs[0]
+    assert repr(before) in graphs[0]
+    monkeypatch.setenv("FATUNE_STRICT", "1")
+    assert plans.traced_state() != before
+    monkeypatch.delenv("FATUNE_STRICT")
     routed_db("math")  # another DB
-    assert dispatcher().state() != before
+    assert plans.traced_state() != before
+
+
+def test_a_route_traced_now_reads_the_tuned_db_as_it_is_now(math_route, tmp_path, monkeypatch):
+    """A process that decided a call eagerly keeps that decision (the dispatcher's memo), but a call traced after
+    its DB changed reads the DB afresh: the graph, cached under the new DB's state, holds the new DB's decision."""
+    from fatune.runtime.dispatch import dispatcher
+
+    q, k, v = inputs()
+    assert fatune.explain(q, k, v, is_causal=True).backend == "sdpa-math"
+    from fatune.db.store import TunedDB
+
+    with TunedDB(dispatcher().user_db) as db:  # the entry, re-timed: no route
+        db.upsert(make_entry(gpu=GPU, capability=CAPABILITY, dtype="float16", head_dim=32, head_dim_v=32,
+                             seqlen_q_bucket=64, seqlen_k_bucket=64, sdpa_backend="", sdpa_ms=math.nan),
+                  keep_faster=False)
+    step, graphs = compiled_graphs(lambda q, k, v: fatune.attention(q, k, v, is_causal=True))
+    step(q, k, v).sum().backward()
+    assert all("fatune" in code for code in graphs)
+
+
+def test_a_graph_traced_with_another_state_takes_no_route(math_route):
+    """A traced call whose state argument is not this process's (an exported program's, traced elsewhere) runs
+    fatune's ops, which decide when they run."""
+    from fatune import ops
+
+    q, k, v = inputs()
+    arguments = [*fatune.call.Call(is_causal=True)._replace(window_size=[-1, -1])]
+    step, graphs = compiled_graphs(lambda q, k, v: torch.ops.fatune.attention(q, k, v, *arguments, None, None, None,
+                                                                              "another state"))
+    step(q, k, v)
+    assert "fatune.attention_forward" in graphs[0]
+    step, graphs = compiled_graphs(lambda q, k, v: torch.ops.fatune.attention(q, k, v, *arguments, None, None, None,
+                                                                              ops._traced_state()))
+    step(q, k, v)
+    assert "fatune" not in graphs[0]
 
 
 def test_strict_mode_is_kept_where_a_compiled_call_could_take_a_route(routed_db, monkeypatch, tmp_path):
@@ -282,6 +320,18 @@ def test_fake_gpu_tensors_on_a_host_without_one_give_the_outputs_sizes(routed_db
         q = torch.empty(1, 2, 48, 32, dtype=torch.float16, device="cuda")
         out = fatune.attention(q, q, q, is_causal=True)
     assert out.shape == q.shape and out.device.type == "cuda"
+
+
+def test_the_questions_a_traced_route_asks_are_not_recorded(math_route):
+    """make_fx records what a traced call computes, not what deciding its route asked of SDPA: an AOTInductor
+    package would replay those questions and expect their answers."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (t.detach() for t in inputs())
+    graph = make_fx(lambda q, k, v: fatune.attention(q, k, v, is_causal=True), tracing_mode="fake")(q, k, v)
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert any("scaled_dot_product" in target for target in targets), targets
+    assert not any("fused_sdp_choice" in target or "fatune" in target for target in targets), targets
 
 
 def test_an_exported_program_routes_each_call_by_its_plan(math_route, monkeypatch):

@@ -89,7 +89,9 @@ class Dispatcher:
         self._lock = threading.Lock()
 
     def decide(self, problem: AttentionProblem, device: torch.device, config: AttentionConfig | None = None,
-               strict: bool = False) -> Decision:
+               strict: bool = False, fresh: bool = False) -> Decision:
+        """The decision for `problem` on `device`, memoised per call key (`fresh`: read from the DBs as they are now,
+        neither from nor into the memo, which keeps what the process saw first)."""
         if config is not None:
             if not isinstance(config, AttentionConfig):
                 raise TypeError(f"config: expected a fatune.AttentionConfig or None, got {type(config).__name__}")
@@ -99,7 +101,8 @@ class Dispatcher:
         # built-in config on which kernels it takes (batch, heads, exact lengths), which its key does not say
         key = (device, call, decode_shares(problem, sm_count(device)),
                builtin_choice(problem, device_arch(device), sm_count(device)))
-        found = self._memo.get(key)
+        found = self._lookup(problem, *device_identity(device), device_arch(device), sm_count(device)) if fresh \
+            else self._memo.get(key)
         if found is None:
             with self._lock:
                 found = self._memo.get(key)
@@ -168,9 +171,10 @@ class Dispatcher:
                 for name in (str(path), f"{path}-wal"):
                     try:
                         stat = os.stat(name)
-                        files.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}")
                     except (OSError, ValueError):
-                        files.append(f"{name}:-")
+                        stat = None
+                    # (an empty log, which a reader may create, says what no log says)
+                    files.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}" if stat and stat.st_size else f"{name}:-")
         return "|".join(files)
 
     @staticmethod

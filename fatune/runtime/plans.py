@@ -11,11 +11,14 @@ except under torch.compile and CUDA-graph capture, where the kernels clamp them.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fatune.call import Call, alignment_key, check_contents, check_flag, contents_readable, plan_key
@@ -213,49 +216,71 @@ def _build(query, key, value, call: Call, config: AttentionConfig | None, strict
                     out_layout=routes.output_layout(query, value) if route else ())
 
 
-def traced_route(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None) -> tuple | None:
+def traced_state() -> str:
+    """What a route decided while tracing depends on besides the call (the tuned DBs on disk, $FATUNE_STRICT,
+    fatune's version), as a short digest: an argument of the traced call (fatune.ops), so that torch.compile's
+    on-disk caches, keyed by the graph, hand no process a route that its own state would not take."""
+    from fatune import __version__
+
+    state = f"{__version__}|{strict_from_env()}|{dispatcher().state()}"
+    return hashlib.sha256(state.encode()).hexdigest()[:16]
+
+
+def traced_route(query, key, value, call: Call, config: AttentionConfig | None, strict: bool | None,
+                 state: str) -> tuple | None:
     """(backend, paths, output layout) of the SDPA backend a call traced by torch.compile or torch.export runs on
-    instead of fatune's ops (fatune.runtime.routes), decided while tracing: the traced graph calls the backend as
-    an eager routed call would. Only for sizes and strides the trace holds fixed: with symbolic ones (dynamic
-    shapes) the decision would hold for every size, and fatune's ops decide per call when they run. None: no route
-    (a config argument, a call with optional tensors, autocast or deterministic algorithms on, no queries or keys,
-    no tuned entry that routes, a backend that does not take these tensors; anything amiss, such as arguments the
-    ops will refuse or a strict call without its tuned entry: the ops say so when the graph runs, as before)."""
+    instead of fatune's ops (fatune.runtime.routes), decided while tracing from the tuned DBs as they are now:
+    the traced graph calls the backend as an eager routed call would. Only for sizes and strides the trace holds
+    fixed: with symbolic ones (dynamic shapes) the decision would hold for every size, and fatune's ops decide per
+    call when they run; and only where `state` is this process's traced_state() (a graph traced elsewhere or
+    earlier, an exported program's say, says what another state decided). None: no route (a config argument,
+    a call with optional tensors, autocast or deterministic algorithms on, no queries or keys, no tuned entry
+    that routes, a backend that does not take these tensors; anything amiss, such as arguments the ops will
+    refuse or a strict call without its tuned entry: the ops say so when the graph runs, as before)."""
     if config is not None or call.extras != NO_EXTRAS or not routes.taken(False, query, key, value):
         return None
-    if not all(is_concrete_int(size) for t in (query, key, value) for size in (*t.shape, *t.stride())):
-        _say_if_dynamic_sizes_lose_a_route(query, key, value, call)
-        return None
-    try:
-        problem = call.check(query, key, value)
-        if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
+    # the questions asked of these tensors are not the graph's: make_fx would record them
+    with disable_proxy_modes_tracing():
+        if not all(is_concrete_int(size) for t in (query, key, value) for size in (*t.shape, *t.stride())):
+            _say_if_dynamic_sizes_lose_a_route(query, key, value, call)
             return None
-        decision = dispatcher().decide(problem, query.device, None, strict_mode(strict))
-        backend = routes.choose(decision.route, problem, query, key, value)
-        if not backend:
+        try:
+            if state != traced_state():
+                return None
+            problem = call.check(query, key, value)
+            if problem.seqlen_q == 0 or problem.batch == 0 or problem.heads == 0 or problem.max_seqlen_k == 0:
+                return None
+            decision = dispatcher().decide(problem, query.device, None, strict_mode(strict), fresh=True)
+            backend = routes.choose(decision.route, problem, query, key, value)
+            if not backend:
+                return None
+            return backend, routes.paths(backend, problem, query, key, value), routes.output_layout(query, value)
+        except Exception:  # noqa: BLE001 - (a fake tensor on a GPU this host lacks, say) fatune's ops run, as before
             return None
-        return backend, routes.paths(backend, problem, query, key, value), routes.output_layout(query, value)
-    except Exception:  # noqa: BLE001 - (a fake tensor on a GPU this host lacks, say) fatune's ops run, as before
-        return None
 
 
 def _say_if_dynamic_sizes_lose_a_route(query, key, value, call: Call) -> None:
-    """One log line where a call traced with symbolic sizes would have been routed at the sizes of the example it
-    was traced with: fatune's kernels run it at every size."""
+    """One log line where torch.compile traced a call with symbolic sizes that would have been routed at the sizes
+    of the example it was traced with: fatune's kernels run it at every size."""
+    fake_mode = detect_fake_mode((query,))
+    if fake_mode is None or not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return
     try:
         def hint(size):
             return size if is_concrete_int(size) else size.node.hint  # (None for a size no example gave)
 
-        examples = [torch.empty_strided([hint(n) for n in t.shape], [hint(n) for n in t.stride()], dtype=t.dtype,
-                                        device="meta") for t in (query, key, value)]
-        decision = dispatcher().decide(call.check(*examples), query.device)
+        with fake_mode:  # the example's sizes, on the tensors' device
+            examples = [torch.empty_strided([hint(n) for n in t.shape], [hint(n) for n in t.stride()],
+                                            dtype=t.dtype, device=t.device) for t in (query, key, value)]
+        problem = call.check(*examples)
+        decision = dispatcher().decide(problem, query.device)
+        if not decision.route or routes.unroutable(decision.route, problem, *examples) is not None:
+            return
     except Exception:  # noqa: BLE001 - a hint is all this is
         return
-    if decision.route:
-        warn_once(f"fatune: torch.compile traced a call with dynamic sizes, which runs fatune's kernels at every "
-                  f"size; a tuned entry routes calls of the sizes it was traced with to torch SDPA's "
-                  f"{decision.route} backend, measured {decision.margin:.2f}x faster. torch.compile(dynamic=False) "
-                  f"keeps the routes")
+    warn_once(f"fatune: torch.compile traced a call with dynamic sizes, which runs fatune's kernels at every size; "
+              f"a tuned entry routes calls of the sizes it was traced with to torch SDPA's {decision.route} backend, "
+              f"measured {decision.margin:.2f}x faster. torch.compile(dynamic=False) keeps the routes")
 
 
 def run_route(prepared: Prepared, query, key, value, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor | None:
