@@ -49,6 +49,21 @@ def test_flex_compiles_afresh_per_shape(monkeypatch):
     assert len(resets) == 2
 
 
+def test_a_compiled_run_times_each_implementation_through_torch_compile(tmp_path, monkeypatch):
+    """--compile: every implementation runs through torch.compile with its sizes fixed, traced afresh per shape;
+    fatune-kernels' configs are looked up before (explain is not traced)."""
+    use_dispatcher(monkeypatch, Dispatcher(user_db=tmp_path / "none.sqlite", shipped=[]))
+    compiled, resets = [], []
+    real_compile, real_reset = torch.compile, torch._dynamo.reset
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compiled.append(options) or real_compile(fn, **options))
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1) or real_reset())
+    rows = bench.bench_shape(SHAPE, ["fatune", "fatune-kernels", "sdpa-math"], warmup_ms=1, rep_ms=1,
+                             device=torch.device("cpu"), compile="aot_eager")
+    assert [row.error for row in rows] == ["", "", ""] and all(row.fwd_bwd_ms > 0 for row in rows)
+    assert compiled == [{"fullgraph": True, "dynamic": False, "backend": "aot_eager"}] * 3 and resets == [1]
+    assert rows[1].max_abs_diff < 2e-3
+
+
 def rows_of_two_impls() -> list[bench.BenchRow]:
     shapes = [SHAPE, SHAPE.with_(seqlen_q=80, seqlen_k=80)]
     return [bench.BenchRow(shape, impl, 1.0, 2.0, ms, 0.5, 2**20, 0.0) for shape in shapes
@@ -142,6 +157,8 @@ def test_the_cli_keeps_its_aliases_and_checks_each_suites_options():
     assert invoke("--overhead", "--suite", "dense", "--dry-run").exit_code == 2
     assert invoke("--inference", "--overhead", "--dry-run").exit_code == 2
     assert invoke("--part", "grid", "--dry-run").exit_code == 2, "--part belongs to the resumable suites"
+    assert invoke("--suite", "masked", "--compile", "inductor", "--dry-run").exit_code == 2
+    assert invoke("--compile", "inductor", "--dry-run").exit_code == 0
     assert invoke("--suite", "tuning-gain", "--part", "grid", "--dry-run").exit_code == 2
     listed = invoke("--suite", "tuning-gain", "--part", "gain", "--shapes", "1", "--dry-run")
     assert listed.exit_code == 0 and len(listed.stdout.splitlines()) == 1 and listed.stdout.startswith("gain ")

@@ -15,6 +15,10 @@ Also per row: tokens/s of the step, the step's peak extra memory, the output's l
 SDPA's default backend, and for fatune where its configs came from (`fatune.explain`). Per shape, fatune's
 forward+backward TFLOP/s over each competitor's; their geometric means over the grid summarise a run.
 
+With `compile` (fatune bench --compile inductor) each implementation but Flex, which compiles its own, is timed
+through torch.compile(fullgraph=True, dynamic=False), traced afresh per shape: the step a compiled model runs,
+where fatune's calls take their routes as traced (fatune.ops).
+
 In Triton's interpreter (`--interpret`) the same code runs on the CPU with wall-clock timings (a smoke run).
 """
 
@@ -108,16 +112,26 @@ def _fatune_config(name: str, shape: Shape, device: torch.device):
     return config.replace(fwd=dataclasses.replace(config.fwd, num_splits=1, pack_gqa=0))
 
 
-def fatune_impl(name: str, shape: Shape, device: torch.device | str = "cuda") -> Attention:
+def fatune_impl(name: str, shape: Shape, device: torch.device | str = "cuda",
+                inputs: dict[str, torch.Tensor] | None = None) -> Attention:
+    """The call an implementation named in FATUNE_IMPLS times. fatune-kernels passes the configs the dispatcher
+    picks as an argument (never routed), looked up on `inputs` (else on its first call's)."""
     config = _fatune_config(name, shape, torch.device(device))
     kwargs = shape.attention_kwargs(device)
     if name == "fatune-kernels":
-        decided = []  # the configs the dispatcher picks, passed as an argument (never routed), looked up once
+        decided = []
+
+        def decide(q, k, v) -> None:
+            decision = fatune.explain(q, k, v, **kwargs).decision
+            decided.append(decision.config if decision else None)
+
+        if inputs is not None:
+            decide(inputs["q"], inputs["k"], inputs["v"])
 
         def kernels(q, k, v):
             if not decided:
-                decided.append(fatune.explain(q, k, v, **kwargs).decision)
-            return fatune.attention(q, k, v, config=decided[0].config if decided[0] else None, **kwargs)
+                decide(q, k, v)
+            return fatune.attention(q, k, v, config=decided[0], **kwargs)
 
         return kernels
     return lambda q, k, v: fatune.attention(q, k, v, config=config, **kwargs)
@@ -139,16 +153,23 @@ def fatune_note(name: str, shape: Shape, inputs: dict[str, torch.Tensor]) -> str
 
 
 def bench_shape(shape: Shape, impls: Iterable[str], warmup_ms: float = 25, rep_ms: float = 100,
-                seed: int = 0, device: torch.device | None = None) -> list[BenchRow]:
-    """Time every implementation on one shape, on the same inputs."""
+                seed: int = 0, device: torch.device | None = None, compile: str | None = None) -> list[BenchRow]:
+    """Time every implementation on one shape, on the same inputs (`compile`: through torch.compile with that
+    backend)."""
     device = device or bench_device()
     inputs = make_inputs(shape, device, seed)
     impls = list(impls)
-    runners: dict[str, Attention] = {name: fatune_impl(name, shape, device) for name in impls if name in FATUNE_IMPLS}
+    runners: dict[str, Attention] = {name: fatune_impl(name, shape, device, inputs) for name in impls
+                                     if name in FATUNE_IMPLS}
     others = tuple(name.removeprefix("sdpa-") for name in impls if name not in FATUNE_IMPLS)
     if device.type != "cuda":  # Flex is compiled for the GPU
         others = tuple(name for name in others if name != "flex")
     runners.update(competitors(shape, others))
+    if compile:
+        torch._dynamo.reset()  # each shape traced with its own sizes fixed (past dynamo's recompile limit: eager)
+        runners = {name: runner if name == "flex" else
+                   torch.compile(runner, fullgraph=True, dynamic=False, backend=compile)
+                   for name, runner in runners.items()}
     with torch.no_grad():
         reference = sdpa_default(shape)(inputs["q"], inputs["k"], inputs["v"]).float()
     rows = []
@@ -269,10 +290,11 @@ def report(rows: list[BenchRow], suite: str = NAME, plot: PlotSpec | None = PLOT
 
 
 def run(shapes: list[Shape], impls: Iterable[str], warmup_ms: float = 25, rep_ms: float = 100,
-        each: Callable[[list[Shape]], Iterable[Shape]] = iter) -> Report:
-    """Time `impls` on every shape (`each`: how the shapes are walked, e.g. under a progress bar)."""
+        each: Callable[[list[Shape]], Iterable[Shape]] = iter, compile: str | None = None) -> Report:
+    """Time `impls` on every shape (`each`: how the shapes are walked, e.g. under a progress bar; `compile`: a
+    torch.compile backend each implementation runs through)."""
     device = bench_device()
     rows: list[BenchRow] = []
     for shape in each(shapes):
-        rows += bench_shape(shape, impls, warmup_ms, rep_ms, device=device)
+        rows += bench_shape(shape, impls, warmup_ms, rep_ms, device=device, compile=compile)
     return report(rows)

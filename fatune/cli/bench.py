@@ -133,14 +133,17 @@ def _ints_or_none(ctx: click.Context, param: click.Parameter, value: str | None)
               help="Folder for results.json, results.csv, bench.md and bench.png (default: bench-results/SUITE).")
 @click.option("--inference", is_flag=True, help="Deprecated: --suite inference.")
 @click.option("--overhead", is_flag=True, help="Deprecated: --suite overhead.")
+@click.option("--compile", "compile_backend", type=click.Choice(["inductor", "aot_eager"]), default=None,
+              help="dense: time each implementation through torch.compile(fullgraph=True, dynamic=False) with this "
+                   "backend, traced afresh per shape (what a compiled model runs; aot_eager: a CPU smoke run).")
 @click.option("--interpret", is_flag=True,
               help="Run in Triton's interpreter on the CPU (a smoke run: tiny shapes, wall-clock timings that mean "
                    "nothing; overhead: fatune's own host cost with no-op launches).")
 @click.option("--dry-run", is_flag=True, help="List what the run would time, and stop (no GPU needed).")
 def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, valid_keys, documents, tokens,
           model_dim, only, warmup_ms, rep_ms, calls, rounds, part, shape_indices, trials, seeds, sampler,
-          checkpoints, kernels, regrid, compile_workers, db_path, merge, output, inference, overhead, interpret,
-          dry_run) -> None:
+          checkpoints, kernels, regrid, compile_workers, db_path, merge, output, inference, overhead, compile_backend,
+          interpret, dry_run) -> None:
     """Measure fatune beside torch SDPA (each backend forced) and FlexAttention: one suite per run, the same
     result files for all.
 
@@ -149,6 +152,7 @@ def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, v
     \b
         fatune bench --head-dims 128 --lengths 4096,16384 --causal yes -o results/
         fatune bench --head-dims 128 --lengths 8192 --mask window --window 1024 --impls fatune,flex
+        fatune bench --head-dims 64,128 --compile inductor --impls fatune,fatune-kernels,sdpa-cudnn
         fatune bench --suite masked --lengths 2048,8192 --only "window,packed"
         fatune bench --suite inference -o results/inference
         fatune bench --suite overhead --rounds 15
@@ -161,6 +165,8 @@ def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, v
     suite = suite or (aliases[0] if aliases else "dense")
     if aliases:
         click.echo(f"--{suite} is deprecated: use --suite {suite}", err=True)
+    if compile_backend and suite != "dense":
+        raise click.UsageError("--compile belongs to --suite dense")
     if part is not None and suite not in RESUMABLE:
         raise click.UsageError("--part belongs to --suite search-quality or tuning-gain")
     if suite in RESUMABLE:
@@ -202,7 +208,8 @@ def bench(suite, head_dims, lengths, causal, dtypes, impls, gqa, mask, window, v
     if interpret:
         click.echo("Triton interpreter: the timings below are NOT meaningful (CPU emulation).", err=True)
     report = _run(suite, planned, impls, warmup_ms, rep_ms, calls, rounds, part, shape_indices, trials, seeds,
-                  sampler, checkpoints, kernels, regrid, compile_workers, db_path, merge, output, interpret)
+                  sampler, checkpoints, kernels, regrid, compile_workers, db_path, merge, output, interpret,
+                  compile_backend)
     from fatune.bench import results
 
     env = results.environment(ctx.meta.get(ARGV), "cpu" if interpret else None)
@@ -269,13 +276,14 @@ def _listing(suite: str, planned: list, part: str | None, indices: list[int], in
 
 
 def _run(suite, planned, impls, warmup_ms, rep_ms, calls, rounds, part, indices, trials, seeds, sampler,
-         checkpoints, kernels, regrid, compile_workers, db_path, merge, output, interpret):
+         checkpoints, kernels, regrid, compile_workers, db_path, merge, output, interpret, compile_backend=None):
     """Run the suite; its Report."""
     if suite == "dense":
         from fatune.bench import dense
 
         with click.progressbar(planned, label="bench", item_show_func=lambda s: s.label() if s else "") as bar:
-            return dense.run(planned, impls or dense.DEFAULT_IMPLS, warmup_ms, rep_ms, each=lambda _: bar)
+            return dense.run(planned, impls or dense.DEFAULT_IMPLS, warmup_ms, rep_ms, each=lambda _: bar,
+                             compile=compile_backend)
     if suite == "masked":
         from fatune.bench import masked
 
